@@ -1,0 +1,366 @@
+"""infiniband collector: InfiniBand and RoCE ports from /sys/class/infiniband, read each scrape.
+
+Formats and sources: shared reference FORMATS.md §1 (kernel drivers/infiniband/core/sysfs.c).
+The unit of failure is a single value: a file that cannot be read or parsed ("N/A (no PMA)",
+EINVAL, EACCES, EOPNOTSUPP, garbage, a device unplugged mid-scrape) costs that value alone.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from prometheus_client.core import Metric
+
+from collectors.tables import load
+from exporter import rdma
+from exporter.collector import Collector, Families, MetricSpec
+from exporter.config import Field
+from exporter.sysfs import parse_int, parse_uint
+
+BYTES_PER_GBIT = 125_000_000
+STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
+PHYS_STATES = {1: "Sleep", 2: "Polling", 3: "Disabled", 4: "PortConfigurationTraining",
+               5: "LinkUp", 6: "LinkErrorRecovery", 7: "Phy Test"}
+ACTIVE = (4, 5)
+# "%d%s Gb/sec (%dX%s)": rate, lanes, optional speed name (absent on old kernels for SDR).
+_RATE = re.compile(r"^(\d+(?:\.5)?) Gb/sec \((\d+)X(?: (\w+))?\)$")
+
+
+@dataclass(frozen=True)
+class Rate:
+    gbps: float
+    lanes: int
+    speed: str
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.gbps * BYTES_PER_GBIT
+
+    @property
+    def lane_bytes_per_second(self) -> float:
+        return self.bytes_per_second / self.lanes
+
+
+def parse_rate(text: str) -> Rate | None:
+    """Parse a ``rate`` file, e.g. "400 Gb/sec (4X NDR)" or the old "10 Gb/sec (4X)"."""
+    m = _RATE.match(text)
+    if not m or int(m.group(2)) == 0:
+        return None
+    return Rate(float(m.group(1)), int(m.group(2)), m.group(3) or "SDR")
+
+
+def parse_state(text: str) -> int | None:
+    """The numeric id of a ``state``/``phys_state`` file ("4: ACTIVE"), split on the first ':'."""
+    head, sep, _ = text.partition(":")
+    return parse_int(head.strip()) if sep else None
+
+
+@dataclass(frozen=True)
+class CounterDef:
+    metric: str
+    width: str
+    scale: int
+
+
+def _counter_table() -> tuple[dict[str, CounterDef], dict[str, MetricSpec]]:
+    defs: dict[str, CounterDef] = {}
+    specs: dict[str, MetricSpec] = {}
+    for row in load("infiniband_counters.csv"):
+        defs[row["file"]] = CounterDef(row["metric"], row["width"], int(row["scale"]))
+        if row["metric"] not in specs:  # the counters/ row carries the help text
+            specs[row["metric"]] = MetricSpec(
+                f"gpunet_infiniband_port_{row['metric']}_total", "counter", row["help"],
+                ("device", "port"), row["unit"],
+                f"/sys/class/infiniband/<device>/ports/<port>/counters/{row['file']}"
+                + (" (x4)" if row["scale"] == "4" else "")
+                + " or counters_ext/ on kernels before 4.5")
+    return defs, specs
+
+
+def _hw_table() -> tuple[dict[str, str], dict[str, MetricSpec], dict[str, MetricSpec]]:
+    names: dict[str, str] = {}
+    port: dict[str, MetricSpec] = {}
+    device: dict[str, MetricSpec] = {}
+    for row in load("infiniband_hw_counters.csv"):
+        names[row["file"]] = row["metric"]
+        if row["metric"] == "-":
+            continue
+        port[row["file"]] = MetricSpec(
+            f"gpunet_infiniband_port_hw_{row['metric']}_total", "counter", row["help"],
+            ("device", "port"), row["unit"],
+            f"/sys/class/infiniband/<device>/ports/<port>/hw_counters/{row['file']}")
+        device[row["file"]] = MetricSpec(
+            f"gpunet_infiniband_device_hw_{row['metric']}_total", "counter",
+            row["help"] + " (device-level counter set)", ("device",), row["unit"],
+            f"/sys/class/infiniband/<device>/hw_counters/{row['file']}")
+    return names, port, device
+
+
+COUNTERS, COUNTER_SPECS = _counter_table()
+HW_NAMES, HW_PORT_SPECS, HW_DEVICE_SPECS = _hw_table()
+
+_P = ("device", "port")
+DEVICE_INFO = MetricSpec(
+    "gpunet_infiniband_device_info", "gauge",
+    "Always 1; static attributes of an RDMA device in labels "
+    "(numa_node -1: the platform gives none)",
+    ("device", "fw_ver", "hca_type", "board_id", "node_guid", "pci_address", "numa_node"), "",
+    "/sys/class/infiniband/<device>/{fw_ver,hca_type,board_id,node_guid}, device -> PCI function, "
+    "device/numa_node")
+PORT_INFO = MetricSpec(
+    "gpunet_infiniband_port_info", "gauge",
+    "Always 1; link layer (InfiniBand or Ethernet for RoCE) and the netdev behind the port",
+    ("device", "port", "link_layer", "netdev"), "",
+    "ports/<port>/link_layer; netdev from ports/<port>/gid_attrs/ndevs/<idx> or device/net/")
+STATE = MetricSpec(
+    "gpunet_infiniband_port_state_id", "gauge",
+    "Logical port state: " + ", ".join(f"{k} {v}" for k, v in STATES.items()), _P, "enum",
+    "/sys/class/infiniband/<device>/ports/<port>/state")
+PHYS_STATE = MetricSpec(
+    "gpunet_infiniband_port_phys_state_id", "gauge",
+    "Physical port state: " + ", ".join(f"{k} {v}" for k, v in PHYS_STATES.items()), _P, "enum",
+    "/sys/class/infiniband/<device>/ports/<port>/phys_state")
+RATE = MetricSpec(
+    "gpunet_infiniband_port_rate_bytes_per_second", "gauge",
+    "Active data rate of the port (Gb/s x 125000000)", _P, "bytes per second",
+    "/sys/class/infiniband/<device>/ports/<port>/rate")
+WIDTH = MetricSpec(
+    "gpunet_infiniband_port_link_width_lanes", "gauge",
+    "Active link width in lanes (the NX of the rate string)", _P, "lanes",
+    "/sys/class/infiniband/<device>/ports/<port>/rate")
+LANE_SPEED = MetricSpec(
+    "gpunet_infiniband_port_lane_speed_bytes_per_second", "gauge",
+    "Data rate per lane (SDR 2.5, DDR 5, QDR/FDR10 10, FDR 14, EDR 25, HDR 50, NDR 100, "
+    "XDR 200 Gb/s)", _P, "bytes per second", "/sys/class/infiniband/<device>/ports/<port>/rate")
+RATE_EXPECTED = MetricSpec(
+    "gpunet_infiniband_port_rate_expected_bytes_per_second", "gauge",
+    "Rate an active port should run at: the first matching infiniband.expected_rate rule of the "
+    "config, or without one the fastest active port of the same hca_type and link_layer on "
+    "this node", _P, "bytes per second", "config file, or derived from the rate files")
+RATE_DEGRADED = MetricSpec(
+    "gpunet_infiniband_port_rate_degraded", "gauge",
+    "1 when an active port runs below its expected rate, else 0 (RoCE ports are judged by the "
+    "netdev speed when known, since some drivers print a bogus rate)", _P, "boolean",
+    "ports/<port>/rate, /sys/class/net/<netdev>/speed")
+SATURATED = MetricSpec(
+    "gpunet_infiniband_counter_saturated", "gauge",
+    "1 when a standard PMA counter narrower than 64 bits sits at its maximum value (IBA counters "
+    "stick instead of wrapping; its rate then reads 0), else 0", ("device", "port", "counter"),
+    "boolean", "/sys/class/infiniband/<device>/ports/<port>/counters/<counter>")
+PORT_COUNTER = MetricSpec(
+    "gpunet_infiniband_port_counter_total", "counter",
+    "A counters/ file this exporter has no curated name for, by file name", (*_P, "counter"),
+    "as the kernel counts it", "/sys/class/infiniband/<device>/ports/<port>/counters/<counter>")
+PORT_HW_COUNTER = MetricSpec(
+    "gpunet_infiniband_port_hw_counter_total", "counter",
+    "A hw_counters/ file this exporter has no curated name for (new driver or firmware "
+    "counters), by file name", (*_P, "counter"), "as the driver counts it",
+    "/sys/class/infiniband/<device>/ports/<port>/hw_counters/<counter>")
+DEVICE_HW_COUNTER = MetricSpec(
+    "gpunet_infiniband_device_hw_counter_total", "counter",
+    "A device-level hw_counters/ file this exporter has no curated name for, by file name",
+    ("device", "counter"), "as the driver counts it",
+    "/sys/class/infiniband/<device>/hw_counters/<counter>")
+
+_RULE = Field("map", fields={
+    "device": Field("regex", "device names this rule applies to"),
+    "hca_type": Field("regex", "hca_type values this rule applies to (e.g. MT4129)"),
+    "link_layer": Field("str", "InfiniBand or Ethernet"),
+    "gbps": Field("number", "expected rate in Gb/s, as the rate file prints it", minimum=0,
+                  required=True),
+})
+
+
+def _errno_name(exc: OSError) -> str:
+    return errno.errorcode.get(exc.errno or 0, str(exc))
+
+
+@dataclass
+class _Active:
+    device: str
+    port: str
+    hca_type: str
+    link_layer: str
+    rate: float
+
+
+class InfinibandCollector(Collector):
+    name = "infiniband"
+    description = "InfiniBand and RoCE port state, rate, counters and hw_counters from sysfs"
+    metrics = (DEVICE_INFO, PORT_INFO, STATE, PHYS_STATE, RATE, WIDTH, LANE_SPEED, RATE_EXPECTED,
+               RATE_DEGRADED, *COUNTER_SPECS.values(), SATURATED, PORT_COUNTER,
+               *HW_PORT_SPECS.values(), PORT_HW_COUNTER, *HW_DEVICE_SPECS.values(),
+               DEVICE_HW_COUNTER)
+    config_fields: ClassVar[Mapping[str, Field]] = {
+        "device_include": Field("regex", "only devices whose name matches"),
+        "device_exclude": Field("regex", "skip devices whose name matches"),
+        "expected_rate": Field("list", "expected port rates; the first matching rule wins",
+                               item=_RULE),
+    }
+    flags: ClassVar[Mapping[str, tuple[str, str]]] = {
+        "device-include": ("device_include", "regexp of RDMA devices to include"),
+        "device-exclude": ("device_exclude", "regexp of RDMA devices to exclude"),
+    }
+
+    def collect(self) -> Iterator[Metric]:
+        cfg = self.ctx.config
+        # One collection runs at a time per collector (the core's Runner coalesces scrapes).
+        self._fams = Families()
+        names = rdma.devices(self.ctx.sysfs, cfg.get("device_include"), cfg.get("device_exclude"))
+        if not names:
+            where = self.ctx.sysfs.path(rdma.CLASS)
+            self.ctx.log_once(logging.DEBUG, "no RDMA devices under %s", where)
+        active: list[_Active] = []
+        for dev in names:
+            self._device(dev, active)
+        self._degraded(active)
+        return iter(self._fams)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _text(self, rel: str, required: bool = True) -> str | None:
+        try:
+            return self.ctx.sysfs.read(rel)
+        except OSError as exc:
+            if required:
+                self.ctx.skip(rel, _errno_name(exc))
+            return None
+
+    def _uint(self, rel: str) -> int | None:
+        text = self._text(rel)
+        if text is None:
+            return None
+        value = parse_uint(text)
+        if value is None:
+            self.ctx.skip(rel, "no PMA" if text.startswith("N/A") else f"unparseable {text[:40]!r}")
+        return value
+
+    def _listdir(self, rel: str) -> list[str]:
+        try:
+            return self.ctx.sysfs.listdir(rel)
+        except OSError:
+            return []
+
+    # -- per device and port ---------------------------------------------------------------
+
+    def _device(self, dev: str, active: list[_Active]) -> None:
+        root, base = self.ctx.sysfs, f"{rdma.CLASS}/{dev}"
+        try:
+            ports = rdma.ports(root, dev)
+        except OSError as exc:
+            if not root.exists(base):
+                self.ctx.logger.debug("device %s vanished during the scrape", dev)
+                return
+            self.ctx.skip(f"{base}/ports", _errno_name(exc))
+            ports = []
+        attrs = [self._text(f"{base}/{a}", required=False) or ""
+                 for a in ("fw_ver", "hca_type", "board_id", "node_guid")]
+        numa = self._text(f"{base}/device/numa_node", required=False) or ""
+        self._fams.add(DEVICE_INFO, [dev, *attrs, rdma.pci_address(root, dev), numa], 1)
+        self._hw(f"{base}/hw_counters", [dev], HW_DEVICE_SPECS, DEVICE_HW_COUNTER)
+        for port in ports:
+            self._port(dev, port, attrs[1], active)
+
+    def _port(self, dev: str, port: str, hca_type: str, active: list[_Active]) -> None:
+        pdir = f"{rdma.CLASS}/{dev}/ports/{port}"
+        labels = [dev, port]
+        link_layer = self._text(f"{pdir}/link_layer") or ""
+        netdev = rdma.netdev(self.ctx.sysfs, dev, port, link_layer)
+        self._fams.add(PORT_INFO, [dev, port, link_layer, netdev], 1)
+        state = None
+        for spec, fname in ((STATE, "state"), (PHYS_STATE, "phys_state")):
+            text = self._text(f"{pdir}/{fname}")
+            value = parse_state(text) if text is not None else None
+            if value is None:
+                if text is not None:
+                    self.ctx.skip(f"{pdir}/{fname}", f"unparseable {text[:40]!r}")
+                continue
+            self._fams.add(spec, labels, value)
+            if fname == "state":
+                state = value
+        rate_text = self._text(f"{pdir}/rate")
+        rate = parse_rate(rate_text) if rate_text is not None else None
+        if rate is not None:
+            self._fams.add(RATE, labels, rate.bytes_per_second)
+            self._fams.add(WIDTH, labels, rate.lanes)
+            self._fams.add(LANE_SPEED, labels, rate.lane_bytes_per_second)
+        elif rate_text is not None:
+            self.ctx.skip(f"{pdir}/rate", f"unparseable {rate_text[:40]!r}")
+        if state in ACTIVE:
+            effective = rate.bytes_per_second if rate else None
+            if link_layer == "Ethernet" and netdev:
+                speed = parse_int(self._text(f"class/net/{netdev}/speed", required=False) or "")
+                if speed and speed > 0:
+                    effective = speed * 125_000.0
+            if effective is not None:
+                active.append(_Active(dev, port, hca_type, link_layer, effective))
+        self._counters(pdir, labels)
+        self._hw(f"{pdir}/hw_counters", labels, HW_PORT_SPECS, PORT_HW_COUNTER)
+
+    def _counters(self, pdir: str, labels: list[str]) -> None:
+        values: dict[str, tuple[int, int, str]] = {}  # metric -> (value, width bits, file)
+        generic: list[tuple[str, int]] = []
+        names = self._listdir(f"{pdir}/counters")
+        extended = "unicast_xmit_packets" in names
+        for sub, files in (("counters", names), ("counters_ext", self._listdir(
+                f"{pdir}/counters_ext"))):
+            for fname in files:
+                raw = self._uint(f"{pdir}/{sub}/{fname}")
+                if raw is None:
+                    continue
+                d = COUNTERS.get(fname)
+                if d is None:
+                    generic.append((fname, raw))
+                    continue
+                width = 64 if d.width == "64" or (d.width == "32/64" and extended) else int(
+                    d.width.split("/")[0])
+                values[d.metric] = (raw * d.scale, width, fname)
+        for metric, (value, width, fname) in values.items():
+            self._fams.add(COUNTER_SPECS[metric], labels, value)
+            if width < 64:
+                self._fams.add(SATURATED, [*labels, fname], 1 if value >= (1 << width) - 1 else 0)
+        for fname, value in generic:
+            self._fams.add(PORT_COUNTER, [*labels, fname], value)
+
+    def _hw(self, hdir: str, labels: list[str], specs: Mapping[str, MetricSpec],
+            generic: MetricSpec) -> None:
+        for fname in self._listdir(hdir):
+            if HW_NAMES.get(fname) == "-":
+                continue
+            value = self._uint(f"{hdir}/{fname}")
+            if value is None:
+                continue
+            spec = specs.get(fname)
+            if spec is not None:
+                self._fams.add(spec, labels, value)
+            else:
+                self._fams.add(generic, [*labels, fname], value)
+
+    # -- expected versus actual rate ------------------------------------------------------
+
+    def _degraded(self, active: list[_Active]) -> None:
+        rules: list[dict[str, Any]] = list(self.ctx.config.get("expected_rate") or [])
+        fastest: dict[tuple[str, str], float] = {}
+        for a in active:
+            key = (a.hca_type, a.link_layer)
+            fastest[key] = max(fastest.get(key, 0.0), a.rate)
+        for a in active:
+            expected = None
+            for rule in rules:
+                if (("device" not in rule or rule["device"].search(a.device))
+                        and ("hca_type" not in rule or rule["hca_type"].search(a.hca_type))
+                        and rule.get("link_layer", a.link_layer) == a.link_layer):
+                    expected = float(rule["gbps"]) * BYTES_PER_GBIT
+                    break
+            if expected is None and not rules:
+                expected = fastest[(a.hca_type, a.link_layer)]
+            if expected is None:
+                continue
+            labels = [a.device, a.port]
+            self._fams.add(RATE_EXPECTED, labels, expected)
+            self._fams.add(RATE_DEGRADED, labels, 1 if a.rate < expected else 0)

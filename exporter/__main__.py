@@ -1,0 +1,3 @@
+from exporter.cli import main
+
+main()

@@ -1,0 +1,185 @@
+"""Command line: node_exporter-style flags, config loading, start-up and shutdown.
+
+Exit codes: 0 clean shutdown, 1 could not start (address in use), 2 bad input (flags, config).
+User errors print one line on stderr and never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from prometheus_client import CollectorRegistry
+
+from exporter import DEFAULT_PORT, __version__
+from exporter.collector import Collector, CollectorContext, LogOnce, collector_logger
+from exporter.config import ConfigError, Field, load_file, validate
+from exporter.http import make_app, parse_listen_address, serve
+from exporter.logs import LEVELS, setup
+from exporter.registry import Scraper, discover
+from exporter.sysfs import Root
+
+PROG = "gpunet-exporter"
+log = logging.getLogger("gpunet.exporter")
+
+
+def config_schema(classes: dict[str, type[Collector]]) -> Field:
+    fields: dict[str, Field] = {
+        "collectors": Field("map", "Enable (true) or disable (false) collectors by name",
+                            fields={n: Field("bool") for n in classes}),
+    }
+    for name, cls in classes.items():
+        fields[name] = Field("map", f"Settings of the {name} collector",
+                             fields=dict(cls.config_fields))
+    return Field("map", fields=fields)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text.rstrip("s"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected seconds such as 10 or 2.5s, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def build_parser(classes: dict[str, type[Collector]]) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, allow_abbrev=False,
+        description="Prometheus exporter for GPU-cluster networking "
+                    "(InfiniBand/RoCE ports, links, PFC, GPUs, NCCL probes).")
+    p.add_argument("--version", action="version",
+                   version=f"{PROG} {__version__} (python {platform.python_version()})")
+    p.add_argument("--web.listen-address", dest="listen_address", default=f":{DEFAULT_PORT}",
+                   metavar="ADDR", help=f"address to listen on (default :{DEFAULT_PORT})")
+    p.add_argument("--web.telemetry-path", dest="telemetry_path", default="/metrics",
+                   metavar="PATH", help="path under which to expose metrics (default /metrics)")
+    p.add_argument("--path.sysfs", dest="sysfs", default="/sys", metavar="DIR",
+                   help="sysfs mount point (default /sys)")
+    p.add_argument("--path.procfs", dest="procfs", default="/proc", metavar="DIR",
+                   help="procfs mount point (default /proc)")
+    p.add_argument("--config.file", dest="config_file", metavar="FILE",
+                   help="YAML configuration file (optional)")
+    p.add_argument("--scrape.timeout", dest="scrape_timeout", type=_positive_seconds,
+                   default=8.0, metavar="SECONDS",
+                   help="per-scrape deadline for every collector; a collector that has not "
+                        "answered by then reports success 0 (default 8)")
+    p.add_argument("--log.level", dest="log_level", choices=LEVELS, default="info")
+    p.add_argument("--log.format", dest="log_format", choices=("logfmt", "json"),
+                   default="logfmt")
+    p.add_argument("--collector.disable-defaults", dest="disable_defaults", action="store_true",
+                   help="disable all collectors that are on by default")
+    for name, cls in classes.items():
+        default = "enabled" if cls.default_enabled else "disabled"
+        g = p.add_argument_group(f"collector {name}", cls.description)
+        g.add_argument(f"--collector.{name}", dest=f"enable__{name}", action="store_const",
+                       const=True, default=None, help=f"enable the {name} collector ({default} "
+                       "by default)")
+        g.add_argument(f"--no-collector.{name}", dest=f"enable__{name}", action="store_const",
+                       const=False, help=f"disable the {name} collector")
+        for flag, (key, help_text) in cls.flags.items():
+            g.add_argument(f"--collector.{name}.{flag}", dest=f"flag__{name}__{key}",
+                           metavar="VALUE", help=help_text)
+    return p
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    print(f"{PROG}: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def resolve(args: argparse.Namespace, classes: dict[str, type[Collector]],
+            config: dict[str, Any], parser: argparse.ArgumentParser
+            ) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """Which collectors run, and each one's settings: defaults < config file < flags."""
+    enabled = []
+    for name, cls in classes.items():
+        on = cls.default_enabled and not args.disable_defaults
+        on = config.get("collectors", {}).get(name, on)
+        flag = getattr(args, f"enable__{name}")
+        if flag is not None:
+            on = flag
+        if on:
+            enabled.append(name)
+    sections: dict[str, dict[str, Any]] = {}
+    for name, cls in classes.items():
+        section = dict(validate({}, Field("map", fields=dict(cls.config_fields)), name))
+        section.update(config.get(name, {}))
+        for flag, (key, _) in cls.flags.items():
+            raw = getattr(args, f"flag__{name}__{key}")
+            if raw is None:
+                continue
+            try:
+                section[key] = validate(raw, cls.config_fields[key], f"{name}.{key}")
+            except ConfigError as exc:
+                parser.error(f"argument --collector.{name}.{flag}: {exc}")
+        sections[name] = section
+    return enabled, sections
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    setup("info", "logfmt")  # until the flags are parsed
+    classes = discover()
+    parser = build_parser(classes)
+    args = parser.parse_args(argv)
+    if not args.telemetry_path.startswith("/") or args.telemetry_path in ("/", "/-/healthy"):
+        parser.error(f"argument --web.telemetry-path: expected a path such as /metrics other "
+                     f"than / and /-/healthy, got {args.telemetry_path!r}")
+    try:
+        host, port = parse_listen_address(args.listen_address)
+    except ValueError as exc:
+        parser.error(str(exc))
+    setup(args.log_level, args.log_format)
+
+    config: dict[str, Any] = {}
+    if args.config_file:
+        try:
+            config = load_file(args.config_file, config_schema(classes))
+        except ConfigError as exc:
+            _fail(str(exc))
+    enabled, sections = resolve(args, classes, config, parser)
+
+    sysfs, procfs = Root(args.sysfs), Root(args.procfs)
+    collectors: dict[str, Collector] = {}
+    for name in enabled:
+        logger = collector_logger(name)
+        ctx = CollectorContext(name, sysfs, procfs, sections[name], logger, LogOnce(logger))
+        try:
+            collectors[name] = classes[name](ctx)
+        except Exception as exc:  # one broken collector must not stop the others
+            log.error("collector %s could not start: %s", name, exc)
+
+    scraper = Scraper(collectors, args.scrape_timeout)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(scraper)
+    app = make_app(scraper, registry, args.telemetry_path)
+    try:
+        httpd, _ = serve(app, host, port)
+    except OSError as exc:
+        _fail(f"cannot listen on {args.listen_address}: {exc.strerror or exc}", code=1)
+
+    log.info("gpunet-exporter %s listening on %s%s, collectors: %s", __version__,
+             args.listen_address, args.telemetry_path, ", ".join(collectors) or "none")
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stop.wait()
+    httpd.shutdown()
+    scraper.close()
+
+
+if __name__ == "__main__":
+    main()

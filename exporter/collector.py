@@ -1,0 +1,141 @@
+"""The collector interface every built-in and third-party collector implements.
+
+A collector is a class with a ``name`` and a ``collect()`` that yields freshly built metric
+families on every scrape (no module-level gauges, so a vanished device simply stops appearing).
+Collectors are found through the entry-point group ``gpunet_exporter.collectors``.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from exporter.config import Field
+from exporter.sysfs import Root
+
+MetricType = Literal["gauge", "counter"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric family: the single place its name, type, unit, labels and source are declared.
+
+    Collectors build their families from specs, and docs/metrics.md is generated from them.
+    """
+
+    name: str
+    type: MetricType
+    help: str
+    labels: tuple[str, ...]
+    unit: str = ""
+    source: str = ""
+
+    @property
+    def full_help(self) -> str:
+        parts = [self.help.rstrip(".") + "."]
+        if self.unit:
+            parts.append(f"Unit: {self.unit}.")
+        if self.source:
+            parts.append(f"Source: {self.source}.")
+        return " ".join(parts)
+
+    def family(self) -> GaugeMetricFamily | CounterMetricFamily:
+        if self.type == "counter":
+            return CounterMetricFamily(self.name, self.full_help, labels=self.labels)
+        return GaugeMetricFamily(self.name, self.full_help, labels=self.labels)
+
+
+class LogOnce:
+    """Logs a message the first time it is seen and at debug level after that.
+
+    Keeps a repeated identical error (the same bad file on every scrape) from flooding the log.
+    The memory it keeps is bounded.
+    """
+
+    _LIMIT = 10_000
+
+    def __init__(self, logger: logging.Logger | logging.LoggerAdapter[logging.Logger]) -> None:
+        self._logger = logger
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, level: int, msg: str, *args: object) -> None:
+        key = f"{level}:{msg % args if args else msg}"
+        with self._lock:
+            first = key not in self._seen
+            if first:
+                if len(self._seen) >= self._LIMIT:
+                    self._seen.clear()
+                self._seen.add(key)
+        self._logger.log(level if first else logging.DEBUG, msg, *args)
+
+
+@dataclass
+class CollectorContext:
+    """What a collector gets from the core: roots, its config section, a logger."""
+
+    name: str
+    sysfs: Root
+    procfs: Root
+    config: Mapping[str, Any]
+    logger: logging.LoggerAdapter[logging.Logger]
+    log_once: LogOnce
+    unreadable: int = field(default=0)
+
+    def skip(self, what: str, reason: object) -> None:
+        """Record one value that could not be read or parsed; it costs that value alone."""
+        self.unreadable += 1
+        self.log_once(logging.DEBUG, "skipping %s: %s", what, reason)
+
+
+def collector_logger(name: str) -> logging.LoggerAdapter[logging.Logger]:
+    return logging.LoggerAdapter(logging.getLogger(f"gpunet.{name}"), {"collector": name})
+
+
+class Collector(abc.ABC):
+    """Base class for collectors.
+
+    Subclasses set ``name`` (also the flag ``--collector.<name>`` and the metric subsystem),
+    ``description``, ``metrics`` (every family it can emit), and optionally ``config_fields``
+    (the schema of its YAML section) and ``flags`` (extra ``--collector.<name>.<flag>`` options,
+    mapped to keys of its config section).
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    default_enabled: ClassVar[bool] = True
+    metrics: ClassVar[tuple[MetricSpec, ...]] = ()
+    config_fields: ClassVar[Mapping[str, Field]] = {}
+    flags: ClassVar[Mapping[str, tuple[str, str]]] = {}
+
+    def __init__(self, ctx: CollectorContext) -> None:
+        self.ctx = ctx
+
+    @abc.abstractmethod
+    def collect(self) -> Iterable[Metric]:
+        """Yield freshly built metric families. May raise: the core isolates the failure."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stop background work, if any."""
+
+
+class Families:
+    """The families of one collection, created on first use so empty ones are not exposed."""
+
+    def __init__(self) -> None:
+        self._fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+
+    def add(self, spec: MetricSpec, labels: list[str], value: float) -> None:
+        fam = self._fams.get(spec.name)
+        if fam is None:
+            fam = self._fams[spec.name] = spec.family()
+        fam.add_metric(labels, value)
+
+    def __iter__(self) -> Iterator[Metric]:
+        return iter(self._fams.values())

@@ -1,0 +1,128 @@
+"""The optional YAML configuration file: a small schema, validated once at start.
+
+An unknown key, a wrong type or a bad regular expression produces one ``ConfigError`` that names
+the file, the key (dotted, with list indexes) and what was expected.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+
+import yaml
+
+Kind = Literal["str", "int", "number", "bool", "regex", "list", "map"]
+
+
+class ConfigError(Exception):
+    """A user error in the configuration; its text is the whole message to print."""
+
+
+@dataclass(frozen=True)
+class Field:
+    kind: Kind
+    help: str = ""
+    default: Any = None
+    item: Field | None = None  # element schema of a list
+    fields: Mapping[str, Field] = field(default_factory=dict)  # keys of a map
+    minimum: float | None = None
+    required: bool = False
+
+
+_EXPECTED = {
+    "str": "a string",
+    "int": "an integer",
+    "number": "a number",
+    "bool": "true or false",
+    "regex": "a regular expression (string)",
+    "list": "a list",
+    "map": "a mapping of keys to values",
+}
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def validate(value: Any, spec: Field, key: str) -> Any:
+    """Check ``value`` against ``spec`` and return it normalised (regexes compiled).
+
+    ``key`` is the dotted location used in error messages.
+    """
+    where = f"key {key!r}" if key else "top level"
+
+    def wrong() -> ConfigError:
+        return ConfigError(f"{where}: expected {_EXPECTED[spec.kind]}, got {_describe(value)}")
+
+    if spec.kind == "bool":
+        if not isinstance(value, bool):
+            raise wrong()
+        return value
+    if spec.kind in ("int", "number"):
+        ok_types: tuple[type, ...] = (int,) if spec.kind == "int" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, ok_types):
+            raise wrong()
+        if spec.minimum is not None and cast(float, value) < spec.minimum:
+            raise ConfigError(f"{where}: expected a value >= {spec.minimum:g}, got {value!r}")
+        return value
+    if spec.kind == "str":
+        if not isinstance(value, str):
+            raise wrong()
+        return value
+    if spec.kind == "regex":
+        if not isinstance(value, str):
+            raise wrong()
+        try:
+            return re.compile(value)
+        except re.error as exc:
+            raise ConfigError(f"{where}: invalid regular expression {value!r}: {exc}") from None
+    if spec.kind == "list":
+        if not isinstance(value, list):
+            raise wrong()
+        assert spec.item is not None
+        return [validate(v, spec.item, f"{key}[{i}]") for i, v in enumerate(value)]
+    # map
+    if not isinstance(value, dict):
+        raise wrong()
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        sub = f"{key}.{k}" if key else str(k)
+        if not isinstance(k, str) or k not in spec.fields:
+            known = ", ".join(sorted(spec.fields)) or "none"
+            raise ConfigError(f"key {sub!r}: unknown key (known keys here: {known})")
+        out[k] = validate(v, spec.fields[k], sub)
+    for k, f in spec.fields.items():
+        if k not in out:
+            if f.required:
+                raise ConfigError(f"key {(key + '.' + k) if key else k!r}: missing, it is required")
+            if f.default is not None:
+                out[k] = validate(f.default, f, f"{key}.{k}" if key else k)
+    return out
+
+
+def load_file(path: str, schema: Field) -> dict[str, Any]:
+    """Read and validate a YAML config file. Raises ConfigError with the file name in the text."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ConfigError(f"config file {path!r}: cannot read: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"config file {path!r}: invalid YAML{at}: {problem}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path!r}: not UTF-8 text: {exc.reason}") from None
+    if raw is None:
+        raw = {}
+    try:
+        result: dict[str, Any] = validate(raw, schema, "")
+    except ConfigError as exc:
+        raise ConfigError(f"config file {path!r}: {exc}") from None
+    return result

@@ -1,0 +1,127 @@
+"""HTTP serving: /metrics through prometheus_client (gzip and OpenMetrics negotiation), a landing
+page at / listing the collectors and their last status, and /-/healthy."""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+
+from exporter import __version__
+from exporter.registry import Scraper
+
+StartResponse = Callable[..., Any]
+WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
+
+
+def _landing(scraper: Scraper, telemetry_path: str) -> bytes:
+    rows = []
+    for r in scraper.runners:
+        st = r.status
+        state = "not scraped yet" if st.success is None else ("ok" if st.success else "failed")
+        age = f"{time.time() - st.at:.0f}s ago" if st.at else ""
+        rows.append(
+            f"<tr><td>{html.escape(r.name)}</td><td>{state}</td>"
+            f"<td>{st.duration * 1000:.1f} ms</td><td>{age}</td>"
+            f"<td>{html.escape(st.error)}</td></tr>")
+    table = "\n".join(rows) or "<tr><td colspan=5>no collectors enabled</td></tr>"
+    path = html.escape(telemetry_path)
+    page = f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>gpunet-exporter</title></head>
+<body>
+<h1>gpunet-exporter {html.escape(__version__)}</h1>
+<p>Prometheus exporter for GPU-cluster networking. <a href="{path}">Metrics</a> ·
+<a href="/-/healthy">Health</a></p>
+<h2>Collectors</h2>
+<table border="1" cellpadding="4">
+<tr><th>collector</th><th>last status</th><th>duration</th><th>when</th><th>error</th></tr>
+{table}
+</table>
+</body></html>
+"""
+    return page.encode()
+
+
+def make_app(scraper: Scraper, registry: CollectorRegistry, telemetry_path: str) -> WSGIApp:
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "/") or "/"
+        if path == telemetry_path:
+            result: Iterable[bytes] = metrics_app(environ, start_response)
+            return result
+        if path == "/":
+            body = _landing(scraper, telemetry_path)
+            start_response("200 OK", [("Content-Type", "text/html; charset=utf-8"),
+                                      ("Content-Length", str(len(body)))])
+            return [body]
+        if path == "/-/healthy":
+            body = b"Healthy\n"
+            start_response("200 OK", [("Content-Type", "text/plain; charset=utf-8"),
+                                      ("Content-Length", str(len(body)))])
+            return [body]
+        body = b"Not Found\n"
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8"),
+                                         ("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        # "[::]:port" and ":port" listen on IPv4 as well where the OS allows it.
+        with contextlib.suppress(OSError):
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def parse_listen_address(addr: str) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port`` or ``:port`` (all interfaces). Raises ValueError."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"invalid --web.listen-address {addr!r}: expected [host]:port")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def serve(app: WSGIApp, host: str, port: int) -> tuple[WSGIServer, threading.Thread]:
+    """Bind and start serving in a thread. Raises OSError when the address cannot be bound."""
+    if host in ("", "::") or ":" in host:
+        cls: type[_Server] = _Server6
+        host = host or "::"
+        if not socket.has_ipv6:
+            cls, host = _Server, ("0.0.0.0" if host == "::" else host)
+    else:
+        cls = _Server
+    try:
+        httpd = make_server(host, port, app, server_class=cls, handler_class=_QuietHandler)
+    except OSError:
+        if cls is _Server6 and host == "::":  # no IPv6 on this host: fall back to IPv4
+            httpd = make_server("0.0.0.0", port, app, server_class=_Server,
+                                handler_class=_QuietHandler)
+        else:
+            raise
+    thread = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
+    thread.start()
+    return httpd, thread

@@ -1,0 +1,103 @@
+"""RDMA device and port discovery under /sys/class/infiniband, shared by the collectors.
+
+Sources and formats: shared reference FORMATS.md §1.1 (layout, netdev mapping order).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from exporter.sysfs import Root
+
+CLASS = "class/infiniband"
+_PCI_ADDRESS = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+# A RoCE port's GID table has up to 255 slots; the netdev is nearly always in slot 0 or 1.
+_GID_SLOTS_TRIED = 8
+
+
+@dataclass(frozen=True)
+class Port:
+    device: str
+    port: str
+    link_layer: str
+    netdev: str
+
+    @property
+    def dir(self) -> str:
+        return f"{CLASS}/{self.device}/ports/{self.port}"
+
+
+def devices(root: Root, include: re.Pattern[str] | None = None,
+            exclude: re.Pattern[str] | None = None) -> list[str]:
+    """RDMA device names, filtered; [] when the class directory does not exist (no hardware)."""
+    try:
+        names = root.listdir(CLASS)
+    except OSError:
+        return []
+    return [n for n in names
+            if (include is None or include.search(n)) and not (exclude and exclude.search(n))]
+
+
+def ports(root: Root, device: str) -> list[str]:
+    """Port numbers of a device in numeric order; raises OSError when the device is gone."""
+    names = root.listdir(f"{CLASS}/{device}/ports")
+    return sorted((p for p in names if p.isdigit()), key=int)
+
+
+def pci_address(root: Root, device: str) -> str:
+    try:
+        target = root.link_target(f"{CLASS}/{device}/device")
+    except OSError:
+        return ""
+    return target if _PCI_ADDRESS.match(target) else ""
+
+
+def netdev(root: Root, device: str, port: str, link_layer: str) -> str:
+    """The netdev behind a port, or "" when there is none.
+
+    Order (FORMATS.md §1.1): ``gid_attrs/ndevs/<idx>`` (RoCE only: on InfiniBand every slot
+    fails to read, and trying 255 of them per scrape would be slow), then ``device/net/*``,
+    preferring the netdev whose ``dev_port`` is this port's index (dual-port mlx4 HCAs).
+    """
+    base = f"{CLASS}/{device}"
+    if link_layer == "Ethernet":
+        for idx in range(_GID_SLOTS_TRIED):
+            try:
+                name = root.read(f"{base}/ports/{port}/gid_attrs/ndevs/{idx}")
+            except OSError:
+                continue
+            if name:
+                return name
+    try:
+        candidates = root.listdir(f"{base}/device/net")
+    except OSError:
+        return ""
+    if len(candidates) > 1:
+        want = str(int(port) - 1)
+        for name in sorted(candidates, key=len):
+            try:
+                if root.read(f"{base}/device/net/{name}/dev_port") == want:
+                    return name
+            except OSError:
+                continue
+        return min(candidates, key=len)
+    return candidates[0] if candidates else ""
+
+
+def all_ports(root: Root, include: re.Pattern[str] | None = None,
+              exclude: re.Pattern[str] | None = None) -> list[Port]:
+    """Every port of every (filtered) RDMA device; vanished devices and ports are skipped."""
+    out = []
+    for dev in devices(root, include, exclude):
+        try:
+            nums = ports(root, dev)
+        except OSError:
+            continue
+        for p in nums:
+            try:
+                ll = root.read(f"{CLASS}/{dev}/ports/{p}/link_layer")
+            except OSError:
+                ll = ""
+            out.append(Port(dev, p, ll, netdev(root, dev, p, ll)))
+    return out

@@ -1,0 +1,169 @@
+"""Finds collectors and runs them on every scrape, each isolated from the others.
+
+Each collection runs in its own thread with a deadline. An exception, a hang or a missing device
+costs only that collector's own families; the scrape reports every collector's duration and
+success. While a collection is still running (a hung read), later scrapes join it instead of
+starting another, so a stuck source never piles up threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+from prometheus_client.core import Metric
+
+from exporter import __version__
+from exporter.collector import Collector, MetricSpec
+
+log = logging.getLogger("gpunet.exporter")
+
+ENTRY_POINT_GROUP = "gpunet_exporter.collectors"
+
+
+def discover() -> dict[str, type[Collector]]:
+    """Collector classes registered under the entry-point group, by name."""
+    found: dict[str, type[Collector]] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            cls = ep.load()
+        except Exception as exc:  # a broken third-party plugin must not stop the exporter
+            log.error("cannot load collector %r from %s: %s", ep.name, ep.value, exc)
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, Collector)):
+            log.error("entry point %r (%s) is not a Collector subclass", ep.name, ep.value)
+            continue
+        if getattr(cls, "name", ep.name) != ep.name:
+            log.error("entry point %r names a collector called %r; skipped", ep.name, cls.name)
+            continue
+        found[ep.name] = cls
+    return dict(sorted(found.items()))
+
+
+SCRAPE_METRICS = (
+    MetricSpec(
+        "gpunet_scrape_collector_duration_seconds", "gauge",
+        "How long the collector took in this scrape", ("collector",), "seconds",
+        "measured by the exporter"),
+    MetricSpec(
+        "gpunet_scrape_collector_success", "gauge",
+        "1 if the collector finished in time without an exception, else 0; a node without the "
+        "hardware still reports 1", ("collector",), "boolean", "exporter"),
+    MetricSpec(
+        "gpunet_scrape_collector_unreadable_values", "gauge",
+        "Values the collector skipped in this scrape because a file could not be read or parsed "
+        "(each costs only its own value)", ("collector",), "count", "exporter"),
+    MetricSpec(
+        "gpunet_exporter_build_info", "gauge",
+        "Always 1; labels carry the exporter and Python versions", ("version", "python_version"),
+        "", "exporter"),
+)
+
+
+@dataclass
+class Result:
+    families: list[Metric]
+    success: bool
+    duration: float
+    unreadable: int
+    error: str
+    finished_at: float
+
+
+@dataclass
+class Status:
+    """Last outcome of a collector, shown on the landing page."""
+
+    success: bool | None = None
+    duration: float = 0.0
+    error: str = ""
+    at: float = 0.0
+
+
+class Runner:
+    """Runs one collector; coalesces concurrent scrapes onto one in-flight collection."""
+
+    def __init__(self, collector: Collector) -> None:
+        self.collector = collector
+        self.name = collector.name
+        self.status = Status()
+        self._lock = threading.Lock()
+        self._inflight: Future[Result] | None = None
+        self._started = 0.0
+
+    def start(self) -> tuple[Future[Result], float]:
+        with self._lock:
+            if self._inflight is None or self._inflight.done():
+                fut: Future[Result] = Future()
+                self._started = time.perf_counter()
+                self._inflight = fut
+                threading.Thread(
+                    target=self._run, args=(fut,), name=f"collect-{self.name}", daemon=True
+                ).start()
+            return self._inflight, self._started
+
+    def _run(self, fut: Future[Result]) -> None:
+        ctx = self.collector.ctx
+        ctx.unreadable = 0
+        t0 = time.perf_counter()
+        try:
+            families = list(self.collector.collect())
+            success, error = True, ""
+        except Exception as exc:
+            families, success = [], False
+            error = f"{type(exc).__name__}: {exc}"
+            ctx.log_once(logging.ERROR, "collector failed: %s", error)
+            ctx.logger.debug("collector traceback", exc_info=True)
+        fut.set_result(Result(families, success, time.perf_counter() - t0, ctx.unreadable,
+                              error, time.time()))
+
+
+class Scraper:
+    """The single prometheus_client collector that runs all enabled collectors per scrape."""
+
+    def __init__(self, collectors: Mapping[str, Collector], timeout: float) -> None:
+        self.runners = [Runner(c) for c in collectors.values()]
+        self.timeout = timeout
+        self._timeout_logged: set[str] = set()
+
+    def collect(self) -> Iterator[Metric]:
+        started = [(r, *r.start()) for r in self.runners]
+        deadline = time.perf_counter() + self.timeout
+        duration, success, unreadable = (s.family() for s in SCRAPE_METRICS[:3])
+        for runner, fut, t_start in started:
+            try:
+                res = fut.result(timeout=max(0.0, deadline - time.perf_counter()))
+            except FutureTimeout:
+                waited = time.perf_counter() - t_start
+                err = f"still running after {waited:.1f}s (timeout {self.timeout:g}s)"
+                runner.collector.ctx.log_once(logging.ERROR, "collector timed out: %s", "source "
+                                              "does not answer; its metrics are left out")
+                runner.status = Status(False, waited, err, time.time())
+                duration.add_metric([runner.name], waited)
+                success.add_metric([runner.name], 0)
+                continue
+            runner.status = Status(res.success, res.duration, res.error, res.finished_at)
+            yield from res.families
+            duration.add_metric([runner.name], res.duration)
+            success.add_metric([runner.name], 1 if res.success else 0)
+            unreadable.add_metric([runner.name], res.unreadable)
+        yield duration
+        yield success
+        yield unreadable
+        info = SCRAPE_METRICS[3].family()
+        info.add_metric([__version__, platform.python_version()], 1)
+        yield info
+
+    def close(self) -> None:
+        for r in self.runners:
+            try:
+                r.collector.close()
+            except Exception as exc:
+                log.warning("closing collector %s: %s", r.name, exc)

@@ -1,0 +1,61 @@
+"""Reads under an injectable root (``--path.sysfs`` / ``--path.procfs``).
+
+Every read a collector makes goes through a :class:`Root`, so tests point collectors at fixture
+trees, and fault tests subclass it to inject the errors a real kernel returns (EINVAL, EOPNOTSUPP)
+that regular files cannot produce. Reads use ``os.open``/``os.read`` directly: sysfs attributes
+are at most one page, and the buffered ``open()`` machinery costs more than the read itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+# O_NONBLOCK: opening a FIFO planted in a tree returns at once instead of blocking the scrape.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_MAX_READ = 65536
+
+
+class Root:
+    """A filesystem root such as ``/sys``; all paths given to it are relative to it."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+
+    def path(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    def read(self, rel: str) -> str:
+        """The file's text with trailing whitespace removed; raises OSError."""
+        fd = os.open(f"{self.root}/{rel}", _OPEN_FLAGS)
+        try:
+            data = os.read(fd, _MAX_READ)
+        finally:
+            os.close(fd)
+        return data.decode("utf-8", "replace").rstrip()
+
+    def listdir(self, rel: str) -> list[str]:
+        """Sorted entries of a directory; raises OSError."""
+        return sorted(os.listdir(f"{self.root}/{rel}"))
+
+    def exists(self, rel: str) -> bool:
+        return os.path.exists(f"{self.root}/{rel}")
+
+    def link_target(self, rel: str) -> str:
+        """Last path component of where a symlink resolves (e.g. a PCI address); raises OSError."""
+        real = os.path.realpath(f"{self.root}/{rel}", strict=True)
+        return os.path.basename(real)
+
+
+def parse_uint(text: str) -> int | None:
+    """A decimal unsigned integer as sysfs prints it (``"%llu"``), or None for anything else."""
+    if text.isascii() and text.isdigit():
+        return int(text)
+    return None
+
+
+def parse_int(text: str) -> int | None:
+    """A decimal integer, possibly negative (``"%d"``), or None."""
+    body = text[1:] if text.startswith("-") else text
+    if body and body.isascii() and body.isdigit():
+        return int(text)
+    return None

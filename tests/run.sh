@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: Debian packages (when root), a virtualenv with the
+# exporter and its test dependencies, lint, types, then pytest. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v prometheus >/dev/null || need_apt+=(prometheus)
+command -v promtool >/dev/null || need_apt+=(prometheus)
+command -v prometheus-node-exporter >/dev/null || need_apt+=(prometheus-node-exporter)
+command -v prometheus-alertmanager >/dev/null || need_apt+=(prometheus-alertmanager)
+python3 -c 'import ensurepip' 2>/dev/null || need_apt+=(python3-venv)
+if ((${#need_apt[@]})); then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "run.sh: installing Debian packages: ${need_apt[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${need_apt[@]}" >/dev/null
+    # The packages start their services where systemd runs; the tests start their own.
+  else
+    echo "run.sh: missing Debian packages (${need_apt[*]}); run as root to install them," \
+         "or the tests that need them will fail" >&2
+  fi
+fi
+
+venv=.venv
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/pip" install -q --upgrade pip >/dev/null
+"$venv/bin/pip" install -q ".[test]"
+export PATH="$PWD/$venv/bin:$PATH"
+
+echo "run.sh: ruff"; ruff check exporter collectors tests bench
+echo "run.sh: mypy"; mypy
+echo "run.sh: pytest"; exec python -m pytest "$@"
