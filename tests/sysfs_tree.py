@@ -1,0 +1,486 @@
+"""Build fake Linux sysfs trees for tests, in the kernel's exact file formats.
+
+Formats follow shared/reference/FORMATS.md section 1 (drivers/infiniband/core/sysfs.c,
+drivers/infiniband/hw/mlx5/counters.c) and net/core/net-sysfs.c. Everything is deterministic:
+values are derived from the device index, never random.
+
+    build_dgx_h100(root) -> root/sys   a DGX H100-class node (8 IB NDR + 2 RoCE 400G ports)
+    build_scaled(root, ports)          `ports` IB NDR devices, for scrape-time scaling tests
+    make_*(sys, ...), add_dangling_device(sys, ...)   fault variants applied to a built tree
+
+`python tests/sysfs_tree.py examples/dgx-h100` regenerates the committed example tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+HOST = "dgx01"
+MELLANOX_OUI = 0x946DAE  # 94:6d:ae, a Mellanox/NVIDIA OUI
+
+# ports/1/counters/: the PortCountersExtended table the kernel uses for mlx5 IB ports.
+PORT_COUNTERS = (
+    "symbol_error", "link_error_recovery", "link_downed", "port_rcv_errors",
+    "port_rcv_remote_physical_errors", "port_rcv_switch_relay_errors", "port_xmit_discards",
+    "port_xmit_constraint_errors", "port_rcv_constraint_errors", "local_link_integrity_errors",
+    "excessive_buffer_overrun_errors", "VL15_dropped", "port_xmit_data", "port_rcv_data",
+    "port_xmit_packets", "port_rcv_packets", "unicast_xmit_packets", "unicast_rcv_packets",
+    "multicast_xmit_packets", "multicast_rcv_packets", "port_xmit_wait",
+)  # fmt: skip
+# A few small non-zero error counters on otherwise healthy IB ports: (ibdev, file) -> value.
+PORT_ERRORS = {("mlx5_5", "symbol_error"): 7, ("mlx5_5", "link_error_recovery"): 1}
+
+# hw_counters/ (port and device level), mlx5 counters.c order, with base values for
+# IB and RoCE ports; _vary() spreads them per device, zero stays zero.
+#                  name                              IB          RoCE
+HW_COUNTERS: dict[str, tuple[int, int]] = {
+    # basic Q counters
+    "rx_write_requests":              (18_440_211,  9_331_870),
+    "rx_read_requests":               (2_210_394,   1_104_733),
+    "rx_atomic_requests":             (0,           0),
+    "rx_dct_connect":                 (0,           0),
+    "out_of_buffer":                  (0,           0),
+    # out_of_seq_cnt
+    "out_of_sequence":                (0,           37),
+    # retransmission_q_counters
+    "duplicate_request":              (0,           5),
+    "rnr_nak_retry_err":              (0,           0),
+    "packet_seq_err":                 (0,           12),
+    "implied_nak_seq_err":            (0,           0),
+    "local_ack_timeout_err":          (0,           0),
+    # enhanced_error_q_counters
+    "resp_local_length_error":        (0,           0),
+    "resp_cqe_error":                 (0,           0),
+    "req_cqe_error":                  (0,           0),
+    "req_remote_invalid_request":     (0,           0),
+    "req_remote_access_errors":       (0,           0),
+    "resp_remote_access_errors":      (0,           0),
+    "resp_cqe_flush_error":           (96,          64),
+    "req_cqe_flush_error":            (48,          32),
+    "req_transport_retries_exceeded": (0,           0),
+    "req_rnr_retries_exceeded":       (0,           0),
+    # roce_accl
+    "roce_adp_retrans":               (0,           41),
+    "roce_adp_retrans_to":            (0,           2),
+    "roce_slow_restart":              (0,           0),
+    "roce_slow_restart_cnps":         (0,           0),
+    "roce_slow_restart_trans":        (0,           0),
+    # cc_query_allowed (congestion): DCQCN active on the RoCE ports
+    "rp_cnp_ignored":                 (0,           0),
+    "rp_cnp_handled":                 (0,           1_904_332),
+    "np_ecn_marked_roce_packets":     (0,           2_871_045),
+    "np_cnp_sent":                    (0,           2_870_112),
+    # PCAM rx_icrc_encapsulated_counter
+    "rx_icrc_encapsulated":           (0,           0),
+}  # fmt: skip
+# Made-up counter name standing in for one a future firmware adds; only on mlx5_9's port,
+# so the collectors' "unknown hw counter" path is exercised.
+FUTURE_HW_COUNTER = ("mlx5_9", "rx_future_fw_counter", 4242)
+
+NETDEV_STATISTICS = (
+    "rx_bytes", "tx_bytes", "rx_packets", "tx_packets", "rx_errors", "tx_errors",
+    "rx_dropped", "tx_dropped", "multicast", "collisions", "rx_crc_errors", "rx_frame_errors",
+    "rx_fifo_errors", "rx_missed_errors", "rx_over_errors", "rx_length_errors",
+    "tx_aborted_errors", "tx_carrier_errors", "tx_fifo_errors", "tx_heartbeat_errors",
+    "tx_window_errors", "rx_compressed", "tx_compressed", "rx_nohandler",
+)  # fmt: skip
+# Base values of the non-zero netdev statistics (the rest are 0); _vary()'d per netdev.
+NETDEV_TRAFFIC = {
+    "rx_bytes": 48_213_337_104, "tx_bytes": 39_114_512_986, "rx_packets": 71_230_554,
+    "tx_packets": 64_877_301, "multicast": 120_477,
+}  # fmt: skip
+
+# net-sysfs.c attributes shared by every netdev here ("ifalias" is empty: the kernel
+# returns 0 bytes when no alias is set).
+NETDEV_COMMON = {
+    "addr_assign_type": "0\n", "carrier": "1\n", "carrier_changes": "2\n",
+    "carrier_up_count": "1\n", "carrier_down_count": "1\n", "dev_id": "0x0\n",
+    "dev_port": "0\n", "dormant": "0\n", "duplex": "full\n", "flags": "0x1003\n", "ifalias": "",
+    "link_mode": "0\n", "name_assign_type": "4\n", "netdev_group": "0\n", "operstate": "up\n",
+    "tx_queue_len": "1000\n",
+}  # fmt: skip
+# On top of NETDEV_COMMON, per kind of netdev; None: the kernel has no such file (reading
+# it fails), so none is written. address/ifindex/iflink are per netdev.
+ETH_BROADCAST = "ff:ff:ff:ff:ff:ff\n"
+NETDEV_KINDS: dict[str, dict[str, str | None]] = {
+    "ipoib": {"type": "32\n", "mtu": "4092\n", "speed": "400000\n", "addr_len": "20\n",
+              "tx_queue_len": "256\n",
+              "broadcast": "00:ff:ff:ff:ff:12:40:1b:ff:ff:00:00:00:00:00:00:ff:ff:ff:ff\n"},
+    "roce": {"type": "1\n", "mtu": "9000\n", "speed": "400000\n", "addr_len": "6\n",
+             "phys_port_name": "p0\n", "broadcast": ETH_BROADCAST},
+    "eno1": {"type": "1\n", "mtu": "1500\n", "speed": "1000\n", "addr_len": "6\n",
+             "address": "3c:ec:ef:6a:10:e2\n", "broadcast": ETH_BROADCAST},
+    "lo": {"type": "772\n", "mtu": "65536\n", "flags": "0x9\n", "operstate": "unknown\n",
+           "addr_len": "6\n", "address": "00:00:00:00:00:00\n",
+           "broadcast": "00:00:00:00:00:00\n", "name_assign_type": "3\n",
+           "carrier_changes": "0\n", "carrier_up_count": "0\n", "carrier_down_count": "0\n",
+           "duplex": None},  # lo has no ethtool link settings: duplex/speed fail
+}  # fmt: skip
+
+# ports/1 attributes by link layer; lid, gids and gid_attrs are per port.
+PORT_ATTRS = {
+    "InfiniBand": {"sm_lid": "0x1\n", "cap_mask": "0xa751e848\n"},
+    "Ethernet": {"lid": "0x0\n", "sm_lid": "0x0\n", "cap_mask": "0x04010000\n"},
+}
+PORT_COMMON = {
+    "state": "4: ACTIVE\n", "phys_state": "5: LinkUp\n", "rate": "400 Gb/sec (4X NDR)\n",
+    "lid_mask_count": "0\n", "sm_sl": "0\n", "pkeys/0": "0xffff\n",
+}  # fmt: skip
+IBDEV_COMMON = {
+    "node_type": "1: CA\n", "fw_ver": "28.39.2048\n", "hca_type": "MT4129\n", "hw_rev": "0x0\n",
+    "board_id": "MT_0000000838\n",
+}  # fmt: skip
+PCI_CX7 = {
+    "vendor": "0x15b3\n", "device": "0x1021\n", "current_link_speed": "32.0 GT/s PCIe\n",
+    "current_link_width": "16\n",
+}  # fmt: skip
+PCI_CLASS = {"InfiniBand": "0x020700\n", "Ethernet": "0x020000\n"}
+# eno1: Intel I210 1GbE, a PCI function of its own with no RDMA device.
+MGMT_PCI_DIR = "devices/pci0000:00/0000:00:1c.0/0000:03:00.0"
+MGMT_PCI_ATTRS = {
+    "numa_node": "0\n", "vendor": "0x8086\n", "device": "0x1533\n", "class": "0x020000\n",
+    "current_link_speed": "2.5 GT/s PCIe\n", "current_link_width": "1\n",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Nic:
+    """One single-port ConnectX-7 PCI function with its RDMA device and netdev."""
+
+    index: int  # N in mlx5_N
+    bus: int  # PCI bus of the function 0000:BB:00.0
+    numa: int
+    roce: bool = False
+    domain: int = 0
+    ifindex: int = 0
+
+    @property
+    def ibdev(self) -> str:
+        return f"mlx5_{self.index}"
+
+    @property
+    def pci(self) -> str:
+        return f"{self.domain:04x}:{self.bus:02x}:00.0"
+
+    @property
+    def pci_dir(self) -> str:
+        """sysfs path below sys/ of the PCI function: root bus, root port, endpoint."""
+        root = f"{self.domain:04x}:{self.bus - 1:02x}"
+        return f"devices/pci{root}/{root}:01.0/{self.pci}"
+
+    @property
+    def netdev(self) -> str:
+        """systemd predictable name: ibp<bus>s0 (IPoIB) / enp<bus>s0f0np0 (Ethernet)."""
+        dom = f"P{self.domain}" if self.domain else ""
+        return f"en{dom}p{self.bus}s0f0np0" if self.roce else f"ib{dom}p{self.bus}s0"
+
+    @property
+    def link_layer(self) -> str:
+        return "Ethernet" if self.roce else "InfiniBand"
+
+    @property
+    def guid(self) -> int:
+        return (MELLANOX_OUI << 40) | (0x03 << 32) | (0x5A3C10 + 0x2B06 * self.index)
+
+    @property
+    def mac(self) -> bytes:
+        return (MELLANOX_OUI << 24 | (self.guid & 0xFFFFFF)).to_bytes(6, "big")
+
+
+# DGX H100: 8 IB NDR compute ports (netdev names as on the real system) + 2 RoCE ports.
+DGX_NICS = (
+    *(
+        Nic(i, bus, numa=0 if i < 4 else 1, ifindex=3 + i)
+        for i, bus in enumerate((0x18, 0x40, 0x4F, 0x5E, 0x9A, 0xC0, 0xCE, 0xDC))
+    ),
+    Nic(8, 0x29, numa=0, roce=True, ifindex=11),
+    Nic(9, 0xAA, numa=1, roce=True, ifindex=12),
+)
+
+
+def _vary(base: int, i: int) -> int:
+    return base + base * 13 * i // 100
+
+
+def _hexbytes(data: bytes) -> str:
+    """Kernel "%*phC": lower-case hex bytes joined by ':'."""
+    return ":".join(f"{b:02x}" for b in data)
+
+
+def _guid_str(guid: int) -> str:
+    """Kernel "%04x:%04x:%04x:%04x" of a GUID."""
+    return ":".join(f"{guid >> s & 0xFFFF:04x}" for s in (48, 32, 16, 0))
+
+
+def _gid_str(gid: bytes) -> str:
+    """Kernel "%pI6": 8 groups of 4 hex digits, never compressed."""
+    return ":".join(gid[k : k + 2].hex() for k in range(0, 16, 2))
+
+
+def _write(directory: Path, files: Mapping[str, str | None]) -> None:
+    """Write each file (creating directories); None means the file must not exist."""
+    for name, text in files.items():
+        path = directory / name
+        if text is None:
+            path.unlink(missing_ok=True)
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text.encode("ascii"))
+
+
+def _lines(values: Mapping[str, int]) -> dict[str, str]:
+    return {name: f"{value}\n" for name, value in values.items()}
+
+
+def _symlink(link: Path, target: str) -> None:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(target)
+
+
+def _class_link(sys: Path, cls: str, name: str, device_dir: str) -> None:
+    """sys/class/<cls>/<name> -> ../../<device_dir>, relative like the kernel's."""
+    _symlink(sys / "class" / cls / name, f"../../{device_dir}")
+
+
+def _port_counters(nic: Nic) -> dict[str, int]:
+    i = nic.index
+    xmit, rcv = (
+        (812_345_678 + 95_123_457 * i, 790_331_214 + 91_004_377 * i)
+        if nic.roce  # RoCE ports count RDMA traffic only
+        else (3_712_448_919 + 1_203_774_521 * i, 3_655_123_004 + 1_187_332_610 * i)
+    )  # units of 4 octets; above 2^32 from mlx5_1 on
+    mcast_x, mcast_r = 2_000 + 37 * i, 2_411 + 41 * i
+    values = dict.fromkeys(PORT_COUNTERS, 0)
+    values.update(
+        port_xmit_data=xmit,
+        port_rcv_data=rcv,
+        port_xmit_packets=xmit // 1043,
+        port_rcv_packets=rcv // 1043,
+        unicast_xmit_packets=xmit // 1043 - mcast_x,
+        unicast_rcv_packets=rcv // 1043 - mcast_r,
+        multicast_xmit_packets=mcast_x,
+        multicast_rcv_packets=mcast_r,
+        port_xmit_wait=0 if nic.roce else 1_234_567 + 98_765 * i,
+    )
+    for (ibdev, name), value in PORT_ERRORS.items():
+        if ibdev == nic.ibdev:
+            values[name] = value
+    return values
+
+
+def _hw_counters(nic: Nic) -> dict[str, str]:
+    values = {name: _vary(pair[nic.roce], nic.index) for name, pair in HW_COUNTERS.items()}
+    return {**_lines(values), "lifespan": "10\n"}
+
+
+def _gids(nic: Nic) -> list[tuple[bytes, str]]:
+    """(gid, type) per GID index. RoCE: v1/v2 pairs of link-local then IPv4-mapped GID."""
+    link_local = b"\xfe\x80" + bytes(6)
+    if not nic.roce:
+        return [(link_local + nic.guid.to_bytes(8, "big"), "IB/RoCE v1")]
+    eui64 = bytes([nic.mac[0] ^ 0x02, *nic.mac[1:3], 0xFF, 0xFE, *nic.mac[3:]])
+    ipv4_mapped = bytes(10) + b"\xff\xff" + bytes([10, 10, nic.index, 11])
+    return [
+        (gid, kind)
+        for gid in (link_local + eui64, ipv4_mapped)
+        for kind in ("IB/RoCE v1", "RoCE v2")
+    ]
+
+
+def _write_ibdev(sys: Path, nic: Nic) -> None:
+    """sys/devices/.../<pci>/infiniband/mlx5_N with ports/1, plus its class link."""
+    dev = sys / nic.pci_dir / "infiniband" / nic.ibdev
+    guid = _guid_str(nic.guid) + "\n"
+    node = {"node_guid": guid, "sys_image_guid": guid, "node_desc": f"{HOST} {nic.ibdev}\n"}
+    _write(dev, {**IBDEV_COMMON, **node})
+    _symlink(dev / "device", f"../../../{nic.pci}")
+    _class_link(sys, "infiniband", nic.ibdev, f"{nic.pci_dir}/infiniband/{nic.ibdev}")
+
+    port = dev / "ports" / "1"
+    gids = _gids(nic)
+    _write(port, {
+        **PORT_COMMON, "link_layer": f"{nic.link_layer}\n", "lid": f"0x{0x41 + nic.index:x}\n",
+        **PORT_ATTRS[nic.link_layer],
+        **{f"gids/{k}": _gid_str(gid) + "\n" for k, (gid, _) in enumerate(gids)},
+        **{f"gid_attrs/types/{k}": f"{kind}\n" for k, (_, kind) in enumerate(gids)},
+        # IB GIDs have no netdev: reading their ndevs/<k> fails (EINVAL), so no file at all.
+        **{f"gid_attrs/ndevs/{k}": f"{nic.netdev}\n" for k in range(len(gids)) if nic.roce},
+    })  # fmt: skip
+    _write(port / "counters", _lines(_port_counters(nic)))
+    hw = _hw_counters(nic)
+    _write(dev / "hw_counters", hw)  # device level = port 0's set: same counters, same values
+    future_dev, future_name, future_value = FUTURE_HW_COUNTER
+    if nic.ibdev == future_dev:
+        hw[future_name] = f"{future_value}\n"
+    _write(port / "hw_counters", hw)
+
+
+def _write_netdev(
+    sys: Path, device_dir: str, name: str, ifindex: int, attrs: Mapping[str, str | None]
+) -> None:
+    """sys/<device_dir>/net/<name>: net-sysfs attributes, statistics/, class link and, for
+    a PCI netdev, the device link."""
+    net = sys / device_dir / "net" / name
+    stats = dict.fromkeys(NETDEV_STATISTICS, 0)
+    stats.update({key: _vary(base, ifindex) for key, base in NETDEV_TRAFFIC.items()})
+    _write(net, {**NETDEV_COMMON, "ifindex": f"{ifindex}\n", "iflink": f"{ifindex}\n", **attrs})
+    _write(net / "statistics", _lines(stats))
+    _class_link(sys, "net", name, f"{device_dir}/net/{name}")
+    if device_dir != "devices/virtual":
+        _symlink(net / "device", f"../../../{Path(device_dir).name}")
+
+
+def _write_nic(sys: Path, nic: Nic) -> None:
+    pci = {**PCI_CX7, "numa_node": f"{nic.numa}\n", "class": PCI_CLASS[nic.link_layer]}
+    _write(sys / nic.pci_dir, pci)
+    _write_ibdev(sys, nic)
+    if nic.roce:
+        kind, hwaddr = "roce", nic.mac
+    else:  # IPoIB hardware address: flags+QPN (4 bytes), then the port GID (16 bytes)
+        kind, hwaddr = "ipoib", (0x1049 + 8 * nic.index).to_bytes(4, "big") + _gids(nic)[0][0]
+    attrs = {**NETDEV_KINDS[kind], "address": _hexbytes(hwaddr) + "\n"}
+    _write_netdev(sys, nic.pci_dir, nic.netdev, nic.ifindex, attrs)
+
+
+def _write_node(root: Path, nics: Iterable[Nic]) -> Path:
+    """A whole node: lo, the eno1 management NIC (no RDMA) and the given RDMA NICs."""
+    sys = root / "sys"
+    _write_netdev(sys, "devices/virtual", "lo", 1, NETDEV_KINDS["lo"])
+    _write(sys / MGMT_PCI_DIR, MGMT_PCI_ATTRS)
+    _write_netdev(sys, MGMT_PCI_DIR, "eno1", 2, NETDEV_KINDS["eno1"])
+    for nic in nics:
+        _write_nic(sys, nic)
+    return sys
+
+
+def build_dgx_h100(root: Path) -> Path:
+    """Create root/sys for a DGX H100-class node; returns it (the --path.sysfs value)."""
+    return _write_node(root, DGX_NICS)
+
+
+def build_scaled(root: Path, ports: int) -> Path:
+    """Create root/sys with `ports` single-port IB NDR devices mlx5_0..mlx5_<ports-1>."""
+    if ports < 1:
+        raise ValueError(f"ports must be >= 1, got {ports}")
+    nics = (
+        Nic(k, 0x10 + 6 * (k % 40), numa=0 if 2 * k < ports else 1, domain=k // 40, ifindex=3 + k)
+        for k in range(ports)
+    )
+    return _write_node(root, nics)
+
+
+# ---- fault variants: each mutates a tree built above, in exact kernel formats ----
+
+
+def _port(sys: Path, device: str) -> Path:
+    return sys / "class" / "infiniband" / device / "ports" / "1"
+
+
+def _netdev(sys: Path, device: str) -> Path:
+    """The netdev of an RDMA device, found through device/net/ like a collector would."""
+    (net,) = (sys / "class" / "infiniband" / device / "device" / "net").iterdir()
+    return net
+
+
+def make_port_down(sys: Path, device: str = "mlx5_3") -> None:
+    """Port disabled: IB state DOWN, netdev carrier lost (one more carrier down event)."""
+    _write(_port(sys, device), {"state": "1: DOWN\n", "phys_state": "3: Disabled\n"})
+    _write(
+        _netdev(sys, device),
+        {
+            "operstate": "down\n",
+            "carrier": "0\n",
+            "speed": "-1\n",
+            "carrier_changes": "3\n",
+            "carrier_down_count": "2\n",
+        },
+    )
+
+
+def make_port_degraded(sys: Path, device: str = "mlx5_5") -> None:
+    """Link trained down to 2 lanes: 200 Gb/s."""
+    _write(_port(sys, device), {"rate": "200 Gb/sec (2X NDR)\n"})
+    _write(_netdev(sys, device), {"speed": "200000\n"})
+
+
+def make_counters_saturated(sys: Path, device: str = "mlx5_1") -> None:
+    """PMA error counters stuck at all-ones of their field width (IBA counters saturate)."""
+    _write(
+        _port(sys, device) / "counters",
+        _lines(
+            {
+                "symbol_error": 0xFFFF,
+                "link_error_recovery": 0xFF,
+                "link_downed": 0xFF,
+                "port_rcv_errors": 0xFFFF,
+                "local_link_integrity_errors": 0xF,
+                "excessive_buffer_overrun_errors": 0xF,
+                "port_xmit_wait": 0xFFFFFFFF,
+            }
+        ),
+    )
+
+
+def make_no_pma(sys: Path, device: str = "mlx5_2") -> None:
+    """Pre-4.19 kernels without a PMA: every counters/ file reads "N/A (no PMA)"."""
+    counters = _port(sys, device) / "counters"
+    _write(counters, {f.name: "N/A (no PMA)\n" for f in counters.iterdir()})
+
+
+def make_unreadable(sys: Path, device: str = "mlx5_4") -> None:
+    """Two files mode 000 (EACCES, except for root) and one file that is a directory (EISDIR)."""
+    port = _port(sys, device)
+    for rel in ("counters/symbol_error", "hw_counters/out_of_buffer"):
+        (port / rel).chmod(0o000)
+    (port / "counters/port_rcv_errors").unlink()
+    (port / "counters/port_rcv_errors").mkdir()
+
+
+def make_garbage(sys: Path, device: str = "mlx5_6") -> None:
+    """Unparseable contents: a word, an empty file, a rate without the kernel's format."""
+    _write(
+        _port(sys, device),
+        {
+            "counters/link_downed": "garbage\n",
+            "counters/VL15_dropped": "",
+            "rate": "fast\n",
+        },
+    )
+
+
+def make_missing_hw_counters(sys: Path, device: str = "mlx5_7") -> None:
+    """Driver without hw counters: neither port nor device hw_counters/ exists."""
+    dev = sys / "class" / "infiniband" / device
+    shutil.rmtree(dev / "ports" / "1" / "hw_counters")
+    shutil.rmtree(dev / "hw_counters")
+
+
+def make_mtu_1500(sys: Path, netdev_of: str = "mlx5_8") -> None:
+    """RoCE netdev left at MTU 1500 (RoCE active_mtu becomes 1024)."""
+    _write(_netdev(sys, netdev_of), {"mtu": "1500\n"})
+
+
+def add_dangling_device(sys: Path, name: str = "mlx5_10") -> None:
+    """A class link whose device is gone (hot-unplugged between listing and reading)."""
+    _class_link(
+        sys, "infiniband", name, f"devices/pci0000:e5/0000:e5:01.0/0000:e6:00.0/infiniband/{name}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="(Re)generate the DGX H100 example sysfs tree.")
+    parser.add_argument("dest", type=Path, help="output directory, e.g. examples/dgx-h100")
+    dest: Path = parser.parse_args().dest
+    if dest.exists():
+        if {p.name for p in dest.iterdir()} - {"sys"}:
+            parser.error(f"{dest} holds more than a sys/ tree; refusing to delete it")
+        shutil.rmtree(dest)
+    print(build_dgx_h100(dest))
+
+
+if __name__ == "__main__":
+    main()
