@@ -1,0 +1,141 @@
+"""Shared test helpers: run a collector in-process on a tree, or the installed exporter over HTTP."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from exporter.collector import Collector, CollectorContext, LogOnce, collector_logger  # noqa: E402
+from exporter.config import Field, validate  # noqa: E402
+from exporter.sysfs import Root  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+UPSTREAM = SHARED / "fixtures-upstream"
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def samples_of(families: Iterator[Metric] | list[Metric]) -> Samples:
+    out: Samples = {}
+    for fam in families:
+        for s in fam.samples:
+            key = (s.name, frozenset(s.labels.items()))
+            assert key not in out, f"duplicate series {key}"
+            out[key] = s.value
+    return out
+
+
+def parse(text: str) -> Samples:
+    return samples_of(list(text_string_to_metric_families(text)))
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+def series(samples: Samples, name: str) -> dict[frozenset[tuple[str, str]], float]:
+    return {lbl: v for (n, lbl), v in samples.items() if n == name}
+
+
+def make_collector(cls: type[Collector], sysfs: Path | str, config: Mapping[str, Any] | None = None,
+                   root: Root | None = None) -> Collector:
+    section = validate(dict(config or {}), Field("map", fields=dict(cls.config_fields)), cls.name)
+    logger = collector_logger(cls.name)
+    ctx = CollectorContext(cls.name, root or Root(str(sysfs)), Root("/proc"), section, logger,
+                           LogOnce(logger))
+    return cls(ctx)
+
+
+def collect(cls: type[Collector], sysfs: Path | str, config: Mapping[str, Any] | None = None,
+            root: Root | None = None) -> tuple[Samples, int]:
+    """Samples of one collection and the number of values the collector skipped."""
+    c = make_collector(cls, sysfs, config, root)
+    try:
+        return samples_of(list(c.collect())), c.ctx.unreadable
+    finally:
+        c.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def exporter_binary() -> str:
+    exe = shutil.which("gpunet-exporter")
+    assert exe, "the gpunet-exporter console script is not installed (pip install .)"
+    return exe
+
+
+class Exporter:
+    def __init__(self, args: list[str], env: Mapping[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [exporter_binary(), f"--web.listen-address=127.0.0.1:{self.port}", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + 20
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"exporter exited {self.proc.returncode}: "
+                                     f"{self.proc.stderr.read() if self.proc.stderr else ''}")
+            try:
+                if requests.get(f"{self.url}/-/healthy", timeout=1).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError("exporter did not start within 20 s")
+            time.sleep(0.05)
+
+    def metrics(self, **kw: Any) -> str:
+        r = requests.get(f"{self.url}/metrics", timeout=30, **kw)
+        r.raise_for_status()
+        return r.text
+
+    def stop(self) -> str:
+        self.proc.terminate()
+        try:
+            _, err = self.proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        return err
+
+
+@pytest.fixture
+def run_exporter() -> Iterator[Any]:
+    started: list[Exporter] = []
+
+    def start(*args: str, env: Mapping[str, str] | None = None) -> Exporter:
+        e = Exporter(list(args), env)
+        started.append(e)
+        return e
+
+    yield start
+    for e in started:
+        if e.proc.poll() is None:
+            e.stop()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs() -> None:
+    logging.getLogger("gpunet").setLevel(logging.WARNING)

@@ -1,0 +1,151 @@
+"""Bad input gets one clear message and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import UPSTREAM, exporter_binary, free_port
+
+SYSFS = str(UPSTREAM / "node_exporter-sysfs-infiniband" / "tree" / "sys")
+
+
+def run(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([exporter_binary(), *args], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def check_user_error(res: subprocess.CompletedProcess[str], code: int, *needles: str) -> None:
+    assert res.returncode == code, res.stderr
+    assert "Traceback" not in res.stderr
+    for n in needles:
+        assert n in res.stderr, res.stderr
+
+
+def write(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "gpunet.yml"
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize("text,needles", [
+    ("infiniband:\n  device_includ: mlx5\n",
+     ["key 'infiniband.device_includ': unknown key", "device_include"]),
+    ("bogus: 1\n", ["key 'bogus': unknown key"]),
+    ("infiniband:\n  device_include: '[mlx5'\n",
+     ["key 'infiniband.device_include': invalid regular expression '[mlx5'"]),
+    ("infiniband:\n  expected_rate:\n    - device: mlx5\n      gbps: fast\n",
+     ["key 'infiniband.expected_rate[0].gbps': expected a number, got 'fast' (str)"]),
+    ("infiniband:\n  expected_rate:\n    - device: mlx5\n",
+     ["infiniband.expected_rate[0].gbps': missing, it is required"]),
+    ("collectors:\n  infiniband: yes please\n",
+     ["key 'collectors.infiniband': expected true or false"]),
+    ("link:\n  expected_mtu:\n    - mtu: 12\n", ["link.expected_mtu[0].mtu': expected a value >= 68"]),
+    ("- just\n- a list\n", ["top level: expected a mapping"]),
+    ("infiniband: [\n", ["invalid YAML at line 2"]),
+])
+def test_config_errors(tmp_path: Path, text: str, needles: list[str]) -> None:
+    path = write(tmp_path, text)
+    res = run(f"--config.file={path}", f"--path.sysfs={SYSFS}")
+    check_user_error(res, 2, f"config file {path!r}", *needles)
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_config_missing_file(tmp_path: Path) -> None:
+    res = run(f"--config.file={tmp_path}/nope.yml")
+    check_user_error(res, 2, "nope.yml", "cannot read", "No such file")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--collector.infiniband.device-include=("], "invalid regular expression"),
+    (["--web.listen-address=nowhere"], "invalid --web.listen-address 'nowhere'"),
+    (["--web.listen-address=:99999"], "invalid --web.listen-address"),
+    (["--scrape.timeout=-1"], "expected a positive number of seconds"),
+    (["--log.level=loud"], "invalid choice: 'loud'"),
+    (["--web.telemetry-path=metrics"], "--web.telemetry-path"),
+])
+def test_bad_flags(args: list[str], needle: str) -> None:
+    check_user_error(run(*args), 2, needle)
+
+
+def test_port_in_use() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = run(f"--web.listen-address=127.0.0.1:{port}", f"--path.sysfs={SYSFS}")
+    check_user_error(res, 1, f"cannot listen on 127.0.0.1:{port}", "in use")
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_version() -> None:
+    res = run("--version")
+    assert res.returncode == 0 and res.stdout.startswith("gpunet-exporter ")
+
+
+def test_help_lists_collector_flags() -> None:
+    out = run("--help").stdout
+    for flag in ("--collector.infiniband", "--no-collector.link", "--collector.disable-defaults",
+                 "--collector.infiniband.device-exclude", "--path.procfs", "--log.format"):
+        assert flag in out
+
+
+def test_flags_enable_disable_and_defaults(run_exporter) -> None:  # type: ignore[no-untyped-def]
+    e = run_exporter(f"--path.sysfs={SYSFS}", "--no-collector.link")
+    text = e.metrics()
+    assert 'gpunet_scrape_collector_success{collector="infiniband"} 1.0' in text
+    assert 'collector="link"' not in text
+    e2 = run_exporter(f"--path.sysfs={SYSFS}", "--collector.disable-defaults", "--collector.link")
+    text2 = e2.metrics()
+    assert 'collector="infiniband"' not in text2
+    assert 'gpunet_scrape_collector_success{collector="link"} 1.0' in text2
+
+
+def test_config_disables_and_flag_wins(tmp_path: Path, run_exporter) -> None:  # type: ignore[no-untyped-def]
+    cfg = write(tmp_path, "collectors:\n  infiniband: false\n  link: false\n")
+    e = run_exporter(f"--path.sysfs={SYSFS}", f"--config.file={cfg}", "--collector.link")
+    text = e.metrics()
+    assert 'collector="infiniband"' not in text
+    assert 'collector="link"' in text
+
+
+def test_device_filters_flag_over_config(tmp_path: Path, run_exporter) -> None:  # type: ignore[no-untyped-def]
+    cfg = write(tmp_path, "infiniband:\n  device_include: '^i40iw'\n")
+    text = run_exporter(f"--path.sysfs={SYSFS}", f"--config.file={cfg}").metrics()
+    assert 'device="i40iw0"' in text and 'device="mlx4_0"' not in text
+    text = run_exporter(f"--path.sysfs={SYSFS}", f"--config.file={cfg}",
+                        "--collector.infiniband.device-include=^mlx4",
+                        "--collector.infiniband.device-exclude=i40iw").metrics()
+    assert 'device="mlx4_0"' in text and 'device="i40iw0"' not in text
+
+
+def test_http_endpoints_gzip_and_openmetrics(run_exporter) -> None:  # type: ignore[no-untyped-def]
+    e = run_exporter(f"--path.sysfs={SYSFS}", "--web.telemetry-path=/m")
+    plain = requests.get(f"{e.url}/m", timeout=10, headers={"Accept-Encoding": "identity"})
+    assert plain.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    gz = requests.get(f"{e.url}/m", timeout=10, headers={"Accept-Encoding": "gzip"})
+    assert gz.headers.get("Content-Encoding") == "gzip"
+    om = requests.get(f"{e.url}/m", timeout=10,
+                      headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert om.headers["Content-Type"].startswith("application/openmetrics-text")
+    assert om.text.rstrip().endswith("# EOF")
+    landing = requests.get(e.url + "/", timeout=10)
+    assert landing.status_code == 200 and "infiniband" in landing.text and 'href="/m"' in landing.text
+    assert "ok" in landing.text  # the collectors' last status after the scrapes above
+    assert requests.get(f"{e.url}/-/healthy", timeout=10).status_code == 200
+    assert requests.get(f"{e.url}/nope", timeout=10).status_code == 404
+    assert requests.get(f"{e.url}/metrics", timeout=10).status_code == 404  # path was moved
+
+
+def test_sigterm_exits_cleanly(run_exporter) -> None:  # type: ignore[no-untyped-def]
+    e = run_exporter(f"--path.sysfs={SYSFS}", "--log.format=json")
+    e.metrics()
+    err = e.stop()
+    assert e.proc.returncode == 0
+    assert '"msg": "received SIGTERM, shutting down"' in err
+    assert free_port()  # nothing to assert about the port beyond a clean exit

@@ -1,0 +1,377 @@
+"""infiniband collector on the DGX tree, its fault variants and the upstream fixture trees."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import sysfs_tree as st
+from collectors.infiniband import COUNTER_SPECS, InfinibandCollector
+from conftest import UPSTREAM, Samples, collect, series, value
+from exporter.sysfs import Root
+
+GBIT = 125_000_000
+IB = [f"mlx5_{i}" for i in range(8)]
+ROCE = ["mlx5_8", "mlx5_9"]
+
+
+@pytest.fixture
+def dgx(tmp_path: Path) -> Path:
+    return st.build_dgx_h100(tmp_path)
+
+
+def run(sysfs: Path, config: dict[str, object] | None = None, root: Root | None = None
+        ) -> tuple[Samples, int]:
+    return collect(InfinibandCollector, sysfs, config, root)
+
+
+def counter_file(sysfs: Path, dev: str, name: str, sub: str = "counters") -> int:
+    return int((sysfs / "class/infiniband" / dev / "ports/1" / sub / name).read_text())
+
+
+def test_healthy_dgx(dgx: Path) -> None:
+    s, unreadable = run(dgx)
+    assert unreadable == 0
+    infos = series(s, "gpunet_infiniband_device_info")
+    assert len(infos) == 10
+    mlx5_0 = dict(next(lbl for lbl in infos if ("device", "mlx5_0") in lbl))
+    assert mlx5_0 == {"device": "mlx5_0", "fw_ver": "28.39.2048", "hca_type": "MT4129",
+                      "board_id": "MT_0000000838", "node_guid": (dgx / "class/infiniband/mlx5_0/"
+                      "node_guid").read_text().strip(), "pci_address": "0000:18:00.0",
+                      "numa_node": "0"}
+    ports = {dict(lbl)["device"]: dict(lbl) for lbl in series(s, "gpunet_infiniband_port_info")}
+    assert ports["mlx5_0"]["link_layer"] == "InfiniBand" and ports["mlx5_0"]["netdev"] == "ibp24s0"
+    assert ports["mlx5_8"]["link_layer"] == "Ethernet"
+    assert ports["mlx5_8"]["netdev"] == "enp41s0f0np0"  # from gid_attrs/ndevs
+    for dev in IB + ROCE:
+        assert value(s, "gpunet_infiniband_port_state_id", device=dev, port="1") == 4
+        assert value(s, "gpunet_infiniband_port_phys_state_id", device=dev, port="1") == 5
+        assert value(s, "gpunet_infiniband_port_rate_bytes_per_second", device=dev,
+                     port="1") == 400 * GBIT
+        assert value(s, "gpunet_infiniband_port_link_width_lanes", device=dev, port="1") == 4
+        assert value(s, "gpunet_infiniband_port_lane_speed_bytes_per_second", device=dev,
+                     port="1") == 100 * GBIT
+        assert value(s, "gpunet_infiniband_port_rate_degraded", device=dev, port="1") == 0
+        # Correct to the byte: octets/4 in the file, bytes exported.
+        assert value(s, "gpunet_infiniband_port_transmitted_bytes_total", device=dev,
+                     port="1") == 4 * counter_file(dgx, dev, "port_xmit_data")
+        assert value(s, "gpunet_infiniband_port_received_bytes_total", device=dev,
+                     port="1") == 4 * counter_file(dgx, dev, "port_rcv_data")
+        assert value(s, "gpunet_infiniband_port_symbol_errors_total", device=dev,
+                     port="1") == counter_file(dgx, dev, "symbol_error")
+        assert value(s, "gpunet_infiniband_port_hw_out_of_buffer_drops_total", device=dev,
+                     port="1") == counter_file(dgx, dev, "out_of_buffer", "hw_counters")
+    # Every standard counter file of the tree is exported under its curated name.
+    for spec in COUNTER_SPECS.values():
+        if spec.name.endswith(("receive_discards_total",)):  # mlx4 only
+            continue
+        assert len(series(s, spec.name)) == 10, spec.name
+    # The extended (64-bit) table is in use, so port_*_data are not checked for saturation,
+    # the narrow error counters are, and none is saturated on a healthy node.
+    sat = series(s, "gpunet_infiniband_counter_saturated")
+    assert sat and set(sat.values()) == {0}
+    assert not any(("counter", "port_xmit_data") in lbl for lbl in sat)
+    assert any(("counter", "port_xmit_wait") in lbl for lbl in sat)
+    # lifespan is a setting, not a counter.
+    assert not any("lifespan" in name for name, _ in s)
+
+
+def test_unknown_hw_counter_is_kept(dgx: Path) -> None:
+    s, _ = run(dgx)
+    dev, name, raw = st.FUTURE_HW_COUNTER
+    assert value(s, "gpunet_infiniband_port_hw_counter_total", device=dev, port="1",
+                 counter=name) == raw
+    assert len(series(s, "gpunet_infiniband_device_hw_rp_cnp_handled_total")) == 10
+
+
+def test_port_down(dgx: Path) -> None:
+    st.make_port_down(dgx, "mlx5_3")
+    s, _ = run(dgx)
+    assert value(s, "gpunet_infiniband_port_state_id", device="mlx5_3", port="1") == 1
+    assert value(s, "gpunet_infiniband_port_phys_state_id", device="mlx5_3", port="1") == 3
+    assert value(s, "gpunet_infiniband_port_rate_degraded", device="mlx5_3", port="1") is None
+    assert value(s, "gpunet_infiniband_port_rate_degraded", device="mlx5_2", port="1") == 0
+
+
+def test_degraded_against_fastest_peer(dgx: Path) -> None:
+    st.make_port_degraded(dgx, "mlx5_5")
+    s, _ = run(dgx)
+    assert value(s, "gpunet_infiniband_port_rate_bytes_per_second", device="mlx5_5",
+                 port="1") == 200 * GBIT
+    assert value(s, "gpunet_infiniband_port_link_width_lanes", device="mlx5_5", port="1") == 2
+    assert value(s, "gpunet_infiniband_port_rate_degraded", device="mlx5_5", port="1") == 1
+    assert value(s, "gpunet_infiniband_port_rate_expected_bytes_per_second", device="mlx5_5",
+                 port="1") == 400 * GBIT
+    degraded = series(s, "gpunet_infiniband_port_rate_degraded")
+    assert sum(degraded.values()) == 1 and len(degraded) == 10
+
+
+def test_degraded_with_config_rules(dgx: Path) -> None:
+    st.make_port_degraded(dgx, "mlx5_5")
+    rules = [{"device": "^mlx5_5$", "gbps": 200}, {"link_layer": "InfiniBand", "gbps": 400}]
+    s, _ = run(dgx, {"expected_rate": rules})
+    assert value(s, "gpunet_infiniband_port_rate_degraded", device="mlx5_5", port="1") == 0
+    assert value(s, "gpunet_infiniband_port_rate_expected_bytes_per_second", device="mlx5_5",
+                 port="1") == 200 * GBIT
+    assert value(s, "gpunet_infiniband_port_rate_degraded", device="mlx5_0", port="1") == 0
+    # RoCE ports match no rule: no expectation, no verdict.
+    assert value(s, "gpunet_infiniband_port_rate_degraded", device="mlx5_8", port="1") is None
+    # A node where every IB port trained down: only a configured expectation catches it.
+    for dev in IB:
+        st.make_port_degraded(dgx, dev)
+    s, _ = run(dgx)
+    assert sum(series(s, "gpunet_infiniband_port_rate_degraded").values()) == 0
+    s, _ = run(dgx, {"expected_rate": [{"link_layer": "InfiniBand", "gbps": 400}]})
+    assert sum(series(s, "gpunet_infiniband_port_rate_degraded").values()) == 8
+
+
+def test_roce_judged_by_netdev_speed(dgx: Path) -> None:
+    port = dgx / "class/infiniband/mlx5_8/ports/1"
+    # Drivers before the 400G_8X fix print a bogus low rate for a healthy 400G port.
+    (port / "rate").write_text("40 Gb/sec (4X QDR)\n")
+    s, _ = run(dgx)
+    assert value(s, "gpunet_infiniband_port_rate_bytes_per_second", device="mlx5_8",
+                 port="1") == 40 * GBIT
+    assert value(s, "gpunet_infiniband_port_rate_degraded", device="mlx5_8", port="1") == 0
+    (dgx / "class/net/enp41s0f0np0/speed").write_text("200000\n")
+    s, _ = run(dgx)
+    assert value(s, "gpunet_infiniband_port_rate_degraded", device="mlx5_8", port="1") == 1
+
+
+def test_saturated_counters(dgx: Path) -> None:
+    st.make_counters_saturated(dgx, "mlx5_1")
+    s, _ = run(dgx)
+    sat = {dict(lbl)["counter"]: v for lbl, v in series(s, "gpunet_infiniband_counter_saturated")
+           .items() if ("device", "mlx5_1") in lbl}
+    for name in ("symbol_error", "link_error_recovery", "link_downed", "port_rcv_errors",
+                 "local_link_integrity_errors", "excessive_buffer_overrun_errors",
+                 "port_xmit_wait"):
+        assert sat[name] == 1, name
+    assert sat["port_xmit_discards"] == 0
+    # The value itself is exported as read, never reset.
+    assert value(s, "gpunet_infiniband_port_symbol_errors_total", device="mlx5_1",
+                 port="1") == 65535
+
+
+def test_narrow_table_data_counters_saturate(dgx: Path) -> None:
+    counters = dgx / "class/infiniband/mlx5_0/ports/1/counters"
+    for name in ("unicast_xmit_packets", "unicast_rcv_packets", "multicast_xmit_packets",
+                 "multicast_rcv_packets"):
+        (counters / name).unlink()  # the plain 32-bit PortCounters table
+    (counters / "port_xmit_data").write_text("4294967295\n")
+    (counters / "port_rcv_data").write_text("4294967294\n")
+    s, _ = run(dgx)
+    assert value(s, "gpunet_infiniband_counter_saturated", device="mlx5_0", port="1",
+                 counter="port_xmit_data") == 1
+    assert value(s, "gpunet_infiniband_counter_saturated", device="mlx5_0", port="1",
+                 counter="port_rcv_data") == 0
+
+
+def test_no_pma(dgx: Path) -> None:
+    st.make_no_pma(dgx, "mlx5_2")
+    s, unreadable = run(dgx)
+    n_files = len(list((dgx / "class/infiniband/mlx5_2/ports/1/counters").iterdir()))
+    assert unreadable == n_files
+    assert value(s, "gpunet_infiniband_port_symbol_errors_total", device="mlx5_2",
+                 port="1") is None
+    assert value(s, "gpunet_infiniband_port_info", device="mlx5_2", port="1", link_layer=
+                 "InfiniBand", netdev="ibp79s0") == 1
+    assert value(s, "gpunet_infiniband_port_hw_out_of_buffer_drops_total", device="mlx5_2",
+                 port="1") is not None  # hw_counters do not go through the PMA
+    assert value(s, "gpunet_infiniband_port_symbol_errors_total", device="mlx5_1",
+                 port="1") is not None
+
+
+def test_unreadable_isdir(dgx: Path) -> None:
+    st.make_unreadable(dgx, "mlx5_4")
+    s, unreadable = run(dgx)
+    assert value(s, "gpunet_infiniband_port_receive_errors_total", device="mlx5_4",
+                 port="1") is None
+    assert value(s, "gpunet_infiniband_port_transmit_discards_total", device="mlx5_4",
+                 port="1") is not None
+    assert unreadable >= 1
+
+
+class ErrnoRoot(Root):
+    """A kernel's errors that regular files cannot produce: read() failing with an errno."""
+
+    def __init__(self, root: str, failures: dict[str, int]) -> None:
+        super().__init__(root)
+        self.failures = failures
+
+    def read(self, rel: str) -> str:
+        for suffix, err in self.failures.items():
+            if rel.endswith(suffix):
+                raise OSError(err, os.strerror(err))
+        return super().read(rel)
+
+
+@pytest.mark.parametrize("err", [errno.EINVAL, errno.EOPNOTSUPP, errno.EACCES, errno.ENODATA,
+                                 errno.EIO])
+def test_read_errors_cost_one_value(dgx: Path, err: int) -> None:
+    failures = {"mlx5_0/ports/1/counters/symbol_error": err,
+                "mlx5_0/ports/1/hw_counters/np_cnp_sent": err,
+                "mlx5_9/ports/1/rate": err,
+                "mlx5_9/fw_ver": err}
+    s, unreadable = run(dgx, root=ErrnoRoot(str(dgx), failures))
+    assert unreadable == 3  # fw_ver is an optional label: "" rather than a skipped value
+    assert value(s, "gpunet_infiniband_port_symbol_errors_total", device="mlx5_0",
+                 port="1") is None
+    assert value(s, "gpunet_infiniband_port_link_downed_total", device="mlx5_0",
+                 port="1") is not None
+    assert value(s, "gpunet_infiniband_port_hw_np_cnp_sent_total", device="mlx5_0",
+                 port="1") is None
+    assert value(s, "gpunet_infiniband_port_rate_bytes_per_second", device="mlx5_9",
+                 port="1") is None
+    assert value(s, "gpunet_infiniband_port_state_id", device="mlx5_9", port="1") == 4
+    info = [dict(lbl) for lbl in series(s, "gpunet_infiniband_device_info")]
+    assert {"device": "mlx5_9", "fw_ver": ""}.items() <= next(
+        i for i in info if i["device"] == "mlx5_9").items()
+
+
+def test_eacces_for_real_as_unprivileged_user(tmp_path: Path) -> None:
+    """mode 000 files give a real EACCES to a non-root reader; root is dropped for this."""
+    base = Path(tempfile.mkdtemp(prefix="gpunet-eacces-"))
+    try:
+        base.chmod(0o755)
+        sysfs = st.build_dgx_h100(base)
+        st.make_unreadable(sysfs, "mlx5_4")
+        code = (
+            "import os, sys\n"
+            "sys.path.insert(0, sys.argv[2])\n"
+            "from conftest import collect, value\n"
+            "from collectors.infiniband import InfinibandCollector\n"
+            "if os.geteuid() == 0:  # imports done: root's pyenv is not readable for nobody\n"
+            "    os.setgid(65534); os.setuid(65534)\n"
+            "s, n = collect(InfinibandCollector, sys.argv[1])\n"
+            "print(n, value(s, 'gpunet_infiniband_port_symbol_errors_total', device='mlx5_4',"
+            " port='1'), value(s, 'gpunet_infiniband_port_link_downed_total', device='mlx5_4',"
+            " port='1') is not None, len([k for k in s if k[0].endswith('info')]))\n")
+        res = subprocess.run([sys.executable, "-c", code, str(sysfs), str(Path(__file__).parent)],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        n, symbol, link_downed, infos = res.stdout.split()
+        assert int(n) == 3  # two EACCES files and one EISDIR
+        assert symbol == "None" and link_downed == "True" and int(infos) == 20
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_garbage(dgx: Path) -> None:
+    st.make_garbage(dgx, "mlx5_6")
+    s, unreadable = run(dgx)
+    assert unreadable == 3
+    for name in ("gpunet_infiniband_port_link_downed_total", "gpunet_infiniband_port_vl15_dropped"
+                 "_total", "gpunet_infiniband_port_rate_bytes_per_second",
+                 "gpunet_infiniband_port_rate_degraded"):
+        assert value(s, name, device="mlx5_6", port="1") is None, name
+    assert value(s, "gpunet_infiniband_port_state_id", device="mlx5_6", port="1") == 4
+    assert value(s, "gpunet_infiniband_port_symbol_errors_total", device="mlx5_6",
+                 port="1") is not None
+
+
+def test_missing_hw_counters(dgx: Path) -> None:
+    st.make_missing_hw_counters(dgx, "mlx5_7")
+    s, unreadable = run(dgx)
+    assert unreadable == 0  # a driver without hw counters is not an error
+    assert not [k for k in s if ("device", "mlx5_7") in k[1] and "_hw_" in k[0]]
+    assert value(s, "gpunet_infiniband_port_symbol_errors_total", device="mlx5_7",
+                 port="1") is not None
+    assert len(series(s, "gpunet_infiniband_port_hw_out_of_buffer_drops_total")) == 9
+
+
+def test_dangling_device(dgx: Path) -> None:
+    st.add_dangling_device(dgx, "mlx5_10")
+    s, unreadable = run(dgx)
+    assert unreadable == 0
+    assert not [k for k in s if ("device", "mlx5_10") in k[1]]
+    assert len(series(s, "gpunet_infiniband_device_info")) == 10
+
+
+class VanishingRoot(Root):
+    """Hot-unplug in the middle of a scrape: the device's directory is removed for real right
+    after the collector has read its first attribute."""
+
+    def __init__(self, root: str, device: str) -> None:
+        super().__init__(root)
+        self.device = device
+        self.gone = False
+
+    def read(self, rel: str) -> str:
+        text = super().read(rel)
+        if not self.gone and rel.startswith(f"class/infiniband/{self.device}/"):
+            link = Path(self.path(f"class/infiniband/{self.device}"))
+            shutil.rmtree(link.resolve())
+            link.unlink()
+            self.gone = True
+        return text
+
+
+def test_device_vanishes_mid_scrape(dgx: Path) -> None:
+    root = VanishingRoot(str(dgx), "mlx5_4")
+    s, _ = run(dgx, root=root)
+    assert root.gone
+    assert value(s, "gpunet_infiniband_port_symbol_errors_total", device="mlx5_4",
+                 port="1") is None
+    for dev in [d for d in IB + ROCE if d != "mlx5_4"]:
+        assert value(s, "gpunet_infiniband_port_symbol_errors_total", device=dev,
+                     port="1") is not None, dev
+
+
+def test_include_exclude(dgx: Path) -> None:
+    import re
+    s, _ = run(dgx, {"device_include": "^mlx5_[0-3]$", "device_exclude": "mlx5_2"})
+    devs = {dict(lbl)["device"] for lbl in series(s, "gpunet_infiniband_device_info")}
+    assert devs == {"mlx5_0", "mlx5_1", "mlx5_3"}
+    assert re  # the config loader compiles the patterns
+
+
+def test_no_infiniband_class(tmp_path: Path) -> None:
+    (tmp_path / "class").mkdir()
+    s, unreadable = run(tmp_path)
+    assert s == {} and unreadable == 0
+
+
+def test_upstream_node_exporter_tree() -> None:
+    sysfs = UPSTREAM / "node_exporter-sysfs-infiniband/tree/sys"
+    s, unreadable = run(sysfs)
+    # i40iw0: every counter "N/A (no PMA)", old "10 Gb/sec (4X)" rate without a speed name.
+    assert value(s, "gpunet_infiniband_port_rate_bytes_per_second", device="i40iw0",
+                 port="1") == 10 * GBIT
+    assert value(s, "gpunet_infiniband_port_lane_speed_bytes_per_second", device="i40iw0",
+                 port="1") == 2.5 * GBIT
+    assert not [k for k in s if k[0].endswith("_total") and ("device", "i40iw0") in k[1]]
+    assert unreadable == 17
+    # mlx4_0: counters_ext/ (pre-4.5 kernels) takes precedence over counters/.
+    assert value(s, "gpunet_infiniband_port_received_packets_total", device="mlx4_0",
+                 port="1") == 0
+    assert value(s, "gpunet_infiniband_port_received_bytes_total", device="mlx4_0",
+                 port="2") == 4 * 4631917
+    assert value(s, "gpunet_infiniband_counter_saturated", device="mlx4_0", port="1",
+                 counter="port_xmit_wait") == 1
+    assert value(s, "gpunet_infiniband_port_transmit_wait_ticks_total", device="mlx4_0",
+                 port="1") == 4294967295
+
+
+def test_upstream_procfs_tree() -> None:
+    sysfs = UPSTREAM / "procfs-sysfs-infiniband/tree/sys"
+    s, unreadable = run(sysfs)
+    assert unreadable == 0
+    devs = {dict(lbl)["device"]: dict(lbl) for lbl in series(s, "gpunet_infiniband_device_info")}
+    assert set(devs) == {"hfi1_0", "mlx4_0", "mlx5_0"}
+    assert devs["mlx5_0"]["node_guid"]  # no trailing newline in the fixture
+    assert value(s, "gpunet_infiniband_port_phys_state_id", device="mlx5_0", port="1") == 4
+    assert value(s, "gpunet_infiniband_port_rate_bytes_per_second", device="mlx5_0",
+                 port="1") == 25 * GBIT
+    assert len(series(s, "gpunet_infiniband_port_state_id")) == 4  # mlx4_0 has two ports
+    hw = [k for k in s if k[0].startswith("gpunet_infiniband_port_hw_") and
+          ("device", "mlx5_0") in k[1]]
+    assert len(hw) == len(list((sysfs / "class/infiniband/mlx5_0/ports/1/hw_counters")
+                               .iterdir())) - 1  # every file but lifespan
