@@ -303,7 +303,7 @@ class InfinibandCollector(Collector):
         self._hw(f"{pdir}/hw_counters", labels, HW_PORT_SPECS, PORT_HW_COUNTER)
 
     def _counters(self, pdir: str, labels: list[str]) -> None:
-        values: dict[str, tuple[int, int, str]] = {}  # metric -> (value, width bits, file)
+        values: dict[str, tuple[int, int, int, str]] = {}  # metric -> (raw, scale, width, file)
         generic: list[tuple[str, int]] = []
         names = self._listdir(f"{pdir}/counters")
         extended = "unicast_xmit_packets" in names
@@ -319,11 +319,11 @@ class InfinibandCollector(Collector):
                     continue
                 width = 64 if d.width == "64" or (d.width == "32/64" and extended) else int(
                     d.width.split("/")[0])
-                values[d.metric] = (raw * d.scale, width, fname)
-        for metric, (value, width, fname) in values.items():
-            self._fams.add(COUNTER_SPECS[metric], labels, value)
-            if width < 64:
-                self._fams.add(SATURATED, [*labels, fname], 1 if value >= (1 << width) - 1 else 0)
+                values[d.metric] = (raw, d.scale, width, fname)
+        for metric, (raw, scale, width, fname) in values.items():
+            self._fams.add(COUNTER_SPECS[metric], labels, raw * scale)
+            if width < 64:  # saturation is judged on the PMA field, before scaling
+                self._fams.add(SATURATED, [*labels, fname], 1 if raw >= (1 << width) - 1 else 0)
         for fname, value in generic:
             self._fams.add(PORT_COUNTER, [*labels, fname], value)
 
