@@ -107,7 +107,7 @@ class Exporter:
             time.sleep(0.05)
 
     def metrics(self, **kw: Any) -> str:
-        r = requests.get(f"{self.url}/metrics", timeout=30, **kw)
+        r = requests.get(f"{self.url}/metrics", **{"timeout": 30, **kw})
         r.raise_for_status()
         return r.text
 

@@ -1,0 +1,177 @@
+"""link collector: RDMA netdevs' speed, MTU, carrier, flaps; RDMA MTU; ibv_devinfo handling."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+import sysfs_tree as st
+from collectors.link import LinkCollector
+from conftest import Samples, collect, make_collector, samples_of, series, value
+
+RDMA_NETDEVS = {"ibp24s0", "ibp64s0", "ibp79s0", "ibp94s0", "ibp154s0", "ibp192s0", "ibp206s0",
+                "ibp220s0", "enp41s0f0np0", "enp170s0f0np0"}
+
+
+@pytest.fixture
+def dgx(tmp_path: Path) -> Path:
+    return st.build_dgx_h100(tmp_path / "tree")
+
+
+def run(sysfs: Path, config: dict[str, object] | None = None) -> tuple[Samples, int]:
+    cfg = {"ibv_devinfo": {"enabled": False}, **(config or {})}
+    return collect(LinkCollector, sysfs, cfg)
+
+
+def interfaces(s: Samples) -> set[str]:
+    return {dict(lbl)["interface"] for lbl in series(s, "gpunet_link_info")}
+
+
+def test_dgx_rdma_netdevs(dgx: Path) -> None:
+    s, unreadable = run(dgx)
+    assert unreadable == 0
+    assert interfaces(s) == RDMA_NETDEVS  # not eno1 or lo
+    assert value(s, "gpunet_link_info", interface="ibp24s0", device="mlx5_0", port="1",
+                 link_layer="InfiniBand") == 1
+    for ifname in RDMA_NETDEVS:
+        assert value(s, "gpunet_link_speed_bytes_per_second", interface=ifname) == 400e9 / 8
+        assert value(s, "gpunet_link_operstate_id", interface=ifname) == 6
+        assert value(s, "gpunet_link_carrier", interface=ifname) == 1
+        changes = int((dgx / "class/net" / ifname / "carrier_changes").read_text())
+        assert value(s, "gpunet_link_carrier_changes_total", interface=ifname) == changes
+    assert value(s, "gpunet_link_mtu_bytes", interface="enp41s0f0np0") == 9000
+    assert value(s, "gpunet_link_mtu_bytes", interface="ibp24s0") == 4092
+    # RoCE active MTU derived from the netdev MTU; IB needs ibv_devinfo (disabled here).
+    assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_8", port="1") == 4096
+    assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_0", port="1") is None
+    assert not series(s, "gpunet_link_ibv_devinfo_refresh_success")
+
+
+def test_port_down_and_unknown_speed(dgx: Path) -> None:
+    st.make_port_down(dgx, "mlx5_3")
+    s, unreadable = run(dgx)
+    assert value(s, "gpunet_link_operstate_id", interface="ibp94s0") == 2
+    assert value(s, "gpunet_link_carrier", interface="ibp94s0") == 0
+    assert value(s, "gpunet_link_speed_bytes_per_second", interface="ibp94s0") is None  # "-1"
+    assert value(s, "gpunet_link_carrier_changes_total", interface="ibp94s0") == 3
+    assert unreadable == 0
+
+
+def test_extra_interfaces_and_exclude(dgx: Path) -> None:
+    s, _ = run(dgx, {"interfaces": ["eno1", "lo", "nope0"], "interface_exclude": "^ibp2"})
+    assert interfaces(s) == (RDMA_NETDEVS - {"ibp24s0", "ibp206s0", "ibp220s0"}) | {"eno1", "lo"}
+    assert value(s, "gpunet_link_info", interface="eno1", device="", port="", link_layer="") == 1
+    assert value(s, "gpunet_link_speed_bytes_per_second", interface="eno1") == 125e6
+    assert value(s, "gpunet_link_speed_bytes_per_second", interface="lo") is None  # no speed file
+    assert value(s, "gpunet_link_operstate_id", interface="lo") == 0  # "unknown"
+
+
+def test_expected_mtu_and_mismatch(dgx: Path) -> None:
+    st.make_mtu_1500(dgx, "mlx5_8")
+    rules = [{"link_layer": "Ethernet", "mtu": 9000, "rdma_mtu": 4096},
+             {"interface": "^eno", "mtu": 1500}]
+    s, _ = run(dgx, {"expected_mtu": rules, "interfaces": ["eno1"]})
+    assert value(s, "gpunet_link_mtu_bytes", interface="enp41s0f0np0") == 1500
+    assert value(s, "gpunet_link_mtu_expected_bytes", interface="enp41s0f0np0") == 9000
+    assert value(s, "gpunet_link_mtu_mismatch", interface="enp41s0f0np0") == 1
+    assert value(s, "gpunet_link_mtu_mismatch", interface="enp170s0f0np0") == 0
+    assert value(s, "gpunet_link_mtu_mismatch", interface="eno1") == 0
+    assert value(s, "gpunet_link_mtu_mismatch", interface="ibp24s0") is None  # no rule
+    assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_8", port="1") == 1024
+    assert value(s, "gpunet_link_rdma_mtu_mismatch", device="mlx5_8", port="1") == 1
+    assert value(s, "gpunet_link_rdma_mtu_mismatch", device="mlx5_9", port="1") == 0
+
+
+def test_unreadable_mtu_costs_one_value(dgx: Path) -> None:
+    (dgx / "class/net/ibp24s0/mtu").write_text("lots\n")
+    s, unreadable = run(dgx)
+    assert unreadable == 1
+    assert value(s, "gpunet_link_mtu_bytes", interface="ibp24s0") is None
+    assert value(s, "gpunet_link_speed_bytes_per_second", interface="ibp24s0") == 50e9
+
+
+DEVINFO = "".join(
+    f"hca_id:\tmlx5_{i}\n\ttransport:\t\t\tInfiniBand (0)\n\tphys_port_cnt:\t\t\t1\n"
+    f"\t\tport:\t1\n\t\t\tstate:\t\t\tPORT_ACTIVE (4)\n\t\t\tmax_mtu:\t\t4096 (5)\n"
+    f"\t\t\tactive_mtu:\t\t{2048 if i == 6 else 4096} ({4 if i == 6 else 5})\n"
+    f"\t\t\tlink_layer:\t\tInfiniBand\n\n" for i in range(8))
+
+
+def fake_tool(tmp_path: Path, body: str) -> Path:
+    """A stand-in for ibv_devinfo on PATH: a real executable that prints, fails or hangs."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    tool = bindir / "ibv_devinfo"
+    tool.write_text("#!/bin/sh\n" + body)
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    return tool
+
+
+def test_ibv_devinfo_active_mtu(dgx: Path, tmp_path: Path) -> None:
+    out = tmp_path / "devinfo.txt"
+    out.write_text(DEVINFO)
+    tool = fake_tool(tmp_path, f"cat {out}\n")
+    cfg = {"ibv_devinfo": {"path": str(tool)},
+           "expected_mtu": [{"link_layer": "InfiniBand", "rdma_mtu": 4096}]}
+    c = make_collector(LinkCollector, dgx, cfg)
+    try:
+        s = samples_of(list(c.collect()))
+    finally:
+        c.close()
+    assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_0", port="1") == 4096
+    assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_6", port="1") == 2048
+    assert value(s, "gpunet_link_rdma_mtu_mismatch", device="mlx5_6", port="1") == 1
+    assert sum(series(s, "gpunet_link_rdma_mtu_mismatch").values()) == 1
+    assert value(s, "gpunet_link_ibv_devinfo_refresh_success") == 1
+    age = value(s, "gpunet_link_ibv_devinfo_age_seconds")
+    assert age is not None and 0 <= age < 60
+
+
+def test_ibv_devinfo_failure_keeps_last_good_values(dgx: Path, tmp_path: Path) -> None:
+    out = tmp_path / "devinfo.txt"
+    out.write_text(DEVINFO)
+    # Succeeds while the capture exists, then fails like a broken driver would.
+    tool = fake_tool(tmp_path, f"[ -f {out} ] || {{ echo 'Failed to get IB devices list' >&2; "
+                               "exit 1; }\n" f"cat {out}\n")
+    c = make_collector(LinkCollector, dgx, {"ibv_devinfo": {"path": str(tool)}})
+    try:
+        first = samples_of(list(c.collect()))
+        assert value(first, "gpunet_link_ibv_devinfo_refresh_success") == 1
+        out.unlink()
+        refresher = c._ibv  # type: ignore[attr-defined]
+        refresher.refresh()  # the background thread's next round, without waiting for it
+        s = samples_of(list(c.collect()))
+    finally:
+        c.close()
+    assert value(s, "gpunet_link_ibv_devinfo_refresh_success") == 0
+    assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_0", port="1") == 4096
+
+
+@pytest.mark.parametrize("body,reason", [("exit 3\n", "fails"), ("echo garbage\n", "garbage"),
+                                         ("sleep 30\n", "hangs")])
+def test_ibv_devinfo_broken_tool(dgx: Path, tmp_path: Path, body: str, reason: str) -> None:
+    tool = fake_tool(tmp_path, body)
+    c = make_collector(LinkCollector, dgx, {"ibv_devinfo": {"path": str(tool),
+                                                           "timeout_seconds": 0.5}})
+    t0 = time.monotonic()
+    try:
+        s = samples_of(list(c.collect()))
+    finally:
+        c.close()
+    assert time.monotonic() - t0 < 20  # killed after its timeout, not waited for
+    assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_0", port="1") is None
+    assert value(s, "gpunet_link_mtu_bytes", interface="ibp24s0") == 4092  # the rest is intact
+    expected = 1 if reason == "garbage" else 0  # garbage parses to "no ports": not a failure
+    assert value(s, "gpunet_link_ibv_devinfo_refresh_success") == expected
+
+
+def test_ibv_devinfo_not_installed(dgx: Path, tmp_path: Path) -> None:
+    s, unreadable = collect(LinkCollector, dgx, {"ibv_devinfo": {"path": str(tmp_path / "no")}})
+    assert unreadable == 0
+    assert not series(s, "gpunet_link_ibv_devinfo_refresh_success")
+    assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_0", port="1") is None
+    assert os.path.exists(dgx)
