@@ -1,0 +1,61 @@
+"""docs/metrics.md is generated from the code and must not be stale; every metric follows the
+naming rules (prefix, base units, _total on counters, no target labels)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import sysfs_tree as st
+from collectors.infiniband import InfinibandCollector
+from collectors.link import LinkCollector
+from conftest import REPO, collect
+from exporter.metricsdoc import render
+from exporter.registry import SCRAPE_METRICS, discover
+
+ALL_SPECS = [*SCRAPE_METRICS, *(s for c in discover().values() for s in c.metrics)]
+
+
+def test_metrics_md_is_fresh() -> None:
+    committed = (REPO / "docs" / "metrics.md").read_text()
+    assert committed == render(), (
+        "docs/metrics.md is stale: run `python -m exporter.metricsdoc > docs/metrics.md`")
+
+
+def test_every_exported_family_is_documented(tmp_path: Path) -> None:
+    sysfs = st.build_dgx_h100(tmp_path)
+    st.make_port_degraded(sysfs)
+    documented = {s.name for s in ALL_SPECS}
+    doc_text = (REPO / "docs" / "metrics.md").read_text()
+    seen = set()
+    for cls, cfg in ((InfinibandCollector, {}), (LinkCollector, {
+            "ibv_devinfo": {"enabled": False},
+            "expected_mtu": [{"mtu": 9000, "rdma_mtu": 4096, "link_layer": "Ethernet"}]})):
+        samples, _ = collect(cls, sysfs, cfg)
+        for name, _labels in samples:
+            family = name  # counters are declared with their _total name
+            assert family in documented, f"{family} is exported but not declared"
+            assert f"`{family}`" in doc_text
+            seen.add(family)
+    assert len(seen) > 60
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.name)
+def test_naming_rules(spec) -> None:  # type: ignore[no-untyped-def]
+    assert re.fullmatch(r"gpunet_[a-z0-9_]+", spec.name)
+    assert spec.name.endswith("_total") == (spec.type == "counter")
+    assert not {"hostname", "host", "instance", "job", "node"} & set(spec.labels)
+    assert spec.help and spec.source, "HELP must say what the value is and where it comes from"
+    if spec.unit == "bytes":
+        assert spec.name.endswith(("_bytes", "_bytes_total")), spec.name
+    if spec.unit == "bytes per second":
+        assert spec.name.endswith("_bytes_per_second")
+    if spec.unit == "seconds":
+        assert spec.name.endswith(("_seconds", "_seconds_total"))
+    for forbidden in ("_kb", "_mb", "_gb", "_ms", "_percent", "_bits"):
+        assert forbidden not in spec.name
+    if spec.name.endswith("_info"):
+        assert spec.type == "gauge"
+    assert "Unit:" in spec.full_help or not spec.unit
