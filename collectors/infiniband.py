@@ -231,20 +231,28 @@ class InfinibandCollector(Collector):
                 self.ctx.skip(rel, _errno_name(exc))
             return None
 
-    def _uint(self, rel: str) -> int | None:
-        text = self._text(rel)
-        if text is None:
-            return None
-        value = parse_uint(text)
-        if value is None:
-            self.ctx.skip(rel, "no PMA" if text.startswith("N/A") else f"unparseable {text[:40]!r}")
-        return value
+    def _uints(self, rel: str) -> list[tuple[str, int]]:
+        """(file name, value) of every readable, parseable file in a counter directory.
 
-    def _listdir(self, rel: str) -> list[str]:
+        A missing directory gives nothing (no such counters on this driver); an unreadable or
+        unparseable file is skipped and counted, costing that value alone.
+        """
         try:
-            return self.ctx.sysfs.listdir(rel)
+            entries = self.ctx.sysfs.read_dir(rel)
         except OSError:
             return []
+        out = []
+        for fname, text in entries.items():
+            if isinstance(text, OSError):
+                self.ctx.skip(f"{rel}/{fname}", _errno_name(text))
+                continue
+            value = parse_uint(text)
+            if value is None:
+                why = "no PMA" if text.startswith("N/A") else f"unparseable {text[:40]!r}"
+                self.ctx.skip(f"{rel}/{fname}", why)
+                continue
+            out.append((fname, value))
+        return out
 
     # -- per device and port ---------------------------------------------------------------
 
@@ -305,14 +313,12 @@ class InfinibandCollector(Collector):
     def _counters(self, pdir: str, labels: list[str]) -> None:
         values: dict[str, tuple[int, int, int, str]] = {}  # metric -> (raw, scale, width, file)
         generic: list[tuple[str, int]] = []
-        names = self._listdir(f"{pdir}/counters")
-        extended = "unicast_xmit_packets" in names
-        for sub, files in (("counters", names), ("counters_ext", self._listdir(
-                f"{pdir}/counters_ext"))):
-            for fname in files:
-                raw = self._uint(f"{pdir}/{sub}/{fname}")
-                if raw is None:
-                    continue
+        # counters_ext/ (kernels before 4.5) is read second and takes precedence.
+        read = [self._uints(f"{pdir}/{sub}") for sub in ("counters", "counters_ext")]
+        # The kernel uses the extended table (64-bit data counters) when it has these files.
+        extended = any(fname == "unicast_xmit_packets" for fname, _ in read[0])
+        for entries in read:
+            for fname, raw in entries:
                 d = COUNTERS.get(fname)
                 if d is None:
                     generic.append((fname, raw))
@@ -329,11 +335,8 @@ class InfinibandCollector(Collector):
 
     def _hw(self, hdir: str, labels: list[str], specs: Mapping[str, MetricSpec],
             generic: MetricSpec) -> None:
-        for fname in self._listdir(hdir):
+        for fname, value in self._uints(hdir):
             if HW_NAMES.get(fname) == "-":
-                continue
-            value = self._uint(f"{hdir}/{fname}")
-            if value is None:
                 continue
             spec = specs.get(fname)
             if spec is not None:

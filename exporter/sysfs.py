@@ -12,6 +12,7 @@ import os
 
 # O_NONBLOCK: opening a FIFO planted in a tree returns at once instead of blocking the scrape.
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 _MAX_READ = 65536
 
 
@@ -26,7 +27,30 @@ class Root:
 
     def read(self, rel: str) -> str:
         """The file's text with trailing whitespace removed; raises OSError."""
-        fd = os.open(f"{self.root}/{rel}", _OPEN_FLAGS)
+        return self._read(f"{self.root}/{rel}", None, rel)
+
+    def read_dir(self, rel: str) -> dict[str, str | OSError]:
+        """Every entry of a directory read at once: name -> text, or the OSError reading it gave.
+
+        Opens the directory once and each file relative to it (openat), which saves resolving
+        the whole path, symlinks included, for each of the hundreds of counter files.
+        Raises OSError when the directory itself cannot be opened.
+        """
+        dfd = os.open(f"{self.root}/{rel}", _DIR_FLAGS)
+        try:
+            out: dict[str, str | OSError] = {}
+            for name in sorted(os.listdir(dfd)):
+                try:
+                    out[name] = self._read(name, dfd, f"{rel}/{name}")
+                except OSError as exc:
+                    out[name] = exc
+            return out
+        finally:
+            os.close(dfd)
+
+    def _read(self, path: str, dir_fd: int | None, rel: str) -> str:
+        """The one place a file is read; ``rel`` (relative to the root) lets tests inject errors."""
+        fd = os.open(path, _OPEN_FLAGS, dir_fd=dir_fd)
         try:
             data = os.read(fd, _MAX_READ)
         finally:

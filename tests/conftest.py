@@ -1,4 +1,4 @@
-"""Shared test helpers: run a collector in-process on a tree, or the installed exporter over HTTP."""
+"""Test helpers: run a collector in-process on a tree, or the installed exporter over HTTP."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from exporter.collector import Collector, CollectorContext, LogOnce, collector_logger  # noqa: E402
-from exporter.config import Field, validate  # noqa: E402
-from exporter.sysfs import Root  # noqa: E402
+from exporter.collector import Collector, CollectorContext, LogOnce, collector_logger
+from exporter.config import Field, validate
+from exporter.sysfs import Root
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"

@@ -44,7 +44,8 @@ def write(tmp_path: Path, text: str) -> str:
      ["infiniband.expected_rate[0].gbps': missing, it is required"]),
     ("collectors:\n  infiniband: yes please\n",
      ["key 'collectors.infiniband': expected true or false"]),
-    ("link:\n  expected_mtu:\n    - mtu: 12\n", ["link.expected_mtu[0].mtu': expected a value >= 68"]),
+    ("link:\n  expected_mtu:\n    - mtu: 12\n",
+     ["link.expected_mtu[0].mtu': expected a value >= 68"]),
     ("- just\n- a list\n", ["top level: expected a mapping"]),
     ("infiniband: [\n", ["invalid YAML at line 2"]),
 ])
@@ -135,7 +136,8 @@ def test_http_endpoints_gzip_and_openmetrics(run_exporter) -> None:  # type: ign
     assert om.headers["Content-Type"].startswith("application/openmetrics-text")
     assert om.text.rstrip().endswith("# EOF")
     landing = requests.get(e.url + "/", timeout=10)
-    assert landing.status_code == 200 and "infiniband" in landing.text and 'href="/m"' in landing.text
+    assert landing.status_code == 200
+    assert "infiniband" in landing.text and 'href="/m"' in landing.text
     assert "ok" in landing.text  # the collectors' last status after the scrapes above
     assert requests.get(f"{e.url}/-/healthy", timeout=10).status_code == 200
     assert requests.get(f"{e.url}/nope", timeout=10).status_code == 404

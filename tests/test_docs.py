@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-import sysfs_tree as st
 from collectors.infiniband import InfinibandCollector
 from collectors.link import LinkCollector
-from conftest import REPO, collect
 from exporter.metricsdoc import render
 from exporter.registry import SCRAPE_METRICS, discover
+
+import sysfs_tree as st
+from conftest import REPO, collect
 
 ALL_SPECS = [*SCRAPE_METRICS, *(s for c in discover().values() for s in c.metrics)]
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-import sysfs_tree as st
 from collectors.infiniband import COUNTER_SPECS, InfinibandCollector
-from conftest import UPSTREAM, Samples, collect, series, value
 from exporter.sysfs import Root
+
+import sysfs_tree as st
+from conftest import UPSTREAM, Samples, collect, series, value
 
 GBIT = 125_000_000
 IB = [f"mlx5_{i}" for i in range(8)]
@@ -206,11 +207,11 @@ class ErrnoRoot(Root):
         super().__init__(root)
         self.failures = failures
 
-    def read(self, rel: str) -> str:
+    def _read(self, path: str, dir_fd: int | None, rel: str) -> str:
         for suffix, err in self.failures.items():
             if rel.endswith(suffix):
                 raise OSError(err, os.strerror(err))
-        return super().read(rel)
+        return super()._read(path, dir_fd, rel)
 
 
 @pytest.mark.parametrize("err", [errno.EINVAL, errno.EOPNOTSUPP, errno.EACCES, errno.ENODATA,

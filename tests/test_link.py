@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import sysfs_tree as st
 from collectors.link import LinkCollector
+
+import sysfs_tree as st
 from conftest import Samples, collect, make_collector, samples_of, series, value
 
 RDMA_NETDEVS = {"ibp24s0", "ibp64s0", "ibp79s0", "ibp94s0", "ibp154s0", "ibp192s0", "ibp206s0",
