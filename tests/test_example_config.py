@@ -1,0 +1,17 @@
+"""The shipped example configuration is valid and means what its comments say."""
+
+from __future__ import annotations
+
+from conftest import REPO
+from exporter.cli import config_schema
+from exporter.config import load_file
+from exporter.registry import discover
+
+
+def test_example_config_loads() -> None:
+    cfg = load_file(str(REPO / "examples" / "gpunet.yml"), config_schema(discover()))
+    assert cfg["collectors"] == {"infiniband": True, "link": True}
+    assert cfg["infiniband"]["device_include"].search("mlx5_3")
+    assert [r["gbps"] for r in cfg["infiniband"]["expected_rate"]] == [400, 400]
+    assert cfg["link"]["expected_mtu"][0] == {"link_layer": "Ethernet", "mtu": 9000,
+                                              "rdma_mtu": 4096}
