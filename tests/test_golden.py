@@ -1,0 +1,218 @@
+"""Golden end-to-end test: the installed exporter on a DGX H100 tree with every fault variant.
+
+One exporter (the installed console script) serves a DGX tree with all fault variants of
+sysfs_tree applied except make_unreadable (its result depends on running as root), and a config
+with an expected rate and an expected MTU rule. Its /metrics, minus what varies from run to run
+(durations, ages, versions) and minus HELP text, sorted, must equal
+tests/golden/dgx-h100-faults.prom.
+
+Regenerate the golden file with GPUNET_UPDATE_GOLDEN=1 (the test then rewrites it and passes);
+test_facts checks the meaning of the same scrape independently of the golden file, so a wrong
+regeneration is caught even when the reviewer skims the diff. test_promtool lints the raw scrape.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import shutil
+import subprocess
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from collectors.infiniband import COUNTER_SPECS
+
+import sysfs_tree as st
+from conftest import Exporter, Samples, parse, series, value
+
+GOLDEN = Path(__file__).parent / "golden" / "dgx-h100-faults.prom"
+UPDATE = os.environ.get("GPUNET_UPDATE_GOLDEN") == "1"
+
+CONFIG = """\
+infiniband:
+  expected_rate:
+    - {link_layer: InfiniBand, gbps: 400}
+link:
+  expected_mtu:
+    - {link_layer: Ethernet, mtu: 9000}
+  ibv_devinfo: {enabled: false}   # keep the host's ibv_devinfo (if any) out of the output
+"""
+
+# Families whose values depend on time; dropped from the golden comparison.
+TIME_BASED = {"gpunet_scrape_collector_duration_seconds", "gpunet_link_ibv_devinfo_age_seconds"}
+# Families whose labels carry versions; kept, with their labels dropped.
+VERSIONED = {"gpunet_exporter_build_info"}
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+DOWN, DEGRADED, SATURATED, NO_PMA = "mlx5_3", "mlx5_5", "mlx5_1", "mlx5_2"
+GARBAGE, NO_HW, MTU_1500, DANGLING = "mlx5_6", "mlx5_7", "mlx5_8", "mlx5_10"
+# Files make_counters_saturated sets to the all-ones value of their PMA field width.
+SATURATED_FILES = {"symbol_error", "link_error_recovery", "link_downed", "port_rcv_errors",
+                   "local_link_integrity_errors", "excessive_buffer_overrun_errors",
+                   "port_xmit_wait"}
+DEVICES = [nic.ibdev for nic in st.DGX_NICS]
+
+
+class Scrape:
+    def __init__(self, sysfs: Path, text: str) -> None:
+        self.sysfs = sysfs
+        self.text = text
+        self.samples: Samples = parse(text)
+
+
+@pytest.fixture(scope="module")
+def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
+    root = tmp_path_factory.mktemp("golden")
+    sysfs = st.build_dgx_h100(root)
+    st.make_port_down(sysfs, DOWN)
+    st.make_port_degraded(sysfs, DEGRADED)
+    st.make_counters_saturated(sysfs, SATURATED)
+    st.make_no_pma(sysfs, NO_PMA)
+    st.make_mtu_1500(sysfs, MTU_1500)
+    st.add_dangling_device(sysfs, DANGLING)
+    st.make_garbage(sysfs, GARBAGE)
+    st.make_missing_hw_counters(sysfs, NO_HW)
+    config = root / "config.yml"
+    config.write_text(CONFIG)
+    exporter = Exporter([f"--path.sysfs={sysfs}", f"--config.file={config}"])
+    try:
+        yield Scrape(sysfs, exporter.metrics())
+    finally:
+        exporter.stop()
+
+
+def normalise(text: str) -> str:
+    """Sorted TYPE and sample lines, without HELP, time-based families and version labels."""
+    out: list[str] = []
+    for line in text.splitlines():
+        if not line or line.startswith("# HELP "):
+            continue
+        if line.startswith("# TYPE "):
+            name = line.split(" ")[2]
+        else:
+            m = _NAME.match(line)
+            assert m, f"not an exposition line: {line!r}"
+            name = m.group(0)
+            if name in VERSIONED:
+                line = re.sub(r"\{[^}]*\}", "", line)
+        if name not in TIME_BASED:
+            out.append(line)
+    return "\n".join(sorted(out)) + "\n"
+
+
+def test_golden(scrape: Scrape) -> None:
+    got = normalise(scrape.text)
+    if UPDATE:
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(got)
+        msg = f"GPUNET_UPDATE_GOLDEN=1: rewrote {GOLDEN} ({got.count(chr(10))} lines)"
+        print(msg)
+        warnings.warn(msg, stacklevel=1)
+        return
+    assert GOLDEN.exists(), f"{GOLDEN} missing; create it with GPUNET_UPDATE_GOLDEN=1"
+    want = GOLDEN.read_text()
+    if got != want:
+        diff = "".join(difflib.unified_diff(
+            want.splitlines(keepends=True), got.splitlines(keepends=True),
+            fromfile="tests/golden/dgx-h100-faults.prom", tofile="scrape", n=1))
+        pytest.fail(f"/metrics differs from the golden file (regenerate with "
+                    f"GPUNET_UPDATE_GOLDEN=1 if the change is intended):\n{diff}", pytrace=False)
+
+
+def test_promtool(scrape: Scrape) -> None:
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is not installed (tests/run.sh installs the prometheus package)"
+    res = subprocess.run([promtool, "check", "metrics"], input=scrape.text, capture_output=True,
+                         text=True, timeout=30, check=False)
+    problems = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
+    assert res.returncode == 0 and not problems, (
+        f"promtool check metrics exited {res.returncode}:\n" + "\n".join(problems))
+
+
+def _ports(s: Samples, name: str) -> dict[str, float]:
+    """device -> value of a per-port series (all ports here are port 1)."""
+    out: dict[str, float] = {}
+    for labels, v in series(s, name).items():
+        d = dict(labels)
+        assert d["port"] == "1", d
+        out[d["device"]] = v
+    return out
+
+
+def test_facts(scrape: Scrape) -> None:
+    s, sysfs = scrape.samples, scrape.sysfs
+    for collector in ("infiniband", "link"):
+        assert value(s, "gpunet_scrape_collector_success", collector=collector) == 1, collector
+
+    # Every device of the tree reports, the dangling class link nowhere.
+    infos = _ports(s, "gpunet_infiniband_port_info")
+    assert sorted(infos) == sorted(DEVICES)
+    assert DANGLING not in scrape.text
+
+    # Degraded: only mlx5_5 (2X NDR, 200 Gb/s against the 400 Gb/s rule).
+    degraded = _ports(s, "gpunet_infiniband_port_rate_degraded")
+    assert degraded == {**dict.fromkeys(degraded, 0), DEGRADED: 1}
+    assert len(degraded) == 6  # the active IB ports with a readable rate; RoCE has no rule
+    assert value(s, "gpunet_infiniband_port_rate_bytes_per_second", device=DEGRADED,
+                 port="1") == 200 * 125_000_000
+    assert value(s, "gpunet_infiniband_port_link_width_lanes", device=DEGRADED, port="1") == 2
+
+    # Down: state DOWN, phys Disabled, and no expected-rate judgement at all.
+    assert value(s, "gpunet_infiniband_port_state_id", device=DOWN, port="1") == 1
+    assert value(s, "gpunet_infiniband_port_phys_state_id", device=DOWN, port="1") == 3
+    assert DOWN not in degraded
+    assert DOWN not in _ports(s, "gpunet_infiniband_port_rate_expected_bytes_per_second")
+    assert value(s, "gpunet_link_carrier", interface="ibp94s0") == 0
+
+    # Saturated: exactly the files make_counters_saturated pinned, on mlx5_1 only.
+    sat = {(dict(lbl)["device"], dict(lbl)["counter"]): v
+           for lbl, v in series(s, "gpunet_infiniband_counter_saturated").items()}
+    assert {c for (d, c), v in sat.items() if v == 1 and d == SATURATED} == SATURATED_FILES
+    assert {d for (d, _), v in sat.items() if v == 1} == {SATURATED}
+    assert value(s, "gpunet_infiniband_port_transmit_wait_ticks_total", device=SATURATED,
+                 port="1") == 0xFFFFFFFF
+
+    # No PMA: port_info (and hw_counters, which do not come from the PMA) but no counters/ value.
+    assert infos[NO_PMA] == 1
+    pma_names = {spec.name for spec in COUNTER_SPECS.values()}
+    pma_names |= {"gpunet_infiniband_port_counter_total", "gpunet_infiniband_counter_saturated"}
+    no_pma = [n for (n, lbl) in s if n in pma_names and ("device", NO_PMA) in lbl]
+    assert no_pma == [], no_pma
+    assert value(s, "gpunet_infiniband_port_hw_rx_write_requests_total", device=NO_PMA,
+                 port="1") is not None
+
+    # Garbage: only the three bad values go; missing hw_counters: no hw series for mlx5_7.
+    assert GARBAGE not in _ports(s, "gpunet_infiniband_port_rate_bytes_per_second")
+    assert GARBAGE not in _ports(s, "gpunet_infiniband_port_link_downed_total")
+    assert GARBAGE not in _ports(s, "gpunet_infiniband_port_vl15_dropped_total")
+    assert GARBAGE in _ports(s, "gpunet_infiniband_port_symbol_errors_total")
+    assert not [n for (n, lbl) in s if "_hw_" in n and ("device", NO_HW) in lbl]
+    # 21 "N/A (no PMA)" files + 3 garbage values, nothing else.
+    assert value(s, "gpunet_scrape_collector_unreadable_values", collector="infiniband") == 24
+    assert value(s, "gpunet_scrape_collector_unreadable_values", collector="link") == 0
+
+    # MTU 1500 on the RoCE netdev of mlx5_8: mismatch against the 9000 rule, RDMA MTU 1024.
+    assert value(s, "gpunet_link_mtu_bytes", interface="enp41s0f0np0") == 1500
+    assert value(s, "gpunet_link_mtu_mismatch", interface="enp41s0f0np0") == 1
+    assert value(s, "gpunet_link_mtu_mismatch", interface="enp170s0f0np0") == 0
+    assert value(s, "gpunet_link_rdma_active_mtu_bytes", device=MTU_1500, port="1") == 1024
+    assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_9", port="1") == 4096
+
+    # port_xmit_data / port_rcv_data count octets / 4: exported x 4, to the byte.
+    checked = 0
+    for dev in DEVICES:
+        counters = sysfs / "class/infiniband" / dev / "ports/1/counters"
+        for fname, metric in (("port_xmit_data", "gpunet_infiniband_port_transmitted_bytes_total"),
+                              ("port_rcv_data", "gpunet_infiniband_port_received_bytes_total")):
+            text = (counters / fname).read_text()
+            got = value(s, metric, device=dev, port="1")
+            if dev == NO_PMA:
+                assert text.startswith("N/A") and got is None
+                continue
+            assert got == 4 * int(text), (dev, fname, got, text)
+            checked += 1
+    assert checked == 2 * (len(DEVICES) - 1)
