@@ -140,29 +140,30 @@ LANE_SPEED = MetricSpec(
 RATE_EXPECTED = MetricSpec(
     "gpunet_infiniband_port_rate_expected_bytes_per_second", "gauge",
     "Rate an active port should run at: the first matching infiniband.expected_rate rule of the "
-    "config, or without one the fastest active port of the same hca_type and link_layer on "
-    "this node", _P, "bytes per second", "config file, or derived from the rate files")
+    "config (with rules configured, a port no rule matches has no expectation), or with no "
+    "rules the fastest active port of the same hca_type and link_layer on this node", _P,
+    "bytes per second", "config file, or derived from the rate files")
 RATE_DEGRADED = MetricSpec(
     "gpunet_infiniband_port_rate_degraded", "gauge",
     "1 when an active port runs below its expected rate, else 0 (RoCE ports are judged by the "
     "netdev speed when known, since some drivers print a bogus rate)", _P, "boolean",
     "ports/<port>/rate, /sys/class/net/<netdev>/speed")
 SATURATED = MetricSpec(
-    "gpunet_infiniband_counter_saturated", "gauge",
+    "gpunet_infiniband_port_pma_saturated", "gauge",
     "1 when a standard PMA counter narrower than 64 bits sits at its maximum value (IBA counters "
     "stick instead of wrapping; its rate then reads 0), else 0", ("device", "port", "counter"),
     "boolean", "/sys/class/infiniband/<device>/ports/<port>/counters/<counter>")
 PORT_COUNTER = MetricSpec(
-    "gpunet_infiniband_port_counter_total", "counter",
+    "gpunet_infiniband_port_pma_total", "counter",
     "A counters/ file this exporter has no curated name for, by file name", (*_P, "counter"),
     "as the kernel counts it", "/sys/class/infiniband/<device>/ports/<port>/counters/<counter>")
 PORT_HW_COUNTER = MetricSpec(
-    "gpunet_infiniband_port_hw_counter_total", "counter",
+    "gpunet_infiniband_port_hw_total", "counter",
     "A hw_counters/ file this exporter has no curated name for (new driver or firmware "
     "counters), by file name", (*_P, "counter"), "as the driver counts it",
     "/sys/class/infiniband/<device>/ports/<port>/hw_counters/<counter>")
 DEVICE_HW_COUNTER = MetricSpec(
-    "gpunet_infiniband_device_hw_counter_total", "counter",
+    "gpunet_infiniband_device_hw_total", "counter",
     "A device-level hw_counters/ file this exporter has no curated name for, by file name",
     ("device", "counter"), "as the driver counts it",
     "/sys/class/infiniband/<device>/hw_counters/<counter>")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from conftest import REPO
 from exporter.cli import config_schema
 from exporter.config import load_file
 from exporter.registry import discover
+
+from conftest import REPO
 
 
 def test_example_config_loads() -> None:

@@ -170,7 +170,7 @@ def test_facts(scrape: Scrape) -> None:
 
     # Saturated: exactly the files make_counters_saturated pinned, on mlx5_1 only.
     sat = {(dict(lbl)["device"], dict(lbl)["counter"]): v
-           for lbl, v in series(s, "gpunet_infiniband_counter_saturated").items()}
+           for lbl, v in series(s, "gpunet_infiniband_port_pma_saturated").items()}
     assert {c for (d, c), v in sat.items() if v == 1 and d == SATURATED} == SATURATED_FILES
     assert {d for (d, _), v in sat.items() if v == 1} == {SATURATED}
     assert value(s, "gpunet_infiniband_port_transmit_wait_ticks_total", device=SATURATED,
@@ -179,7 +179,7 @@ def test_facts(scrape: Scrape) -> None:
     # No PMA: port_info (and hw_counters, which do not come from the PMA) but no counters/ value.
     assert infos[NO_PMA] == 1
     pma_names = {spec.name for spec in COUNTER_SPECS.values()}
-    pma_names |= {"gpunet_infiniband_port_counter_total", "gpunet_infiniband_counter_saturated"}
+    pma_names |= {"gpunet_infiniband_port_pma_total", "gpunet_infiniband_port_pma_saturated"}
     no_pma = [n for (n, lbl) in s if n in pma_names and ("device", NO_PMA) in lbl]
     assert no_pma == [], no_pma
     assert value(s, "gpunet_infiniband_port_hw_rx_write_requests_total", device=NO_PMA,

@@ -76,7 +76,7 @@ def test_healthy_dgx(dgx: Path) -> None:
         assert len(series(s, spec.name)) == 10, spec.name
     # The extended (64-bit) table is in use, so port_*_data are not checked for saturation,
     # the narrow error counters are, and none is saturated on a healthy node.
-    sat = series(s, "gpunet_infiniband_counter_saturated")
+    sat = series(s, "gpunet_infiniband_port_pma_saturated")
     assert sat and set(sat.values()) == {0}
     assert not any(("counter", "port_xmit_data") in lbl for lbl in sat)
     assert any(("counter", "port_xmit_wait") in lbl for lbl in sat)
@@ -87,7 +87,7 @@ def test_healthy_dgx(dgx: Path) -> None:
 def test_unknown_hw_counter_is_kept(dgx: Path) -> None:
     s, _ = run(dgx)
     dev, name, raw = st.FUTURE_HW_COUNTER
-    assert value(s, "gpunet_infiniband_port_hw_counter_total", device=dev, port="1",
+    assert value(s, "gpunet_infiniband_port_hw_total", device=dev, port="1",
                  counter=name) == raw
     assert len(series(s, "gpunet_infiniband_device_hw_rp_cnp_handled_total")) == 10
 
@@ -149,7 +149,7 @@ def test_roce_judged_by_netdev_speed(dgx: Path) -> None:
 def test_saturated_counters(dgx: Path) -> None:
     st.make_counters_saturated(dgx, "mlx5_1")
     s, _ = run(dgx)
-    sat = {dict(lbl)["counter"]: v for lbl, v in series(s, "gpunet_infiniband_counter_saturated")
+    sat = {dict(lbl)["counter"]: v for lbl, v in series(s, "gpunet_infiniband_port_pma_saturated")
            .items() if ("device", "mlx5_1") in lbl}
     for name in ("symbol_error", "link_error_recovery", "link_downed", "port_rcv_errors",
                  "local_link_integrity_errors", "excessive_buffer_overrun_errors",
@@ -169,9 +169,9 @@ def test_narrow_table_data_counters_saturate(dgx: Path) -> None:
     (counters / "port_xmit_data").write_text("4294967295\n")
     (counters / "port_rcv_data").write_text("4294967294\n")
     s, _ = run(dgx)
-    assert value(s, "gpunet_infiniband_counter_saturated", device="mlx5_0", port="1",
+    assert value(s, "gpunet_infiniband_port_pma_saturated", device="mlx5_0", port="1",
                  counter="port_xmit_data") == 1
-    assert value(s, "gpunet_infiniband_counter_saturated", device="mlx5_0", port="1",
+    assert value(s, "gpunet_infiniband_port_pma_saturated", device="mlx5_0", port="1",
                  counter="port_rcv_data") == 0
 
 
@@ -355,7 +355,7 @@ def test_upstream_node_exporter_tree() -> None:
                  port="1") == 0
     assert value(s, "gpunet_infiniband_port_received_bytes_total", device="mlx4_0",
                  port="2") == 4 * 4631917
-    assert value(s, "gpunet_infiniband_counter_saturated", device="mlx4_0", port="1",
+    assert value(s, "gpunet_infiniband_port_pma_saturated", device="mlx4_0", port="1",
                  counter="port_xmit_wait") == 1
     assert value(s, "gpunet_infiniband_port_transmit_wait_ticks_total", device="mlx4_0",
                  port="1") == 4294967295

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 import sysfs_tree as st
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "dgx-h100"
