@@ -4,20 +4,28 @@ page at / listing the collectors and their last status, and /-/healthy."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import gzip
 import html
+import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
 from typing import Any
+from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.openmetrics import exposition as openmetrics
 
 from exporter import __version__
 from exporter.registry import Scraper
 
+_LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 StartResponse = Callable[..., Any]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 
@@ -50,14 +58,58 @@ def _landing(scraper: Scraper, telemetry_path: str) -> bytes:
     return page.encode()
 
 
-def make_app(scraper: Scraper, registry: CollectorRegistry, telemetry_path: str) -> WSGIApp:
-    metrics_app = make_wsgi_app(registry)
+class _Collected:
+    """One scrape's families, handed to prometheus_client's encoders as a registry."""
 
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def render_metrics(registry: CollectorRegistry, accept: str, accept_encoding: str,
+                   names: list[str] | None = None) -> tuple[bytes, list[tuple[str, str]]]:
+    """Body and headers of a scrape, formatted by prometheus_client as the client negotiated.
+
+    Two departures from prometheus_client's own WSGI app, both for speed and neither changing a
+    byte of the exposition: (1) names that already follow the legacy character set need no
+    escaping, so the OpenMetrics encoder runs in its allow-utf-8 mode, which for such names writes
+    exactly what the underscores mode writes without escaping every sample name character by
+    character; (2) gzip at level 1 instead of 9 (6 times faster for a few percent more bytes).
+    """
+    encoder, content_type = choose_encoder(accept)
+    families = list(registry.collect())
+    if names:  # ?name[]=... as prometheus_client supports it: family or sample names
+        wanted = set(names)
+        families = [f for f in families
+                    if f.name in wanted or any(smp.name in wanted for smp in f.samples)]
+    if (isinstance(encoder, functools.partial)
+            and encoder.keywords.get("escaping") == openmetrics.UNDERSCORES
+            and all(_LEGACY_NAME.match(f.name) for f in families)):
+        encoder = functools.partial(encoder.func, **{**encoder.keywords,
+                                                     "escaping": openmetrics.ALLOWUTF8})
+    body = encoder(_Collected(families))
+    headers = [("Content-Type", content_type)]
+    if gzip_accepted(accept_encoding):
+        body = gzip.compress(body, compresslevel=1)
+        headers.append(("Content-Encoding", "gzip"))
+    return body, headers
+
+
+def make_app(scraper: Scraper, registry: CollectorRegistry, telemetry_path: str) -> WSGIApp:
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/") or "/"
         if path == telemetry_path:
-            result: Iterable[bytes] = metrics_app(environ, start_response)
-            return result
+            if environ.get("REQUEST_METHOD", "GET") != "GET":
+                start_response("405 Method Not Allowed", [("Allow", "GET"),
+                                                          ("Content-Length", "0")])
+                return [b""]
+            names = parse_qs(environ.get("QUERY_STRING", "")).get("name[]")
+            body, headers = render_metrics(registry, environ.get("HTTP_ACCEPT", ""),
+                                           environ.get("HTTP_ACCEPT_ENCODING", ""), names)
+            start_response("200 OK", [*headers, ("Content-Length", str(len(body)))])
+            return [body]
         if path == "/":
             body = _landing(scraper, telemetry_path)
             start_response("200 OK", [("Content-Type", "text/html; charset=utf-8"),
