@@ -18,7 +18,7 @@ from prometheus_client.core import Metric
 
 from collectors.tables import load
 from exporter import rdma
-from exporter.collector import Collector, Families, MetricSpec
+from exporter.collector import Collector, CollectorContext, Families, MetricSpec
 from exporter.config import Field
 from exporter.sysfs import parse_int, parse_uint
 
@@ -208,11 +208,17 @@ class InfinibandCollector(Collector):
         "device-exclude": ("device_exclude", "regexp of RDMA devices to exclude"),
     }
 
+    def __init__(self, ctx: CollectorContext) -> None:
+        super().__init__(ctx)
+        self._info_cache: dict[str, tuple[tuple[int, int], list[str]]] = {}
+
     def collect(self) -> Iterator[Metric]:
         cfg = self.ctx.config
         # One collection runs at a time per collector (the core's Runner coalesces scrapes).
         self._fams = Families()
         names = rdma.devices(self.ctx.sysfs, cfg.get("device_include"), cfg.get("device_exclude"))
+        for gone in self._info_cache.keys() - set(names):
+            del self._info_cache[gone]
         if not names:
             where = self.ctx.sysfs.path(rdma.CLASS)
             self.ctx.log_once(logging.DEBUG, "no RDMA devices under %s", where)
@@ -267,13 +273,34 @@ class InfinibandCollector(Collector):
                 return
             self.ctx.skip(f"{base}/ports", _errno_name(exc))
             ports = []
+        info = self._device_info(dev)
+        self._fams.add(DEVICE_INFO, info, 1)
+        self._hw(f"{base}/hw_counters", [dev], HW_DEVICE_SPECS, DEVICE_HW_COUNTER)
+        for port in ports:
+            self._port(dev, port, info[2], active)
+
+    def _device_info(self, dev: str) -> list[str]:
+        """Labels of gpunet_infiniband_device_info, read once per device instance.
+
+        Firmware version, GUID, PCI address and NUMA node only change when the device is
+        re-created (hot-plug, driver reload, firmware reset), which gives its directory a new
+        inode; the cache is keyed on that, so a replaced device is read afresh.
+        """
+        root, base = self.ctx.sysfs, f"{rdma.CLASS}/{dev}"
+        try:
+            ident = root.identity(base)
+        except OSError:
+            ident = None
+        cached = self._info_cache.get(dev)
+        if cached is not None and ident is not None and cached[0] == ident:
+            return cached[1]
         attrs = [self._text(f"{base}/{a}", required=False) or ""
                  for a in ("fw_ver", "hca_type", "board_id", "node_guid")]
         numa = self._text(f"{base}/device/numa_node", required=False) or ""
-        self._fams.add(DEVICE_INFO, [dev, *attrs, rdma.pci_address(root, dev), numa], 1)
-        self._hw(f"{base}/hw_counters", [dev], HW_DEVICE_SPECS, DEVICE_HW_COUNTER)
-        for port in ports:
-            self._port(dev, port, attrs[1], active)
+        info = [dev, *attrs, rdma.pci_address(root, dev), numa]
+        if ident is not None:
+            self._info_cache[dev] = (ident, info)
+        return info
 
     def _port(self, dev: str, port: str, hca_type: str, active: list[_Active]) -> None:
         pdir = f"{rdma.CLASS}/{dev}/ports/{port}"

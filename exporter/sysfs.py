@@ -13,6 +13,7 @@ import os
 # O_NONBLOCK: opening a FIFO planted in a tree returns at once instead of blocking the scrape.
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+_PAGE = 4096
 _MAX_READ = 65536
 
 
@@ -52,7 +53,15 @@ class Root:
         """The one place a file is read; ``rel`` (relative to the root) lets tests inject errors."""
         fd = os.open(path, _OPEN_FLAGS, dir_fd=dir_fd)
         try:
-            data = os.read(fd, _MAX_READ)
+            # sysfs attributes fit in one page; asking for more allocates a large buffer per read.
+            data = os.read(fd, _PAGE)
+            if len(data) == _PAGE:  # a longer regular file (or 64 KiB pages): read the rest
+                chunks = [data]
+                while chunk := os.read(fd, _MAX_READ):
+                    chunks.append(chunk)
+                    if sum(map(len, chunks)) > _MAX_READ:
+                        break
+                data = b"".join(chunks)
         finally:
             os.close(fd)
         return data.decode("utf-8", "replace").rstrip()
@@ -60,6 +69,11 @@ class Root:
     def listdir(self, rel: str) -> list[str]:
         """Sorted entries of a directory; raises OSError."""
         return sorted(os.listdir(f"{self.root}/{rel}"))
+
+    def identity(self, rel: str) -> tuple[int, int]:
+        """(device, inode) of what a path resolves to: changes when the object is re-created."""
+        st = os.stat(f"{self.root}/{rel}")
+        return st.st_dev, st.st_ino
 
     def exists(self, rel: str) -> bool:
         return os.path.exists(f"{self.root}/{rel}")

@@ -16,7 +16,7 @@ from collectors.infiniband import COUNTER_SPECS, InfinibandCollector
 from exporter.sysfs import Root
 
 import sysfs_tree as st
-from conftest import UPSTREAM, Samples, collect, series, value
+from conftest import UPSTREAM, Samples, collect, make_collector, samples_of, series, value
 
 GBIT = 125_000_000
 IB = [f"mlx5_{i}" for i in range(8)]
@@ -376,3 +376,24 @@ def test_upstream_procfs_tree() -> None:
           ("device", "mlx5_0") in k[1]]
     assert len(hw) == len(list((sysfs / "class/infiniband/mlx5_0/ports/1/hw_counters")
                                .iterdir())) - 1  # every file but lifespan
+
+
+def test_device_info_reread_when_device_is_recreated(dgx: Path) -> None:
+    c = make_collector(InfinibandCollector, dgx)
+    first = samples_of(list(c.collect()))
+    old = next(dict(lbl) for lbl in series(first, "gpunet_infiniband_device_info")
+               if ("device", "mlx5_0") in lbl)
+    # A firmware update plus driver reload re-creates the device: a new directory.
+    link = dgx / "class/infiniband/mlx5_0"
+    real = link.resolve()
+    fresh = real.with_name("mlx5_0.new")
+    shutil.copytree(real, fresh, symlinks=True)
+    (fresh / "fw_ver").write_text("28.40.1000\n")
+    shutil.rmtree(real)
+    fresh.rename(real)
+    second = samples_of(list(c.collect()))
+    new = next(dict(lbl) for lbl in series(second, "gpunet_infiniband_device_info")
+               if ("device", "mlx5_0") in lbl)
+    assert old["fw_ver"] == "28.39.2048" and new["fw_ver"] == "28.40.1000"
+    assert {k: v for k, v in new.items() if k != "fw_ver"} == {
+        k: v for k, v in old.items() if k != "fw_ver"}

@@ -85,7 +85,7 @@ def test_plugins_are_isolated(run_exporter, plugin_path: str) -> None:  # type: 
         assert not [k for k in s if k[0] == "gpunet_boom_partial"]
         assert value(s, "gpunet_infiniband_port_state_id", device="mlx4_0", port="1") == 4
         duration = value(s, "gpunet_scrape_collector_duration_seconds", collector="sleepy")
-        assert duration is not None and duration >= 1
+        assert duration is not None and duration > 0.5  # ran until the scrape deadline
     err = e.stop()
     assert "Traceback" not in err
     # One failure, one line: repeated identical errors are logged once.
