@@ -150,8 +150,9 @@ RATE_DEGRADED = MetricSpec(
     "ports/<port>/rate, /sys/class/net/<netdev>/speed")
 SATURATED = MetricSpec(
     "gpunet_infiniband_port_pma_saturated", "gauge",
-    "1 when a standard PMA counter narrower than 64 bits sits at its maximum value (IBA counters "
-    "stick instead of wrapping; its rate then reads 0), else 0", ("device", "port", "counter"),
+    "1 for each standard PMA counter narrower than 64 bits that sits at its maximum value (IBA "
+    "counters stick instead of wrapping, so their rate reads 0); counters below their maximum "
+    "have no series", ("device", "port", "counter"),
     "boolean", "/sys/class/infiniband/<device>/ports/<port>/counters/<counter>")
 PORT_COUNTER = MetricSpec(
     "gpunet_infiniband_port_pma_total", "counter",
@@ -354,21 +355,23 @@ class InfinibandCollector(Collector):
                 width = 64 if d.width == "64" or (d.width == "32/64" and extended) else int(
                     d.width.split("/")[0])
                 values[d.metric] = (raw, d.scale, width, fname)
+        shared = dict(zip(_P, labels, strict=True))
         for metric, (raw, scale, width, fname) in values.items():
-            self._fams.add(COUNTER_SPECS[metric], labels, raw * scale)
-            if width < 64:  # saturation is judged on the PMA field, before scaling
-                self._fams.add(SATURATED, [*labels, fname], 1 if raw >= (1 << width) - 1 else 0)
+            self._fams.add_labeled(COUNTER_SPECS[metric], shared, raw * scale)
+            if width < 64 and raw >= (1 << width) - 1:  # judged on the PMA field, not bytes
+                self._fams.add(SATURATED, [*labels, fname], 1)
         for fname, value in generic:
             self._fams.add(PORT_COUNTER, [*labels, fname], value)
 
     def _hw(self, hdir: str, labels: list[str], specs: Mapping[str, MetricSpec],
             generic: MetricSpec) -> None:
+        shared = dict(zip(generic.labels[:-1], labels, strict=True))  # without "counter"
         for fname, value in self._uints(hdir):
             if HW_NAMES.get(fname) == "-":
                 continue
             spec = specs.get(fname)
             if spec is not None:
-                self._fams.add(spec, labels, value)
+                self._fams.add_labeled(spec, shared, value)
             else:
                 self._fams.add(generic, [*labels, fname], value)
 

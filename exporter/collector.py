@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.samples import Sample
 
 from exporter.config import Field
 from exporter.sysfs import Root
@@ -132,10 +133,15 @@ class Families:
         self._fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
 
     def add(self, spec: MetricSpec, labels: list[str], value: float) -> None:
+        self.add_labeled(spec, dict(zip(spec.labels, labels, strict=True)), value)
+
+    def add_labeled(self, spec: MetricSpec, labels: dict[str, str], value: float) -> None:
+        """Like add(), with the labels as a dict that many samples of one entity may share
+        (it is never modified: a port's hundred counters need not build a hundred dicts)."""
         fam = self._fams.get(spec.name)
         if fam is None:
             fam = self._fams[spec.name] = spec.family()
-        fam.add_metric(labels, value)
+        fam.samples.append(Sample(spec.name, labels, value))
 
     def __iter__(self) -> Iterator[Metric]:
         return iter(self._fams.values())
