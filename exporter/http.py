@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
 from typing import Any
 from urllib.parse import parse_qs
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
@@ -142,7 +142,46 @@ class _Server6(_Server):
         super().server_bind()
 
 
+class _ServerHandler(ServerHandler):
+    http_version = "1.1"
+
+
 class _QuietHandler(WSGIRequestHandler):
+    """wsgiref's handler with HTTP/1.1 persistent connections, as Prometheus keeps one open per
+    target; every response carries a Content-Length. Idle connections close after ``timeout``."""
+
+    protocol_version = "HTTP/1.1"
+    timeout = 300
+
+    def handle(self) -> None:
+        self.close_connection = True
+        self._handle_request()
+        while not self.close_connection:
+            self._handle_request()
+
+    def _handle_request(self) -> None:
+        try:
+            self.raw_requestline = self.rfile.readline(65537)
+        except OSError:  # idle timeout or reset
+            self.close_connection = True
+            return
+        if not self.raw_requestline:
+            self.close_connection = True
+            return
+        if len(self.raw_requestline) > 65536:
+            self.requestline = self.request_version = self.command = ""
+            self.send_error(414)
+            self.close_connection = True
+            return
+        if not self.parse_request():  # it has answered with an error
+            return
+        if self.command != "GET":  # a request body we do not read would poison the connection
+            self.close_connection = True
+        handler = _ServerHandler(self.rfile, self.wfile, self.get_stderr(),  # type: ignore[arg-type]
+                                 self.get_environ(), multithread=True)
+        handler.request_handler = self  # type: ignore[attr-defined]
+        handler.run(self.server.get_app())  # type: ignore[attr-defined]
+
     def log_message(self, format: str, *args: Any) -> None:
         pass
 

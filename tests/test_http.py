@@ -57,3 +57,28 @@ def test_text_format_and_gzip() -> None:
     only, _ = render_metrics(reg, "", "", ["gpunet_demo_info", "gpunet_demo_bytes_total"])
     assert b"gpunet_demo_info" in only and b"gpunet_demo_bytes" in only
     assert b"gpunet_demo_nan" not in only
+
+
+def test_keep_alive_and_http10(run_exporter) -> None:  # type: ignore[no-untyped-def]
+    import http.client
+
+    from conftest import UPSTREAM
+    e = run_exporter(f"--path.sysfs={UPSTREAM / 'procfs-sysfs-infiniband/tree/sys'}")
+    conn = http.client.HTTPConnection("127.0.0.1", e.port, timeout=10)
+    conn.connect()
+    sock = conn.sock
+    for path in ("/metrics", "/", "/-/healthy", "/nope", "/metrics"):
+        conn.request("GET", path, headers={"Accept-Encoding": "gzip"})
+        resp = conn.getresponse()
+        body = resp.read()
+        assert resp.version == 11 and len(body) == int(resp.headers["Content-Length"])
+        assert conn.sock is sock  # one persistent connection, as Prometheus keeps
+    conn.close()
+    # HTTP/1.0 clients get their answer and the connection closes.
+    import socket
+    with socket.create_connection(("127.0.0.1", e.port), timeout=10) as s:
+        s.sendall(b"GET /-/healthy HTTP/1.0\r\n\r\n")
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"Healthy\n")
