@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import platform
+import queue
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -90,7 +91,11 @@ class Status:
 
 
 class Runner:
-    """Runs one collector; coalesces concurrent scrapes onto one in-flight collection."""
+    """Runs one collector in its own long-lived thread; concurrent scrapes share one collection.
+
+    A collection still in flight (a hung read) is joined by later scrapes instead of queued
+    behind, so a stuck source never piles up work or threads.
+    """
 
     def __init__(self, collector: Collector) -> None:
         self.collector = collector
@@ -99,6 +104,8 @@ class Runner:
         self._lock = threading.Lock()
         self._inflight: Future[Result] | None = None
         self._started = 0.0
+        self._queue: queue.SimpleQueue[Future[Result]] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=f"collect-{self.name}", daemon=True).start()
 
     def start(self) -> tuple[Future[Result], float]:
         with self._lock:
@@ -106,10 +113,12 @@ class Runner:
                 fut: Future[Result] = Future()
                 self._started = time.perf_counter()
                 self._inflight = fut
-                threading.Thread(
-                    target=self._run, args=(fut,), name=f"collect-{self.name}", daemon=True
-                ).start()
+                self._queue.put(fut)
             return self._inflight, self._started
+
+    def _loop(self) -> None:
+        while True:
+            self._run(self._queue.get())
 
     def _run(self, fut: Future[Result]) -> None:
         ctx = self.collector.ctx
