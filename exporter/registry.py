@@ -127,7 +127,7 @@ class Runner:
         try:
             families = list(self.collector.collect())
             success, error = True, ""
-        except Exception as exc:
+        except BaseException as exc:  # even SystemExit: this thread must answer the future
             families, success = [], False
             error = f"{type(exc).__name__}: {exc}"
             ctx.log_once(logging.ERROR, "collector failed: %s", error)
@@ -142,7 +142,6 @@ class Scraper:
     def __init__(self, collectors: Mapping[str, Collector], timeout: float) -> None:
         self.runners = [Runner(c) for c in collectors.values()]
         self.timeout = timeout
-        self._timeout_logged: set[str] = set()
 
     def collect(self) -> Iterator[Metric]:
         deadline = time.perf_counter() + self.timeout
@@ -163,8 +162,9 @@ class Scraper:
             except FutureTimeout:
                 waited = time.perf_counter() - t_start
                 err = f"still running after {waited:.1f}s (timeout {self.timeout:g}s)"
-                runner.collector.ctx.log_once(logging.ERROR, "collector timed out: %s", "source "
-                                              "does not answer; its metrics are left out")
+                runner.collector.ctx.log_once(
+                    logging.ERROR, "collector timed out after %gs; its metrics are left out until "
+                    "it answers", self.timeout)
                 runner.status = Status(False, waited, err, time.time())
                 duration.add_metric([runner.name], waited)
                 success.add_metric([runner.name], 0)
