@@ -311,8 +311,11 @@ def _write_ibdev(sys: Path, nic: Nic) -> None:
         **{f"gid_attrs/ndevs/{k}": f"{nic.netdev}\n" for k in range(len(gids)) if nic.roce},
     })  # fmt: skip
     _write(port / "counters", _lines(_port_counters(nic)))
+    # Port-level hw_counters only: mlx5 registers a device-level hw_counters/ directory only in
+    # switchdev mode (drivers/infiniband/hw/mlx5/counters.c: hw_switchdev_stats_ops has
+    # alloc_hw_device_stats, the normal hw_stats_ops only alloc_hw_port_stats), which GPU
+    # compute nodes do not use. make_switchdev() adds it.
     hw = _hw_counters(nic)
-    _write(dev / "hw_counters", hw)  # device level = port 0's set: same counters, same values
     future_dev, future_name, future_value = FUTURE_HW_COUNTER
     if nic.ibdev == future_dev:
         hw[future_name] = f"{future_value}\n"
@@ -456,7 +459,15 @@ def make_missing_hw_counters(sys: Path, device: str = "mlx5_7") -> None:
     """Driver without hw counters: neither port nor device hw_counters/ exists."""
     dev = sys / "class" / "infiniband" / device
     shutil.rmtree(dev / "ports" / "1" / "hw_counters")
-    shutil.rmtree(dev / "hw_counters")
+    shutil.rmtree(dev / "hw_counters", ignore_errors=True)  # present only in switchdev mode
+
+
+def make_switchdev(sys: Path, device: str = "mlx5_9") -> None:
+    """NIC in switchdev mode: mlx5 then also has a device-level hw_counters/ (port 0's set)."""
+    dev = sys / "class" / "infiniband" / device
+    port_hw = dev / "ports" / "1" / "hw_counters"
+    _write(dev / "hw_counters", {f.name: f.read_text() for f in port_hw.iterdir()
+                                 if f.name != FUTURE_HW_COUNTER[1]})
 
 
 def make_mtu_1500(sys: Path, netdev_of: str = "mlx5_8") -> None:

@@ -27,6 +27,7 @@ def test_metrics_md_is_fresh() -> None:
 
 def test_every_exported_family_is_documented(tmp_path: Path) -> None:
     sysfs = st.build_dgx_h100(tmp_path)
+    st.make_switchdev(sysfs)  # device-level hw_counters
     st.make_port_degraded(sysfs)
     documented = {s.name for s in ALL_SPECS}
     doc_text = (REPO / "docs" / "metrics.md").read_text()

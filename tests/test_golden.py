@@ -50,6 +50,7 @@ _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 DOWN, DEGRADED, SATURATED, NO_PMA = "mlx5_3", "mlx5_5", "mlx5_1", "mlx5_2"
 GARBAGE, NO_HW, MTU_1500, DANGLING = "mlx5_6", "mlx5_7", "mlx5_8", "mlx5_10"
+SWITCHDEV = "mlx5_9"  # the only device with a device-level hw_counters/ directory
 # Files make_counters_saturated sets to the all-ones value of their PMA field width.
 SATURATED_FILES = {"symbol_error", "link_error_recovery", "link_downed", "port_rcv_errors",
                    "local_link_integrity_errors", "excessive_buffer_overrun_errors",
@@ -76,6 +77,7 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
     st.add_dangling_device(sysfs, DANGLING)
     st.make_garbage(sysfs, GARBAGE)
     st.make_missing_hw_counters(sysfs, NO_HW)
+    st.make_switchdev(sysfs, SWITCHDEV)
     config = root / "config.yml"
     config.write_text(CONFIG)
     exporter = Exporter([f"--path.sysfs={sysfs}", f"--config.file={config}"])

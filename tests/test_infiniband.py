@@ -85,7 +85,22 @@ def test_unknown_hw_counter_is_kept(dgx: Path) -> None:
     dev, name, raw = st.FUTURE_HW_COUNTER
     assert value(s, "gpunet_infiniband_port_hw_total", device=dev, port="1",
                  counter=name) == raw
-    assert len(series(s, "gpunet_infiniband_device_hw_rp_cnp_handled_total")) == 10
+    assert not [k for k in s if k[0].startswith("gpunet_infiniband_device_hw_")]
+
+
+def test_device_level_hw_counters_in_switchdev_mode(dgx: Path) -> None:
+    st.make_switchdev(dgx, "mlx5_9")
+    (dgx / "class/infiniband/mlx5_9/hw_counters/rx_next_gen_counter").write_text("7\n")
+    s, unreadable = run(dgx)
+    assert unreadable == 0
+    hw = dgx / "class/infiniband/mlx5_9/hw_counters"
+    assert value(s, "gpunet_infiniband_device_hw_rp_cnp_handled_total",
+                 device="mlx5_9") == int((hw / "rp_cnp_handled").read_text())
+    assert value(s, "gpunet_infiniband_device_hw_total", device="mlx5_9",
+                 counter="rx_next_gen_counter") == 7
+    device_level = [k for k in s if k[0].startswith("gpunet_infiniband_device_hw_")]
+    assert len(device_level) == len(list(hw.iterdir())) - 1  # all but lifespan
+    assert all(("device", "mlx5_9") in lbl for _, lbl in device_level)
 
 
 def test_port_down(dgx: Path) -> None:

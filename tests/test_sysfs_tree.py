@@ -126,8 +126,9 @@ def test_kernel_formats(dgx: Path) -> None:
     guids = {read(d / "node_guid") for d in dgx.glob("class/infiniband/*")}
     assert len(guids) == len(NETDEV_OF)
     counters = [*dgx.glob("class/infiniband/*/ports/*/*counters/*")]
-    counters += dgx.glob("class/infiniband/*/hw_counters/*")
-    assert len(counters) > 10 * (21 + 2 * 32)
+    assert len(counters) > 10 * (21 + 32)
+    # mlx5 outside switchdev mode has no device-level hw_counters/
+    assert not list(dgx.glob("class/infiniband/*/hw_counters"))
     bad = [str(c) for c in counters if not DECIMAL.match(read(c))]
     assert not bad
     assert all(DECIMAL.match(read(f)) for f in dgx.glob("class/net/*/statistics/*"))
@@ -216,7 +217,17 @@ def test_make_missing_hw_counters(dgx: Path) -> None:
     assert not (device / "hw_counters").exists()
     assert not (device / "ports/1/hw_counters").exists()
     assert (device / "ports/1/counters/port_xmit_data").exists()
-    assert (dgx / "class/infiniband/mlx5_6/hw_counters").is_dir()
+    assert (dgx / "class/infiniband/mlx5_6/ports/1/hw_counters").is_dir()
+
+
+def test_make_switchdev(dgx: Path) -> None:
+    device = dgx / "class/infiniband/mlx5_9"
+    st.make_switchdev(dgx)
+    names = {f.name for f in (device / "hw_counters").iterdir()}
+    port_names = {f.name for f in (device / "ports/1/hw_counters").iterdir()}
+    assert names == port_names - {st.FUTURE_HW_COUNTER[1]} and "lifespan" in names
+    assert read(device / "hw_counters/np_cnp_sent") == read(device / "ports/1/hw_counters/"
+                                                            "np_cnp_sent")
 
 
 def test_add_dangling_device(dgx: Path) -> None:
