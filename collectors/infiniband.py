@@ -306,12 +306,24 @@ class InfinibandCollector(Collector):
     def _port(self, dev: str, port: str, hca_type: str, active: list[_Active]) -> None:
         pdir = f"{rdma.CLASS}/{dev}/ports/{port}"
         labels = [dev, port]
-        link_layer = self._text(f"{pdir}/link_layer") or ""
+        try:
+            files = self.ctx.sysfs.read_many(pdir, ("link_layer", "state", "phys_state", "rate"))
+        except OSError:  # the port went away with its device mid-scrape
+            return
+
+        def attr(name: str) -> str | None:
+            text = files[name]
+            if isinstance(text, OSError):
+                self.ctx.skip(f"{pdir}/{name}", _errno_name(text))
+                return None
+            return text
+
+        link_layer = attr("link_layer") or ""
         netdev = rdma.netdev(self.ctx.sysfs, dev, port, link_layer)
         self._fams.add(PORT_INFO, [dev, port, link_layer, netdev], 1)
         state = None
         for spec, fname in ((STATE, "state"), (PHYS_STATE, "phys_state")):
-            text = self._text(f"{pdir}/{fname}")
+            text = attr(fname)
             value = parse_state(text) if text is not None else None
             if value is None:
                 if text is not None:
@@ -320,7 +332,7 @@ class InfinibandCollector(Collector):
             self._fams.add(spec, labels, value)
             if fname == "state":
                 state = value
-        rate_text = self._text(f"{pdir}/rate")
+        rate_text = attr("rate")
         rate = parse_rate(rate_text) if rate_text is not None else None
         if rate is not None:
             self._fams.add(RATE, labels, rate.bytes_per_second)

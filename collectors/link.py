@@ -236,13 +236,17 @@ class LinkCollector(Collector):
         fams.add(INFO, [ifname, port.device if port else "", port.port if port else "",
                         port.link_layer if port else ""], 1)
         values: dict[str, str] = {}
-        for attr in ("operstate", "carrier", "speed", "mtu", "carrier_changes"):
-            try:
-                values[attr] = root.read(f"{base}/{attr}")
-            except OSError as exc:
-                # carrier and speed fail with EINVAL on a down or virtual interface: no value.
-                if attr not in ("carrier", "speed"):
-                    self.ctx.skip(f"{base}/{attr}", exc.strerror or exc)
+        try:
+            files = root.read_many(base, ("operstate", "carrier", "speed", "mtu",
+                                          "carrier_changes"))
+        except OSError:
+            files = {}
+        for attr, content in files.items():
+            if not isinstance(content, OSError):
+                values[attr] = content
+            # carrier and speed fail with EINVAL on a down or virtual interface: no value.
+            elif attr not in ("carrier", "speed"):
+                self.ctx.skip(f"{base}/{attr}", content.strerror or content)
         state = values.get("operstate")
         if state is not None:
             if state in OPERSTATES:

@@ -9,6 +9,7 @@ are at most one page, and the buffered ``open()`` machinery costs more than the 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 # O_NONBLOCK: opening a FIFO planted in a tree returns at once instead of blocking the scrape.
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
@@ -37,10 +38,16 @@ class Root:
         the whole path, symlinks included, for each of the hundreds of counter files.
         Raises OSError when the directory itself cannot be opened.
         """
+        return self.read_many(rel, None)
+
+    def read_many(self, rel: str, names: Iterable[str] | None) -> dict[str, str | OSError]:
+        """Several files of one directory (all of them when ``names`` is None), each read
+        relative to the directory's descriptor. Raises OSError when the directory cannot be
+        opened; a file that cannot be read maps to its OSError."""
         dfd = os.open(f"{self.root}/{rel}", _DIR_FLAGS)
         try:
             out: dict[str, str | OSError] = {}
-            for name in sorted(os.listdir(dfd)):
+            for name in sorted(os.listdir(dfd)) if names is None else names:
                 try:
                     out[name] = self._read(name, dfd, f"{rel}/{name}")
                 except OSError as exc:
