@@ -1,0 +1,87 @@
+"""A real Prometheus (Debian's package) scrapes the installed exporter on the DGX tree: what an
+operator sees after pointing Prometheus at a node."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+import sysfs_tree as st
+from conftest import free_port
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path, run_exporter: Any) -> Iterator[tuple[str, Any]]:
+    assert shutil.which("prometheus"), ("Debian's prometheus package is required; tests/run.sh "
+                                        "installs it when run as root")
+    sysfs = st.build_dgx_h100(tmp_path / "tree")
+    st.make_port_degraded(sysfs, "mlx5_5")
+    exporter = run_exporter(f"--path.sysfs={sysfs}")
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, scrape_timeout: 1s}\n"
+        "scrape_configs:\n"
+        "  - job_name: gpunet\n"
+        f"    static_configs: [{{targets: ['127.0.0.1:{exporter.port}']}}]\n")
+    proc = subprocess.Popen(
+        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        yield url, exporter
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def query(url: str, expr: str) -> list[dict[str, Any]]:
+    r = requests.get(f"{url}/api/v1/query", params={"query": expr}, timeout=5)
+    r.raise_for_status()
+    result: list[dict[str, Any]] = r.json()["data"]["result"]
+    return result
+
+
+def wait_for(url: str, expr: str, timeout: float = 60) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            result = query(url, expr)
+            if result:
+                return result
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no data for {expr!r} within {timeout:g}s")
+        time.sleep(0.5)
+
+
+def test_prometheus_scrapes_every_port(prometheus: tuple[str, Any]) -> None:
+    url, _ = prometheus
+    up = wait_for(url, 'up{job="gpunet"} == 1')
+    assert len(up) == 1
+    rates = wait_for(url, "gpunet_infiniband_port_rate_bytes_per_second")
+    assert len(rates) == 10
+    by_device = {r["metric"]["device"]: float(r["value"][1]) for r in rates}
+    assert by_device["mlx5_5"] == 200e9 / 8 and by_device["mlx5_0"] == 400e9 / 8
+    degraded = query(url, "gpunet_infiniband_port_rate_degraded == 1")
+    assert [d["metric"]["device"] for d in degraded] == ["mlx5_5"]
+    # Counters arrive as counters: rate() works on them (flat fixture: 0 bytes per second).
+    wait_for(url, "count(rate(gpunet_infiniband_port_transmitted_bytes_total[5s])) == 10", 30)
+    # Every collector succeeds, and the scrape was OpenMetrics-negotiated without errors.
+    ok = query(url, "gpunet_scrape_collector_success")
+    assert {r["metric"]["collector"]: r["value"][1] for r in ok} == {"infiniband": "1",
+                                                                      "link": "1"}
+    targets = requests.get(f"{url}/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
+    assert targets[0]["health"] == "up" and not targets[0]["lastError"]
