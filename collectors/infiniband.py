@@ -169,6 +169,8 @@ DEVICE_HW_COUNTER = MetricSpec(
     ("device", "counter"), "as the driver counts it",
     "/sys/class/infiniband/<device>/hw_counters/<counter>")
 
+_HCA_TYPE = DEVICE_INFO.labels.index("hca_type")
+
 _RULE = Field("map", fields={
     "device": Field("regex", "device names this rule applies to"),
     "hca_type": Field("regex", "hca_type values this rule applies to (e.g. MT4129)"),
@@ -278,7 +280,7 @@ class InfinibandCollector(Collector):
         self._fams.add(DEVICE_INFO, info, 1)
         self._hw(f"{base}/hw_counters", [dev], HW_DEVICE_SPECS, DEVICE_HW_COUNTER)
         for port in ports:
-            self._port(dev, port, info[2], active)
+            self._port(dev, port, info[_HCA_TYPE], active)
 
     def _device_info(self, dev: str) -> list[str]:
         """Labels of gpunet_infiniband_device_info, read once per device instance.

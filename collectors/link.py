@@ -146,15 +146,13 @@ class LinkCollector(Collector):
             "path": Field("str", "program name or path", default="ibv_devinfo"),
             "timeout_seconds": Field("number", default=10, minimum=0.1),
             "interval_seconds": Field("number", default=300, minimum=1),
-        }),
+        }, default={}),  # absent: the defaults of its keys
     }
 
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)
-        ibv = ctx.config.get("ibv_devinfo") or {}
         self._ibv: Refresher[dict[tuple[str, str], int]] | None = None
-        self._ibv_cfg = {"enabled": True, "path": "ibv_devinfo", "timeout_seconds": 10,
-                         "interval_seconds": 300, **ibv}
+        self._ibv_cfg: Mapping[str, Any] = ctx.config["ibv_devinfo"]
 
     def _devinfo(self) -> Refresher[dict[tuple[str, str], int]] | None:
         """Started on the first scrape that sees an InfiniBand port, if the tool is installed."""
