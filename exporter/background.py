@@ -20,6 +20,10 @@ class CommandError(Exception):
     """A subprocess that failed, timed out or could not start; the text says which."""
 
 
+class CommandTimeout(CommandError):
+    """A subprocess that did not finish within its timeout (and was killed)."""
+
+
 def run_command(argv: Sequence[str], timeout: float) -> str:
     """Run argv (never through a shell) and return its stdout.
 
@@ -39,7 +43,7 @@ def run_command(argv: Sequence[str], timeout: float) -> str:
         except OSError:
             proc.kill()
         proc.communicate()
-        raise CommandError(f"{argv[0]} timed out after {timeout:g}s and was killed") from None
+        raise CommandTimeout(f"{argv[0]} timed out after {timeout:g}s and was killed") from None
     if proc.returncode != 0:
         first = err.decode("utf-8", "replace").strip().splitlines()[:1]
         raise CommandError(f"{argv[0]} exited with status {proc.returncode}"

@@ -29,6 +29,7 @@ class Field:
     fields: Mapping[str, Field] = field(default_factory=dict)  # keys of a map
     minimum: float | None = None
     required: bool = False
+    choices: tuple[str, ...] = ()  # the allowed values of a str
 
 
 _EXPECTED = {
@@ -73,6 +74,9 @@ def validate(value: Any, spec: Field, key: str) -> Any:
     if spec.kind == "str":
         if not isinstance(value, str):
             raise wrong()
+        if spec.choices and value not in spec.choices:
+            raise ConfigError(f"{where}: expected one of {', '.join(spec.choices)}, "
+                              f"got {value!r}")
         return value
     if spec.kind == "regex":
         if not isinstance(value, str):

@@ -475,6 +475,37 @@ def make_mtu_1500(sys: Path, netdev_of: str = "mlx5_8") -> None:
     _write(_netdev(sys, netdev_of), {"mtu": "1500\n"})
 
 
+def make_ofed_qos(sys: Path, device: str = "mlx5_9", pfc_priority: int = 3) -> str:
+    """MLNX_OFED's mlx5 sysfs extras on the RoCE netdev of `device`; returns the netdev's name.
+
+    qos/ (en_sysfs.c: buffer_size "Port buffer size = %d", "Spare buffer size = %d", a header and
+    "%d\t%d\t%d\t\t%d" rows; prio2buffer "Priority\tBuffer" and "%d\t\t%d" rows; trust and
+    dscp2prio as some OFED releases add them, whose dscp2prio header line is not verified from
+    source) and ecn/roce_np|roce_rp (en_ecn.c, "%d\n"): ECN on `pfc_priority`, CNPs on DSCP 48,
+    priority 6.
+    """
+    net = _netdev(sys, device)
+    sizes = [130944, 261888] + [0] * 6
+    buffer_rows = "".join(f"{i}\t{size}\t{size // 2 if size else 0}\t\t"
+                          f"{size // 2 - 4096 if size else 0}\n" for i, size in enumerate(sizes))
+    prio_rows = "".join(f"{p}\t\t{int(p == pfc_priority)}\n" for p in range(8))
+    dscp_rows = "".join(f"{d}\t{d >> 3}\n" for d in range(64))
+    _write(net / "qos", {
+        "buffer_size": "Port buffer size = 1048576\nSpare buffer size = 0\n"
+                       "Buffer\tSize\txoff_threshold\txon_threshold\n" + buffer_rows,
+        "prio2buffer": "Priority\tBuffer\n" + prio_rows,
+        "trust": "dscp\n",
+        "dscp2prio": "dscp\tprio\n" + dscp_rows,
+        "tc_num": "8\n",
+    })
+    for point in ("roce_np", "roce_rp"):
+        _write(net / "ecn" / point / "enable",
+               {str(p): f"{int(p == pfc_priority)}\n" for p in range(8)})
+    _write(net / "ecn" / "roce_np", {"cnp_dscp": "48\n", "cnp_802p_prio": "6\n",
+                                     "min_time_between_cnps": "4\n"})
+    return net.name
+
+
 def add_dangling_device(sys: Path, name: str = "mlx5_10") -> None:
     """A class link whose device is gone (hot-unplugged between listing and reading)."""
     _class_link(

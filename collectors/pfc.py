@@ -1,0 +1,522 @@
+"""pfc collector: PFC, QoS and ECN of the netdevs behind RoCE ports, joining the configuration
+with the per-priority counters so an alert can say "pause frames on a priority that has no PFC"
+or "PFC is off on the priority RoCE uses".
+
+- Configuration (changes rarely) is refreshed in a background thread on its own interval, never
+  in the scrape: ``mlnx_qos``, iproute2 ``dcb`` or the MLNX_OFED ``qos/`` sysfs files, whichever
+  comes first in ``config.sources`` and exists on the machine, plus ``ecn/`` in sysfs. A failed,
+  hung (killed after its timeout) or unparseable refresh keeps the last good values and sets
+  ``gpunet_pfc_config_refresh_success`` to 0; a tool that is not installed is no data.
+- Counters are read on every scrape in-process through the SIOCETHTOOL ioctl (what
+  ``ethtool -S`` prints), or by running ``ethtool -S`` where the ioctl is refused. Names map to
+  metrics through collectors/data/pfc_ethtool.csv; per-priority names not in it are exported
+  through a generic family. A counter the driver does not print is not exported, never zero:
+  mlx5 prints the pause counters only for priorities with PFC enabled.
+
+Formats and sources: shared FORMATS.md §2 (mlnx_qos), §3 (ethtool -S on mlx5), §4 (ECN).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import re
+import shutil
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from prometheus_client.core import Metric
+
+from collectors.pfc_config import (
+    PRIORITIES,
+    QOS_FILES,
+    Ecn,
+    QosConfig,
+    parse_dcb,
+    parse_mlnx_qos,
+    parse_qos_sysfs,
+    read_ecn,
+)
+from collectors.tables import load
+from exporter import rdma
+from exporter.background import CommandError, CommandTimeout, Refresher, run_command
+from exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from exporter.config import Field
+from exporter.ethtool import EthtoolReader, NicStats, parse_stats_text
+
+SOURCES = ("mlnx_qos", "dcb", "sysfs")
+FIRST_REFRESH_WAIT = 2.0  # seconds the first scrape waits for the first configuration round
+
+_I = ("interface",)
+_ID = ("interface", "direction")
+_IPD = ("interface", "priority", "direction")
+_ETHTOOL = "ethtool -S <interface> (SIOCETHTOOL)"
+_NET = "/sys/class/net/<interface>"
+
+# ---- counter families (the CSV maps driver names to these) -----------------------------------
+
+_COUNTERS: dict[str, tuple[tuple[str, ...], str, str]] = {
+    # metric: (labels, unit, help)
+    "priority_bytes": (_IPD, "bytes", "Bytes received (rx) or sent (tx) on the 802.1p priority"),
+    "priority_packets": (_IPD, "packets", "Packets received or sent on the priority"),
+    "priority_discards": (
+        _IPD, "packets", "Packets the NIC dropped on the priority for lack of receive buffer; "
+        "must stay flat on the lossless (PFC) priority"),
+    "priority_buffer_discards": (
+        _IPD, "packets", "Packets discarded on the priority because no per-host receive buffer "
+        "was free"),
+    "priority_congestion_discards": (
+        _IPD, "packets", "Packets discarded on the priority by congestion (WRED)"),
+    "priority_ecn_marked_packets": (
+        _IPD, "packets", "Packets the NIC ECN-marked on the priority for per-host congestion"),
+    "pause_frames": (
+        _IPD, "frames", "PFC pause frames on the priority: rx the peer paused us, tx we paused "
+        "the peer. Drivers print these only for priorities with PFC enabled, so a priority "
+        "without the series has PFC off, not zero pauses"),
+    "pause_duration_seconds": (
+        _IPD, "seconds", "Time paused by PFC on the priority (the driver counts microseconds): rx "
+        "we could not send, tx we held the peer"),
+    "pause_transitions": (
+        _IPD, "transitions", "XOFF to XON transitions of PFC pause on the priority"),
+    "priority_other": (
+        ("interface", "priority", "counter"), "as the driver counts it",
+        "A per-priority NIC statistic this exporter has no curated name for, by driver name"),
+    "global_pause_frames": (
+        _ID, "frames", "802.3x link-level (global) pause frames; only while global pause is on, "
+        "which excludes PFC"),
+    "global_pause_duration_seconds": (
+        _ID, "seconds", "Time paused by 802.3x link-level pause (microseconds in the driver)"),
+    "global_pause_transitions": (
+        _ID, "transitions", "XOFF to XON transitions of 802.3x link-level pause"),
+    "pause_storm_warning_events": (
+        _I, "events", "Times the NIC sent pause for longer than the stall warning threshold"),
+    "pause_storm_error_events": (
+        _I, "events", "Times the NIC hit the pause stall timeout and stopped sending pause "
+        "(drops follow); must stay 0"),
+    "pause_control_frames": (
+        _ID, "frames", "MAC pause control frames (PFC or global, all priorities) on the physical "
+        "port"),
+    "port_discards": (
+        _ID, "packets", "Packets the physical port discarded: rx for lack of NIC buffer "
+        "(congestion), tx because the link was down or paused"),
+    "out_of_buffer": (
+        _I, "packets", "Packets dropped because an Ethernet receive queue had no software buffer "
+        "posted (not RDMA queues: see gpunet_infiniband_port_hw_out_of_buffer_total)"),
+    "link_down_events": (_I, "events", "Times the physical link went down"),
+    "crc_errors": (_I, "packets", "Packets received with a bad FCS on the physical port"),
+    "symbol_errors": (_I, "errors", "Symbol errors received on the physical port"),
+    "buffer_passed_threshold_events": (
+        _I, "events", "Times the port's receive buffer filled past 85 percent"),
+    "fec_corrected_bit_errors": (
+        _I, "bit errors", "Bits corrected by FEC (RS or FC); divide its rate by 8 times the rate "
+        "of gpunet_pfc_phy_received_bytes_total for the corrected bit error ratio"),
+    "fec_uncorrected_symbol_errors": (
+        _I, "symbol errors", "Symbol errors FEC did not correct (or FEC is off): lost traffic"),
+    "phy_lane_raw_errors": (
+        ("interface", "lane"), "errors", "Physical raw errors on one lane, before FEC correction"),
+    "phy_received_bytes": (
+        _I, "bytes", "Traffic the PHY could have received (the driver counts bits; divided by "
+        "8), the denominator of bit error ratios"),
+}
+
+
+def _counter_spec(metric: str) -> MetricSpec:
+    labels, unit, help_text = _COUNTERS[metric]
+    return MetricSpec(f"gpunet_pfc_{metric}_total", "counter", help_text, labels, unit, _ETHTOOL)
+
+
+COUNTER_SPECS = {m: _counter_spec(m) for m in _COUNTERS}
+OTHER = COUNTER_SPECS["priority_other"]
+
+
+@dataclass(frozen=True)
+class _Stat:
+    """What one driver statistic name becomes."""
+
+    spec: MetricSpec
+    labels: tuple[str, ...]  # after "interface"
+    scale: float
+
+
+def _name_table() -> dict[str, _Stat]:
+    """Every concrete driver name of the CSV, with {p} and {l} expanded."""
+    out: dict[str, _Stat] = {}
+    for row in load("pfc_ethtool.csv"):
+        spec = COUNTER_SPECS[row["metric"]]
+        direction = (row["direction"],) if "direction" in spec.labels else ()
+        scale = float(row["scale"])
+        for placeholder in ("{p}", "{l}"):
+            if placeholder in row["name"]:
+                for i in PRIORITIES:
+                    out[row["name"].replace(placeholder, str(i))] = _Stat(
+                        spec, (str(i), *direction), scale)
+                break
+        else:
+            out[row["name"]] = _Stat(spec, direction, scale)
+    return out
+
+
+NAMES = _name_table()
+# Any other name with a priority in it (mlx5 rx_prio3_x, bnxt x_pri3, ice x_priority_3_y).
+_PRIORITY_IN_NAME = re.compile(r"(?:^|_)(?:prio|pri|priority_)([0-7])(?=_|\.|$)")
+
+# ---- configuration families ------------------------------------------------------------------
+
+_CFG = "mlnx_qos, dcb or /sys/class/net/<interface>/qos (config.sources)"
+CONFIG_INFO = MetricSpec(
+    "gpunet_pfc_config_info", "gauge",
+    "Always 1; where the QoS configuration came from (mlnx_qos, dcb or sysfs), the DCBX mode "
+    "(os or firmware) and the priority trust (pcp, dscp, or none when not supported); empty "
+    "where the source does not say", ("interface", "source", "dcbx_mode", "trust"), "", _CFG)
+PFC_ENABLED = MetricSpec(
+    "gpunet_pfc_enabled", "gauge", "1 when PFC is enabled on the priority, else 0",
+    ("interface", "priority"), "boolean", "mlnx_qos 'enabled' row or dcb pfc prio_pfc")
+PRIORITY_TC = MetricSpec(
+    "gpunet_pfc_priority_traffic_class", "gauge", "The ETS traffic class the priority maps to",
+    ("interface", "priority"), "traffic class", "mlnx_qos tc blocks or dcb ets prio_tc")
+TC_INFO = MetricSpec(
+    "gpunet_pfc_traffic_class_info", "gauge",
+    "Always 1; the transmission selection algorithm of a traffic class (ets, strict, vendor, "
+    "cbs, unknown)", ("interface", "tc", "tsa"), "", "mlnx_qos tc lines or dcb ets tc_tsa")
+TC_BW = MetricSpec(
+    "gpunet_pfc_traffic_class_bandwidth_ratio", "gauge",
+    "Guaranteed share of the link of an ETS traffic class (0 to 1)", ("interface", "tc"),
+    "ratio", "mlnx_qos 'bw:' or dcb ets tc_bw")
+TC_RATE = MetricSpec(
+    "gpunet_pfc_traffic_class_rate_limit_bytes_per_second", "gauge",
+    "Rate limit of a traffic class; absent when unlimited", ("interface", "tc"),
+    "bytes per second", "mlnx_qos 'ratelimit:'")
+DSCP_PRIORITY = MetricSpec(
+    "gpunet_pfc_dscp_priority", "gauge",
+    "The priority packets with this DSCP are given, while the interface trusts DSCP",
+    ("interface", "dscp"), "priority", "mlnx_qos dscp2prio, dcb app dscp_prio or qos/dscp2prio")
+DEFAULT_PRIORITY = MetricSpec(
+    "gpunet_pfc_default_priority", "gauge",
+    "Priority of traffic no other app entry matches (the default-priority app entry)", _I,
+    "priority", "mlnx_qos 'default priority:' or dcb app default_prio")
+BUFFER_SIZE = MetricSpec(
+    "gpunet_pfc_buffer_size_bytes", "gauge", "Size of a receive buffer of the port",
+    ("interface", "buffer"), "bytes", "mlnx_qos, dcb buffer or qos/buffer_size")
+BUFFER_CAPACITY = MetricSpec(
+    "gpunet_pfc_buffer_capacity_bytes", "gauge",
+    "Receive buffer memory of the port (total_size, max_buffer_size or Port buffer size)", _I,
+    "bytes", "mlnx_qos, dcb buffer or qos/buffer_size")
+PRIORITY_BUFFER = MetricSpec(
+    "gpunet_pfc_priority_buffer", "gauge", "The receive buffer a priority is mapped to",
+    ("interface", "priority"), "buffer index", "mlnx_qos 'buffer' row, dcb buffer or "
+    "qos/prio2buffer")
+ECN_ENABLED = MetricSpec(
+    "gpunet_pfc_ecn_enabled", "gauge",
+    "1 when RoCE ECN (DCQCN) is enabled on the priority at the notification point (np: marks "
+    "and sends CNPs) or reaction point (rp: slows down on CNPs), else 0; absent where the driver "
+    "has no such files (upstream mlx5: unknown, not disabled)", ("interface", "priority", "point"),
+    "boolean", f"{_NET}/ecn/roce_np|roce_rp/enable/<priority>")
+ECN_CNP_DSCP = MetricSpec(
+    "gpunet_pfc_ecn_cnp_dscp", "gauge", "DSCP of the CNPs the notification point sends", _I,
+    "dscp", f"{_NET}/ecn/roce_np/cnp_dscp")
+ECN_CNP_PRIORITY = MetricSpec(
+    "gpunet_pfc_ecn_cnp_priority", "gauge", "802.1p priority of the CNPs the notification "
+    "point sends", _I, "priority", f"{_NET}/ecn/roce_np/cnp_802p_prio")
+REFRESH_SUCCESS = MetricSpec(
+    "gpunet_pfc_config_refresh_success", "gauge",
+    "1 if the latest background read of the interface's QoS configuration succeeded, else 0 (the "
+    "last good values keep being served); absent when no source is installed", _I, "boolean",
+    "exit status and output of the configuration source")
+REFRESH_AGE = MetricSpec(
+    "gpunet_pfc_config_age_seconds", "gauge",
+    "Age of the QoS configuration values served (time since the last good read)", _I, "seconds",
+    "exporter")
+
+CONFIG_SPECS = (CONFIG_INFO, PFC_ENABLED, PRIORITY_TC, TC_INFO, TC_BW, TC_RATE, DSCP_PRIORITY,
+                DEFAULT_PRIORITY, BUFFER_SIZE, BUFFER_CAPACITY, PRIORITY_BUFFER, ECN_ENABLED,
+                ECN_CNP_DSCP, ECN_CNP_PRIORITY, REFRESH_SUCCESS, REFRESH_AGE)
+
+
+class StatsReader(Protocol):
+    """Where the counters come from: the ioctl, ``ethtool -S``, or a test's stand-in."""
+
+    def read(self, ifname: str) -> NicStats: ...
+
+    def close(self) -> None: ...
+
+
+class CommandStatsReader:
+    """Runs ``ethtool -S IF`` (no shell, with a timeout) and parses its text."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.path, self.timeout = path, timeout
+
+    def read(self, ifname: str) -> NicStats:
+        try:
+            return parse_stats_text(run_command([self.path, "-S", ifname], self.timeout))
+        except CommandError as exc:
+            raise OSError(errno.EIO, str(exc)) from None
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _State:
+    """What the background refresh knows of one interface."""
+
+    config: QosConfig | None  # last good configuration
+    ecn: Ecn
+    ok: bool | None  # latest refresh; None: no source installed
+    last_success: float  # time.time() of the last good refresh, 0 if none
+
+
+class PfcCollector(Collector):
+    name = "pfc"
+    description = ("PFC, QoS and ECN of RoCE netdevs: configuration from mlnx_qos, dcb or sysfs "
+                   "(refreshed in the background) and per-priority pause, discard and ECN "
+                   "counters (SIOCETHTOOL, every scrape)")
+    metrics = (*CONFIG_SPECS, *COUNTER_SPECS.values())
+    config_fields: ClassVar[Mapping[str, Field]] = {
+        "interfaces": Field("list", "extra interfaces to report besides RoCE netdevs",
+                            item=Field("str")),
+        "interface_include": Field("regex", "only interfaces whose name matches"),
+        "interface_exclude": Field("regex", "skip interfaces whose name matches"),
+        "stats_source": Field("str", "ioctl (in-process SIOCETHTOOL) or ethtool (run "
+                              "'ethtool -S' each scrape)", default="ioctl",
+                              choices=("ioctl", "ethtool")),
+        "ethtool": Field("map", "the ethtool program, when stats_source is ethtool", fields={
+            "path": Field("str", default="ethtool"),
+            "timeout_seconds": Field("number", default=2, minimum=0.1),
+        }, default={}),
+        "config": Field("map", "the background read of the QoS configuration", fields={
+            "sources": Field("list", "sources to try, first installed wins",
+                             item=Field("str", choices=SOURCES), default=list(SOURCES)),
+            "interval_seconds": Field("number", default=60, minimum=1),
+            "timeout_seconds": Field("number", default=10, minimum=0.1),
+            "mlnx_qos_path": Field("str", default="mlnx_qos"),
+            "dcb_path": Field("str", default="dcb"),
+        }, default={}),
+    }
+    flags: ClassVar[Mapping[str, tuple[str, str]]] = {
+        "interface-include": ("interface_include", "regexp of interfaces to include"),
+        "interface-exclude": ("interface_exclude", "regexp of interfaces to exclude"),
+    }
+
+    def __init__(self, ctx: CollectorContext, reader: StatsReader | None = None) -> None:
+        super().__init__(ctx)
+        cfg = ctx.config
+        if reader is None:
+            if cfg["stats_source"] == "ethtool":
+                reader = CommandStatsReader(cfg["ethtool"]["path"],
+                                            float(cfg["ethtool"]["timeout_seconds"]))
+            else:
+                reader = EthtoolReader()
+        self.reader = reader
+        self._cfg: Mapping[str, Any] = cfg["config"]
+        self._plans: dict[str, tuple[tuple[str, ...], list[tuple[int, MetricSpec,
+                                                                  dict[str, str], float]]]] = {}
+        self._states: dict[str, _State] = {}
+        self._refresher: Refresher[None] | None = None
+        self._first_round = threading.Event()
+
+    # -- interfaces ------------------------------------------------------------------------
+
+    def interfaces(self) -> list[str]:
+        """Netdevs behind RoCE ports, then configured ones that exist, filtered."""
+        cfg, root = self.ctx.config, self.ctx.sysfs
+        names: list[str] = []
+        for p in rdma.all_ports(root):
+            if p.link_layer == "Ethernet" and p.netdev and p.netdev not in names:
+                names.append(p.netdev)
+        for name in cfg.get("interfaces") or []:
+            if name not in names:
+                if root.exists(f"class/net/{name}"):
+                    names.append(name)
+                else:
+                    self.ctx.log_once(logging.WARNING, "configured interface %s does not exist",
+                                      name)
+        include, exclude = cfg.get("interface_include"), cfg.get("interface_exclude")
+        return [n for n in names if (include is None or include.search(n))
+                and not (exclude is not None and exclude.search(n))]
+
+    # -- configuration (background) --------------------------------------------------------
+
+    def refresh(self) -> None:
+        """One round over every interface; runs in the background thread."""
+        names = self.interfaces()
+        for ifname in names:
+            self._states[ifname] = self._refresh_one(ifname, self._states.get(ifname))
+        for gone in self._states.keys() - set(names):
+            del self._states[gone]
+        self._first_round.set()
+
+    def _pick_source(self, ifname: str) -> tuple[str, str] | None:
+        for source in self._cfg["sources"]:
+            if source == "sysfs":
+                if self.ctx.sysfs.exists(f"class/net/{ifname}/qos"):
+                    return source, ""
+                continue
+            path = shutil.which(self._cfg[f"{source}_path"])
+            if path is not None:
+                return source, path
+        return None
+
+    def _refresh_one(self, ifname: str, old: _State | None) -> _State:
+        ecn = read_ecn(self.ctx.sysfs, ifname, lambda what, why: self.ctx.log_once(
+            logging.DEBUG, "skipping %s: %s", what, why))
+        picked = self._pick_source(ifname)
+        if picked is None:
+            self.ctx.log_once(logging.DEBUG, "no QoS configuration source for %s (none of %s "
+                              "installed)", ifname, ", ".join(self._cfg["sources"]))
+            return _State(None, ecn, None, 0.0)
+        source, path = picked
+        try:
+            config = self._read_config(source, path, ifname)
+        except (CommandError, ValueError, OSError) as exc:
+            self.ctx.log_once(logging.WARNING, "reading the QoS configuration of %s with %s "
+                              "failed: %s", ifname, source, exc)
+            if old is not None and old.config is not None and old.config.source == source:
+                return _State(old.config, ecn, False, old.last_success)
+            return _State(None, ecn, False, 0.0)
+        return _State(config, ecn, True, time.time())
+
+    def _read_config(self, source: str, path: str, ifname: str) -> QosConfig:
+        timeout = float(self._cfg["timeout_seconds"])
+        if source == "mlnx_qos":
+            return parse_mlnx_qos(run_command([path, "-i", ifname], timeout))
+        if source == "dcb":
+            def show(obj: str, required: bool = False) -> str | None:
+                try:
+                    out = run_command([path, "-j", obj, "show", "dev", ifname], timeout)
+                except CommandTimeout:
+                    raise
+                except CommandError:
+                    if required:
+                        raise
+                    return None  # not supported by this driver or iproute2 version
+                if not out.strip():  # dcb prints a bare newline when a read fails
+                    if required:
+                        raise CommandError(f"{path} {obj} show printed nothing")
+                    return None
+                return out
+            pfc = show("pfc", required=True)
+            assert pfc is not None
+            return parse_dcb(pfc, ets=show("ets"), app=show("app"), buffer=show("buffer"),
+                             dcbx=show("dcbx"), apptrust=show("apptrust"))
+        base = f"class/net/{ifname}/qos"
+        files = self.ctx.sysfs.read_many(base, [f for f in QOS_FILES
+                                                if self.ctx.sysfs.exists(f"{base}/{f}")])
+        bad = {k: v for k, v in files.items() if isinstance(v, OSError)}
+        if bad:
+            name, exc = next(iter(bad.items()))
+            raise OSError(exc.errno, f"{base}/{name}: {exc.strerror}")
+        return parse_qos_sysfs({k: v for k, v in files.items() if isinstance(v, str)})
+
+    def _start_refresher(self) -> None:
+        if self._refresher is None:
+            self._refresher = Refresher("pfc-config", float(self._cfg["interval_seconds"]),
+                                        self.refresh, self.ctx.log_once)
+            self._refresher.start()
+            self._first_round.wait(FIRST_REFRESH_WAIT)
+
+    # -- scrape ----------------------------------------------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        self._start_refresher()
+        fams = Families()
+        names = self.interfaces()
+        for ifname in names:
+            self._counters(fams, ifname)
+            state = self._states.get(ifname)
+            if state is not None:
+                self._config(fams, ifname, state)
+        for gone in self._plans.keys() - set(names):
+            del self._plans[gone]
+        forget = getattr(self.reader, "forget", None)
+        if forget is not None:
+            forget(set(names))
+        return iter(fams)
+
+    def _counters(self, fams: Families, ifname: str) -> None:
+        try:
+            stats = self.reader.read(ifname)
+        except OSError as exc:
+            if exc.errno == errno.ENODEV:  # gone, or not in this network namespace
+                self.ctx.log_once(logging.DEBUG, "no interface %s in this network namespace "
+                                  "(gone, or a sysfs tree of another machine)", ifname)
+            elif exc.errno == errno.EOPNOTSUPP:
+                self.ctx.log_once(logging.DEBUG, "%s: the driver has no NIC statistics", ifname)
+            else:
+                self.ctx.skip(f"NIC statistics of {ifname}", exc.strerror or exc)
+            return
+        cached = self._plans.get(ifname)
+        if cached is None or (cached[0] is not stats.names and cached[0] != stats.names):
+            cached = self._plans[ifname] = (stats.names, _plan(ifname, stats.names))
+        values = stats.values
+        for index, spec, labels, scale in cached[1]:
+            fams.add_labeled(spec, labels, values[index] * scale if scale != 1 else values[index])
+
+    def _config(self, fams: Families, ifname: str, state: _State) -> None:
+        ecn = state.ecn
+        for (point, prio), on in sorted(ecn.enabled.items()):
+            fams.add(ECN_ENABLED, [ifname, str(prio), point], int(on))
+        if ecn.cnp_dscp is not None:
+            fams.add(ECN_CNP_DSCP, [ifname], ecn.cnp_dscp)
+        if ecn.cnp_priority is not None:
+            fams.add(ECN_CNP_PRIORITY, [ifname], ecn.cnp_priority)
+        if state.ok is not None:
+            fams.add(REFRESH_SUCCESS, [ifname], int(state.ok))
+        if state.last_success:
+            fams.add(REFRESH_AGE, [ifname], max(0.0, time.time() - state.last_success))
+        cfg = state.config
+        if cfg is None:
+            return
+        fams.add(CONFIG_INFO, [ifname, cfg.source, cfg.dcbx_mode, cfg.trust], 1)
+        for prio, on in sorted(cfg.pfc.items()):
+            fams.add(PFC_ENABLED, [ifname, str(prio)], int(on))
+        for prio, tc in sorted(cfg.prio_tc.items()):
+            fams.add(PRIORITY_TC, [ifname, str(prio)], tc)
+        for tc, tsa in sorted(cfg.tc_tsa.items()):
+            fams.add(TC_INFO, [ifname, str(tc), tsa], 1)
+        for tc, bw in sorted(cfg.tc_bw.items()):
+            fams.add(TC_BW, [ifname, str(tc)], bw / 100)
+        for tc, rate in sorted(cfg.tc_rate_limit.items()):
+            fams.add(TC_RATE, [ifname, str(tc)], rate)
+        if cfg.trust in ("dscp", ""):  # under pcp trust the map is not applied
+            for dscp, prio in sorted(cfg.dscp_prio.items()):
+                fams.add(DSCP_PRIORITY, [ifname, str(dscp)], prio)
+        if cfg.default_prio is not None:
+            fams.add(DEFAULT_PRIORITY, [ifname], cfg.default_prio)
+        for buf, size in sorted(cfg.buffer_size.items()):
+            fams.add(BUFFER_SIZE, [ifname, str(buf)], size)
+        if cfg.buffer_total is not None:
+            fams.add(BUFFER_CAPACITY, [ifname], cfg.buffer_total)
+        for prio, buf in sorted(cfg.prio_buffer.items()):
+            fams.add(PRIORITY_BUFFER, [ifname, str(prio)], buf)
+
+    def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.stop()
+        self.reader.close()
+
+
+def _plan(ifname: str, names: Sequence[str]) -> list[tuple[int, MetricSpec, dict[str, str],
+                                                            float]]:
+    """Which statistic (by index) becomes which sample: built once per set of driver names."""
+    plan = []
+    seen: set[tuple[str, tuple[str, ...]]] = set()
+    for index, raw in enumerate(names):
+        name = raw.strip()
+        stat = NAMES.get(name)
+        if stat is not None:
+            key = (stat.spec.name, stat.labels)
+            if key in seen:  # two spellings of one counter: the first printed wins
+                continue
+            seen.add(key)
+            labels = dict(zip(stat.spec.labels, (ifname, *stat.labels), strict=True))
+            plan.append((index, stat.spec, labels, stat.scale))
+            continue
+        m = _PRIORITY_IN_NAME.search(name)
+        if m:
+            plan.append((index, OTHER, {"interface": ifname, "priority": m.group(1),
+                                        "counter": name}, 1.0))
+    return plan
