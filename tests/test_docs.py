@@ -10,11 +10,13 @@ import pytest
 
 from collectors.infiniband import InfinibandCollector
 from collectors.link import LinkCollector
+from collectors.pfc import PfcCollector
+from exporter.ethtool import parse_stats_text
 from exporter.metricsdoc import render
 from exporter.registry import SCRAPE_METRICS, discover
 
 import sysfs_tree as st
-from conftest import REPO, collect
+from conftest import REPO, SHARED, collect, make_collector, samples_of
 
 ALL_SPECS = [*SCRAPE_METRICS, *(s for c in discover().values() for s in c.metrics)]
 
@@ -41,7 +43,29 @@ def test_every_exported_family_is_documented(tmp_path: Path) -> None:
             assert family in documented, f"{family} is exported but not declared"
             assert f"`{family}`" in doc_text
             seen.add(family)
-    assert len(seen) > 60
+    # pfc: configuration from the OFED sysfs files, counters from the synthetic mlx5 capture.
+    netdev = st.make_ofed_qos(sysfs)
+    capture = SHARED / "fixtures/synthetic/ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
+    stats = parse_stats_text(capture.read_text())
+
+    class Capture:
+        def read(self, ifname: str):  # type: ignore[no-untyped-def]
+            if ifname != netdev:
+                raise OSError(19, "No such device")
+            return stats
+
+        def close(self) -> None:
+            pass
+
+    pfc = make_collector(PfcCollector, sysfs, {"config": {"sources": ["sysfs"]}})
+    pfc.reader = Capture()  # type: ignore[attr-defined]
+    try:
+        for name, _labels in samples_of(list(pfc.collect())):
+            assert name in documented and f"`{name}`" in doc_text, name
+            seen.add(name)
+    finally:
+        pfc.close()
+    assert len(seen) > 80
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.name)

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,7 @@ import pytest
 from collectors.infiniband import COUNTER_SPECS
 
 import sysfs_tree as st
-from conftest import Exporter, Samples, parse, series, value
+from conftest import SHARED, Exporter, Samples, parse, series, value
 
 GOLDEN = Path(__file__).parent / "golden" / "dgx-h100-faults.prom"
 UPDATE = os.environ.get("GPUNET_UPDATE_GOLDEN") == "1"
@@ -40,10 +41,24 @@ link:
   expected_mtu:
     - {link_layer: Ethernet, mtu: 9000}
   ibv_devinfo: {enabled: false}   # keep the host's ibv_devinfo (if any) out of the output
+pfc:
+  stats_source: ethtool             # a stand-in ethtool: the host has no such interfaces
+  ethtool: {path: ETHTOOL}
+  config: {sources: [sysfs]}        # MLNX_OFED qos/ files on mlx5_9's netdev; no host tools
 """
+# Stand-in for `ethtool -S`: the synthetic mlx5 capture (PFC on priority 3) for mlx5_9's
+# netdev; for mlx5_8's it fails as ethtool does for a device it cannot read.
+ETHTOOL = """\
+#!/bin/sh
+[ "$1" = -S ] && [ "$2" = {netdev} ] && exec cat {capture}
+echo "Cannot get stats strings information: Operation not supported" >&2
+exit 94
+"""
+CAPTURE = SHARED / "fixtures" / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
 
 # Families whose values depend on time; dropped from the golden comparison.
-TIME_BASED = {"gpunet_scrape_collector_duration_seconds", "gpunet_link_ibv_devinfo_age_seconds"}
+TIME_BASED = {"gpunet_scrape_collector_duration_seconds", "gpunet_link_ibv_devinfo_age_seconds",
+              "gpunet_pfc_config_age_seconds"}
 # Families whose labels carry versions; kept, with their labels dropped.
 VERSIONED = {"gpunet_exporter_build_info"}
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
@@ -78,11 +93,22 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
     st.make_garbage(sysfs, GARBAGE)
     st.make_missing_hw_counters(sysfs, NO_HW)
     st.make_switchdev(sysfs, SWITCHDEV)
+    qos_netdev = st.make_ofed_qos(sysfs, SWITCHDEV)
+    ethtool = root / "ethtool"
+    ethtool.write_text(ETHTOOL.format(netdev=qos_netdev, capture=CAPTURE))
+    ethtool.chmod(0o755)
     config = root / "config.yml"
-    config.write_text(CONFIG)
+    config.write_text(CONFIG.replace("ETHTOOL", str(ethtool)))
     exporter = Exporter([f"--path.sysfs={sysfs}", f"--config.file={config}"])
     try:
-        yield Scrape(sysfs, exporter.metrics())
+        # The pfc configuration arrives from a background thread: normally before the first
+        # scrape answers, but a stalled machine must not make the golden file flaky.
+        deadline = time.monotonic() + 20
+        text = exporter.metrics()
+        while "gpunet_pfc_config_refresh_success{" not in text and time.monotonic() < deadline:
+            time.sleep(0.2)
+            text = exporter.metrics()
+        yield Scrape(sysfs, text)
     finally:
         exporter.stop()
 
@@ -147,7 +173,7 @@ def _ports(s: Samples, name: str) -> dict[str, float]:
 
 def test_facts(scrape: Scrape) -> None:
     s, sysfs = scrape.samples, scrape.sysfs
-    for collector in ("infiniband", "link"):
+    for collector in ("infiniband", "link", "pfc"):
         assert value(s, "gpunet_scrape_collector_success", collector=collector) == 1, collector
 
     # Every device of the tree reports, the dangling class link nowhere.
@@ -218,3 +244,26 @@ def test_facts(scrape: Scrape) -> None:
             assert got == 4 * int(text), (dev, fname, got, text)
             checked += 1
     assert checked == 2 * (len(DEVICES) - 1)
+
+
+def test_pfc_facts(scrape: Scrape) -> None:
+    s = scrape.samples
+    roce, other = "enp170s0f0np0", "enp41s0f0np0"  # mlx5_9 (OFED files), mlx5_8
+    # Counters of the capture; pause counters only where PFC is on, never zero-filled.
+    pause = {dict(lbl)["priority"]: v for lbl, v in
+             series(s, "gpunet_pfc_pause_frames_total").items()
+             if dict(lbl)["direction"] == "rx"}
+    assert pause == {"3": 1840}
+    assert value(s, "gpunet_pfc_pause_duration_seconds_total", interface=roce, priority="3",
+                 direction="rx") == 0.020913
+    # The interface whose ethtool failed costs exactly its own counters.
+    assert not [n for (n, lbl) in s if n.startswith("gpunet_pfc_") and ("interface", other) in lbl]
+    assert value(s, "gpunet_scrape_collector_unreadable_values", collector="pfc") == 1
+    # Configuration from the OFED sysfs files; ECN from ecn/.
+    assert value(s, "gpunet_pfc_config_info", interface=roce, source="sysfs", dcbx_mode="",
+                 trust="dscp") == 1
+    assert value(s, "gpunet_pfc_config_refresh_success", interface=roce) == 1
+    assert value(s, "gpunet_pfc_dscp_priority", interface=roce, dscp="26") == 3
+    assert value(s, "gpunet_pfc_ecn_enabled", interface=roce, priority="3", point="np") == 1
+    assert value(s, "gpunet_pfc_ecn_enabled", interface=roce, priority="0", point="np") == 0
+    assert not series(s, "gpunet_pfc_enabled")  # the OFED sysfs files do not say
