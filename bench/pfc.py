@@ -41,7 +41,6 @@ test assertions.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -61,6 +60,7 @@ sys.path.insert(0, str(REPO))  # measure this working tree, not an installed cop
 from prometheus_client.core import Metric  # noqa: E402
 from prometheus_client.exposition import generate_latest  # noqa: E402
 from prometheus_client.registry import CollectorRegistry  # noqa: E402
+from scrape import cpu_model, emit  # noqa: E402  (bench/scrape.py, next to this script)
 
 from collectors.pfc import PfcCollector  # noqa: E402
 from exporter.collector import CollectorContext, LogOnce, collector_logger  # noqa: E402
@@ -271,11 +271,7 @@ def git(*args: str) -> str:
 
 
 def machine() -> dict[str, Any]:
-    cpu = "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
+    cpu = cpu_model()
     dirty = git("status", "--porcelain", "--", "exporter", "collectors")
     ethtool = subprocess.run(["ethtool", "--version"], capture_output=True, text=True,
                              check=False).stdout.strip()
@@ -347,11 +343,7 @@ def inside(args: argparse.Namespace) -> int:
     log(f"{args.scrapes} interleaved rounds after {WARMUP} warm-up ...")
     report["run"] = measure(args.scrapes, ethtool)
     report["target_met"] = report["run"]["stats"][OURS]["median_ms"] < TARGET_MS
-    print(markdown(report))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
-        log(f"raw numbers written to {args.out}")
+    emit(markdown(report), report, args.out)
     return 0
 
 

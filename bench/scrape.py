@@ -295,12 +295,24 @@ def tool_version(argv: list[str]) -> str:
     return (out.stdout or out.stderr).strip().splitlines()[0]
 
 
-def machine() -> dict[str, Any]:
-    cpu = "unknown"
+def emit(text: str, report: dict[str, Any], out: Path | None) -> None:
+    """Print the markdown; write the raw numbers as JSON when asked to."""
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        log(f"raw numbers written to {out}")
+
+
+def cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def machine() -> dict[str, Any]:
+    cpu = cpu_model()
     try:
         ours = dist_version("gpunet-exporter")
     except PackageNotFoundError:
@@ -560,11 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["targets"] = judge(report["dgx"])
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(markdown(report))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
-        log(f"raw numbers written to {args.out}")
+    emit(markdown(report), report, args.out)
     return 0
 
 

@@ -174,6 +174,16 @@ def _indexed(value: object) -> dict[int, object]:
     return {}
 
 
+def _per_priority(value: object) -> dict[int, int]:
+    """A dcb array of 8 unsigned integers indexed by priority (prio_tc, prio_buffer)."""
+    out = {}
+    for prio, v in _indexed(value).items():
+        n = _uint(v)
+        if prio in PRIORITIES and n is not None:
+            out[prio] = n
+    return out
+
+
 def _uint(value: object) -> int | None:
     if isinstance(value, bool):
         return None
@@ -201,10 +211,7 @@ def parse_dcb(pfc: str, ets: str | None = None, app: str | None = None,
             cfg.pfc[prio] = flag
     if ets:
         e = _json(ets, "dcb ets show")
-        for prio, v in _indexed(e.get("prio_tc")).items():
-            tc = _uint(v)
-            if prio in PRIORITIES and tc is not None:
-                cfg.prio_tc[prio] = tc
+        cfg.prio_tc = _per_priority(e.get("prio_tc"))
         for tc, v in _indexed(e.get("tc_tsa")).items():
             if isinstance(v, str) and v:
                 cfg.tc_tsa[tc] = TSA_ALIASES.get(v.lower(), "unknown")
@@ -232,10 +239,7 @@ def parse_dcb(pfc: str, ets: str | None = None, app: str | None = None,
             cfg.trust = first or "none"
     if buffer:
         b = _json(buffer, "dcb buffer show")
-        for prio, v in _indexed(b.get("prio_buffer")).items():
-            n = _uint(v)
-            if prio in PRIORITIES and n is not None:
-                cfg.prio_buffer[prio] = n
+        cfg.prio_buffer = _per_priority(b.get("prio_buffer"))
         for idx, v in _indexed(b.get("buffer_size")).items():
             n = _uint(v)
             if n is not None:

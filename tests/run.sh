@@ -9,6 +9,8 @@ command -v prometheus >/dev/null || need_apt+=(prometheus)
 command -v promtool >/dev/null || need_apt+=(prometheus)
 command -v prometheus-node-exporter >/dev/null || need_apt+=(prometheus-node-exporter)
 command -v prometheus-alertmanager >/dev/null || need_apt+=(prometheus-alertmanager)
+command -v ip >/dev/null || need_apt+=(iproute2)          # network namespaces (pfc tests)
+command -v ethtool >/dev/null || need_apt+=(ethtool)      # ioctl results checked against it
 python3 -c 'import ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collectors.pfc import PfcCollector
 from exporter.cli import config_schema
-from exporter.config import load_file
+from exporter.config import Field, load_file, validate
 from exporter.registry import discover
 
 from conftest import REPO
@@ -11,8 +12,12 @@ from conftest import REPO
 
 def test_example_config_loads() -> None:
     cfg = load_file(str(REPO / "examples" / "gpunet.yml"), config_schema(discover()))
-    assert cfg["collectors"] == {"infiniband": True, "link": True}
+    assert cfg["collectors"] == {"infiniband": True, "link": True, "pfc": True}
     assert cfg["infiniband"]["device_include"].search("mlx5_3")
     assert [r["gbps"] for r in cfg["infiniband"]["expected_rate"]] == [400, 400]
     assert cfg["link"]["expected_mtu"][0] == {"link_layer": "Ethernet", "mtu": 9000,
                                               "rdma_mtu": 4096}
+    # The pfc section spells out the defaults: it documents them and changes nothing.
+    defaults = validate({}, Field("map", fields=dict(PfcCollector.config_fields)), "pfc")
+    assert cfg["pfc"] == defaults
+    assert defaults["config"]["sources"] == ["mlnx_qos", "dcb", "sysfs"]
