@@ -179,13 +179,9 @@ class LinkCollector(Collector):
         for p in ports:
             if p.netdev and p.netdev not in seen:
                 seen[p.netdev] = p
-        for name in cfg.get("interfaces") or []:
-            if name not in seen:
-                if root.exists(f"class/net/{name}"):
-                    seen[name] = None
-                else:
-                    self.ctx.log_once(logging.WARNING, "configured interface %s does not exist",
-                                      name)
+        for name in rdma.extra_netdevs(root, cfg.get("interfaces") or [], seen,
+                                       self.ctx.log_once):
+            seen[name] = None
         netdev_mtu: dict[str, int] = {}
         for ifname, port in seen.items():
             if exclude is not None and exclude.search(ifname):

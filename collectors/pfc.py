@@ -327,13 +327,7 @@ class PfcCollector(Collector):
         for p in rdma.all_ports(root):
             if p.link_layer == "Ethernet" and p.netdev and p.netdev not in names:
                 names.append(p.netdev)
-        for name in cfg.get("interfaces") or []:
-            if name not in names:
-                if root.exists(f"class/net/{name}"):
-                    names.append(name)
-                else:
-                    self.ctx.log_once(logging.WARNING, "configured interface %s does not exist",
-                                      name)
+        names += rdma.extra_netdevs(root, cfg.get("interfaces") or [], names, self.ctx.log_once)
         include, exclude = cfg.get("interface_include"), cfg.get("interface_exclude")
         return [n for n in names if (include is None or include.search(n))
                 and not (exclude is not None and exclude.search(n))]
@@ -403,13 +397,13 @@ class PfcCollector(Collector):
             return parse_dcb(pfc, ets=show("ets"), app=show("app"), buffer=show("buffer"),
                              dcbx=show("dcbx"), apptrust=show("apptrust"))
         base = f"class/net/{ifname}/qos"
-        files = self.ctx.sysfs.read_many(base, [f for f in QOS_FILES
-                                                if self.ctx.sysfs.exists(f"{base}/{f}")])
-        bad = {k: v for k, v in files.items() if isinstance(v, OSError)}
-        if bad:
-            name, exc = next(iter(bad.items()))
-            raise OSError(exc.errno, f"{base}/{name}: {exc.strerror}")
-        return parse_qos_sysfs({k: v for k, v in files.items() if isinstance(v, str)})
+        texts: dict[str, str] = {}
+        for name, text in self.ctx.sysfs.read_many(base, QOS_FILES).items():
+            if isinstance(text, str):
+                texts[name] = text
+            elif text.errno != errno.ENOENT:  # a file this OFED release lacks is no error
+                raise OSError(text.errno, f"{base}/{name}: {text.strerror}")
+        return parse_qos_sysfs(texts)
 
     def _start_refresher(self) -> None:
         if self._refresher is None:

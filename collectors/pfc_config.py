@@ -21,7 +21,7 @@ from exporter.sysfs import Root, parse_uint
 
 PRIORITIES = range(8)
 # dcb ets prints "strict", "cbs", "ets", "vendor" or "???" (dcb_ets.c).
-TSA_ALIASES = {"strict": "strict", "cbs": "cbs", "ets": "ets", "vendor": "vendor"}
+DCB_TSAS = frozenset(("strict", "cbs", "ets", "vendor"))
 
 
 @dataclass
@@ -147,31 +147,14 @@ def _json(text: str, what: str) -> dict[str, Any]:
         data = json.loads(text)
     except ValueError as exc:
         raise ValueError(f"{what}: not JSON ({exc})") from None
-    if isinstance(data, list) and len(data) == 1:  # some versions wrap the object in an array
-        data = data[0]
     if not isinstance(data, dict):
         raise ValueError(f"{what}: expected a JSON object, got {type(data).__name__}")
     return data
 
 
-def _flag(value: object) -> bool | None:
-    """A dcb on/off value: JSON true/false (print_on_off), "on"/"off" or 0/1 of older builds."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return value != 0
-    if isinstance(value, str) and value.lower() in ("on", "off", "true", "false", "1", "0"):
-        return value.lower() in ("on", "true", "1")
-    return None
-
-
 def _indexed(value: object) -> dict[int, object]:
-    """A dcb per-index array, as a JSON array or as an object keyed by index."""
-    if isinstance(value, list):
-        return dict(enumerate(value))
-    if isinstance(value, dict):
-        return {int(k): v for k, v in value.items() if str(k).isdigit()}
-    return {}
+    """A dcb per-index JSON array (per priority or traffic class) by index."""
+    return dict(enumerate(value)) if isinstance(value, list) else {}
 
 
 def _per_priority(value: object) -> dict[int, int]:
@@ -205,16 +188,15 @@ def parse_dcb(pfc: str, ets: str | None = None, app: str | None = None,
     p = _json(pfc, "dcb pfc show")
     if "prio_pfc" not in p:
         raise ValueError("dcb pfc show: no prio_pfc key")
-    for prio, v in _indexed(p["prio_pfc"]).items():
-        flag = _flag(v)
-        if prio in PRIORITIES and flag is not None:
-            cfg.pfc[prio] = flag
+    # On/off values are JSON booleans (print_on_off) in every iproute2 that has dcb (5.11 on).
+    cfg.pfc = {prio: v for prio, v in _indexed(p["prio_pfc"]).items()
+               if prio in PRIORITIES and isinstance(v, bool)}
     if ets:
         e = _json(ets, "dcb ets show")
         cfg.prio_tc = _per_priority(e.get("prio_tc"))
         for tc, v in _indexed(e.get("tc_tsa")).items():
             if isinstance(v, str) and v:
-                cfg.tc_tsa[tc] = TSA_ALIASES.get(v.lower(), "unknown")
+                cfg.tc_tsa[tc] = v.lower() if v.lower() in DCB_TSAS else "unknown"
         for tc, v in _indexed(e.get("tc_bw")).items():
             bw = _uint(v)
             if bw is not None and cfg.tc_tsa.get(tc) == "ets":
@@ -247,7 +229,7 @@ def parse_dcb(pfc: str, ets: str | None = None, app: str | None = None,
         cfg.buffer_total = _uint(b.get("total_size"))
     if dcbx:
         # Only the set bits are printed, each as true: no "host" means firmware controlled.
-        cfg.dcbx_mode = "os" if _flag(_json(dcbx, "dcb dcbx show").get("host")) else "firmware"
+        cfg.dcbx_mode = "os" if _json(dcbx, "dcb dcbx show").get("host") is True else "firmware"
     return cfg
 
 

@@ -60,10 +60,6 @@ class _Buffers:
         self.names: tuple[str, ...] = ()
 
 
-def _headroom(count: int) -> int:
-    return 2 * count + 256
-
-
 class EthtoolReader:
     """Reads ``ethtool -S`` statistics of interfaces in this process's network namespace."""
 
@@ -108,8 +104,8 @@ class EthtoolReader:
         for _ in range(_RETRIES):
             count = self._count(name)
             bufs = self._bufs.get(ifname)
-            if bufs is None or bufs.capacity < _headroom(count) // 2 + count:
-                bufs = self._bufs[ifname] = _Buffers(_headroom(count))
+            if bufs is None or bufs.capacity < 2 * count:  # keep at least `count` spare
+                bufs = self._bufs[ifname] = _Buffers(2 * count + 256)
             if count == 0:
                 return NicStats((), [])
             struct.pack_into("III", bufs.strings, 0, ETHTOOL_GSTRINGS, ETH_SS_STATS, count)

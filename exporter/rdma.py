@@ -5,7 +5,9 @@ Sources and formats: shared reference FORMATS.md §1.1 (layout, netdev mapping o
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
 from exporter.sysfs import Root
@@ -83,6 +85,21 @@ def netdev(root: Root, device: str, port: str, link_layer: str) -> str:
                 continue
         return min(candidates, key=len)
     return candidates[0] if candidates else ""
+
+
+def extra_netdevs(root: Root, configured: Iterable[str], known: Container[str],
+                  log: Callable[[int, str, object], None]) -> list[str]:
+    """The netdevs a collector's config names besides those behind RDMA ports (``known``),
+    those that exist; a name that does not is logged (once, by ``log``) as a warning."""
+    out = []
+    for name in configured:
+        if name in known or name in out:
+            continue
+        if root.exists(f"class/net/{name}"):
+            out.append(name)
+        else:
+            log(logging.WARNING, "configured interface %s does not exist", name)
+    return out
 
 
 def all_ports(root: Root, include: re.Pattern[str] | None = None,
