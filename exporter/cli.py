@@ -66,6 +66,10 @@ def build_parser(classes: dict[str, type[Collector]]) -> argparse.ArgumentParser
                    help="sysfs mount point (default /sys)")
     p.add_argument("--path.procfs", dest="procfs", default="/proc", metavar="DIR",
                    help="procfs mount point (default /proc)")
+    p.add_argument("--nvml.module", dest="nvml_module", default="pynvml", metavar="MODULE",
+                   help="Python module implementing the pynvml API through which the gpu and "
+                        "topology collectors reach NVML (default pynvml, from nvidia-ml-py); "
+                        "tests name a stand-in here")
     p.add_argument("--config.file", dest="config_file", metavar="FILE",
                    help="YAML configuration file (optional)")
     p.add_argument("--scrape.timeout", dest="scrape_timeout", type=_positive_seconds,
@@ -151,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     collectors: dict[str, Collector] = {}
     for name in enabled:
         logger = collector_logger(name)
-        ctx = CollectorContext(name, sysfs, procfs, sections[name], logger, LogOnce(logger))
+        ctx = CollectorContext(name, sysfs, procfs, sections[name], logger, LogOnce(logger),
+                               nvml_module=args.nvml_module)
         try:
             collectors[name] = classes[name](ctx)
         except Exception as exc:  # one broken collector must not stop the others

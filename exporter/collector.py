@@ -88,6 +88,8 @@ class CollectorContext:
     logger: logging.LoggerAdapter[logging.Logger]
     log_once: LogOnce
     unreadable: int = field(default=0)
+    # Python module implementing the pynvml API (nvidia-ml-py); tests name a stand-in.
+    nvml_module: str = "pynvml"
 
     def skip(self, what: str, reason: object) -> None:
         """Record one value that could not be read or parsed; it costs that value alone."""

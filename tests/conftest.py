@@ -54,18 +54,20 @@ def series(samples: Samples, name: str) -> dict[frozenset[tuple[str, str]], floa
 
 
 def make_collector(cls: type[Collector], sysfs: Path | str, config: Mapping[str, Any] | None = None,
-                   root: Root | None = None) -> Collector:
+                   root: Root | None = None, procfs: Path | str = "/proc",
+                   nvml_module: str = "pynvml") -> Collector:
     section = validate(dict(config or {}), Field("map", fields=dict(cls.config_fields)), cls.name)
     logger = collector_logger(cls.name)
-    ctx = CollectorContext(cls.name, root or Root(str(sysfs)), Root("/proc"), section, logger,
-                           LogOnce(logger))
+    ctx = CollectorContext(cls.name, root or Root(str(sysfs)), Root(str(procfs)), section, logger,
+                           LogOnce(logger), nvml_module=nvml_module)
     return cls(ctx)
 
 
 def collect(cls: type[Collector], sysfs: Path | str, config: Mapping[str, Any] | None = None,
-            root: Root | None = None) -> tuple[Samples, int]:
+            root: Root | None = None, procfs: Path | str = "/proc",
+            nvml_module: str = "pynvml") -> tuple[Samples, int]:
     """Samples of one collection and the number of values the collector skipped."""
-    c = make_collector(cls, sysfs, config, root)
+    c = make_collector(cls, sysfs, config, root, procfs, nvml_module)
     try:
         return samples_of(list(c.collect())), c.ctx.unreadable
     finally:

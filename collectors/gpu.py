@@ -1,0 +1,617 @@
+"""gpu collector: NVML utilization, memory, PCIe link and errors, NVLink, compute processes,
+XID errors, and lost GPUs.
+
+Calls, return types and errors: FORMATS.md §6 (nvidia-ml-py, ``import pynvml``; verified on
+2 x H200 and on an H100, see docs/gpu.md). NVML is reached through the process-wide session of
+exporter/nvml.py, so the gpu and topology collectors share one initialisation.
+
+Two tiers, because some NVML reads are firmware round trips (measured on an H100 with driver
+580: about 0.17 ms for each PCIe error counter field, 20 ms for each PCIe throughput sample):
+- every scrape: utilization, memory, PCIe generation and width, compute processes, NVLink state,
+  lost GPUs: a few microseconds each;
+- in the background, every ``counters_interval_seconds``: PCIe replay, error, recovery and byte
+  counters, PCIe throughput, NVLink error counters. The scrape serves the last values with their
+  age, like the other background reads of this exporter.
+XID errors come from an NVML event thread that blocks in ``nvmlEventSetWait``.
+
+A call a GPU does not support (NotSupported, FunctionNotFound) is skipped for that GPU alone
+from then on and logged once. A GPU that answers GpuIsLost becomes ``gpunet_gpu_lost 1`` with
+no other series. No nvidia-ml-py, no library or no driver: no data, collector succeeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from prometheus_client.core import Metric
+
+from exporter import nvml
+from exporter.background import Refresher
+from exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from exporter.config import Field
+from exporter.nvml import Gpu, Session, error_name
+
+_G = ("gpu",)
+_NVML = "NVML"
+UNSUPPORTED = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound")
+FIRST_REFRESH_WAIT = 1.0
+XID_WAIT_MS = 500
+XID_LABELS_PER_GPU = 64  # XID codes are a small enumeration; anything beyond this is "other"
+
+INFO = MetricSpec(
+    "gpunet_gpu_info", "gauge",
+    "Always 1; static attributes of the GPU (gpu is the NVML index, pci_bus_id the sysfs PCI "
+    "address, numa_node -1 when unknown)",
+    ("gpu", "uuid", "name", "pci_bus_id", "driver_version", "numa_node"), "",
+    "nvmlDeviceGetUUID, GetName, GetPciInfo, GetNumaNodeId (or sysfs numa_node), "
+    "nvmlSystemGetDriverVersion")
+NVML_UP = MetricSpec(
+    "gpunet_gpu_nvml_up", "gauge",
+    "1 while NVML is initialised; 0 when it was up before and is now failing (driver reload or "
+    "failure; re-initialised every 10 s) or the library does not match the driver; absent on "
+    "nodes without an NVIDIA driver", (), "boolean", "nvmlInit")
+LOST = MetricSpec(
+    "gpunet_gpu_lost", "gauge",
+    "1 when NVML answers GpuIsLost for the GPU (fallen off the bus, needs a reset), else 0; a "
+    "lost GPU has no other series but its XID ones", _G, "boolean", "NVML_ERROR_GPU_IS_LOST")
+MISSING = MetricSpec(
+    "gpunet_gpu_missing", "gauge",
+    "GPUs NVML enumerated earlier in this exporter's life (by UUID) that it no longer "
+    "enumerates", (), "GPUs", "nvmlDeviceGetCount and nvmlDeviceGetUUID")
+UTIL = MetricSpec(
+    "gpunet_gpu_utilization_ratio", "gauge",
+    "Fraction of the last sample period (1/6 s to 1 s) during which a kernel ran (0 to 1)", _G,
+    "ratio", "nvmlDeviceGetUtilizationRates .gpu / 100")
+MEM_UTIL = MetricSpec(
+    "gpunet_gpu_memory_utilization_ratio", "gauge",
+    "Fraction of the last sample period during which device memory was read or written (0 to 1)",
+    _G, "ratio", "nvmlDeviceGetUtilizationRates .memory / 100")
+MEM_USED = MetricSpec("gpunet_gpu_memory_used_bytes", "gauge", "Device memory in use", _G,
+                      "bytes", "nvmlDeviceGetMemoryInfo .used")
+MEM_TOTAL = MetricSpec("gpunet_gpu_memory_total_bytes", "gauge", "Device memory installed", _G,
+                       "bytes", "nvmlDeviceGetMemoryInfo .total")
+PROCS = MetricSpec(
+    "gpunet_gpu_compute_processes", "gauge",
+    "Compute processes with a context on the GPU (tells 'idle' from 'busy but starved' when "
+    "utilization is low)", _G, "processes", "nvmlDeviceGetComputeRunningProcesses")
+PCIE_GEN = MetricSpec(
+    "gpunet_gpu_pcie_link_generation", "gauge", "Current PCIe link generation (GPUs drop to a "
+    "lower generation while idle to save power)", _G, "generation",
+    "nvmlDeviceGetCurrPcieLinkGeneration")
+PCIE_GEN_MAX = MetricSpec(
+    "gpunet_gpu_pcie_link_max_generation", "gauge",
+    "Highest PCIe generation the GPU and the slot both support", _G, "generation",
+    "nvmlDeviceGetMaxPcieLinkGeneration")
+PCIE_WIDTH = MetricSpec("gpunet_gpu_pcie_link_width", "gauge", "Current PCIe link width", _G,
+                        "lanes", "nvmlDeviceGetCurrPcieLinkWidth")
+PCIE_WIDTH_MAX = MetricSpec("gpunet_gpu_pcie_link_max_width", "gauge",
+                            "Widest PCIe link the GPU and the slot both support", _G, "lanes",
+                            "nvmlDeviceGetMaxPcieLinkWidth")
+PCIE_DEGRADED = MetricSpec(
+    "gpunet_gpu_pcie_link_degraded", "gauge",
+    "1 when the PCIe link runs below its maximum: fewer lanes than the maximum, or a lower "
+    "generation while the GPU is busy (utilization above 0 or compute processes present; an "
+    "idle GPU lowering its generation is power saving, not a fault), else 0", _G, "boolean",
+    "NVML current and maximum PCIe generation and width")
+NVLINK_ACTIVE = MetricSpec(
+    "gpunet_gpu_nvlink_active", "gauge", "1 when the NVLink link is active, else 0",
+    ("gpu", "link"), "boolean", "nvmlDeviceGetNvLinkState")
+# Background counters -------------------------------------------------------------------------
+_BG = " (read in the background every counters_interval_seconds)"
+PCIE_THROUGHPUT = MetricSpec(
+    "gpunet_gpu_pcie_throughput_bytes_per_second", "gauge",
+    "PCIe throughput over a 20 ms sample, NVML KB/s x 1000" + _BG, ("gpu", "direction"),
+    "bytes per second", "nvmlDeviceGetPcieThroughput TX_BYTES / RX_BYTES")
+PCIE_BYTES = MetricSpec(
+    "gpunet_gpu_pcie_bytes_total", "counter",
+    "Bytes moved over the GPU's PCIe link, for exact rates with rate()" + _BG,
+    ("gpu", "direction"), "bytes", "NVML_FI_DEV_PCIE_COUNT_TX_BYTES / RX_BYTES")
+PCIE_REPLAYS = MetricSpec(
+    "gpunet_gpu_pcie_replays_total", "counter",
+    "PCIe replays (link-level retransmissions) since the driver loaded" + _BG, _G, "replays",
+    "NVML_FI_DEV_PCIE_REPLAY_COUNTER")
+PCIE_REPLAY_ROLLOVERS = MetricSpec(
+    "gpunet_gpu_pcie_replay_rollovers_total", "counter",
+    "Times the PCIe replay number rolled over (4 replays of one packet)" + _BG, _G, "rollovers",
+    "NVML_FI_DEV_PCIE_REPLAY_ROLLOVER_COUNTER")
+PCIE_RECOVERIES = MetricSpec(
+    "gpunet_gpu_pcie_link_recoveries_total", "counter",
+    "Transitions of the PCIe link from L0 into Recovery (retraining)" + _BG, _G, "transitions",
+    "NVML_FI_DEV_PCIE_L0_TO_RECOVERY_COUNTER")
+PCIE_ERRORS = MetricSpec(
+    "gpunet_gpu_pcie_errors_total", "counter",
+    "PCIe errors the GPU counted, by type" + _BG, ("gpu", "type"), "errors",
+    "NVML_FI_DEV_PCIE_COUNT_<TYPE>")
+NVLINK_ERRORS = MetricSpec(
+    "gpunet_gpu_nvlink_errors_total", "counter",
+    "NVLink data-link errors by type: replay, recovery, crc_flit, crc_data, ecc_data (non-zero "
+    "baselines are normal on healthy links; alert on rates)" + _BG, ("gpu", "link", "type"),
+    "errors", "nvmlDeviceGetNvLinkErrorCounter")
+COUNTERS_SUCCESS = MetricSpec(
+    "gpunet_gpu_counters_refresh_success", "gauge",
+    "1 if the latest background read of the GPU's counters succeeded, else 0 (the last good "
+    "values keep being served)", _G, "boolean", "exporter")
+COUNTERS_AGE = MetricSpec(
+    "gpunet_gpu_counters_age_seconds", "gauge",
+    "Age of the GPU's background counter values", _G, "seconds", "exporter")
+# XID events ----------------------------------------------------------------------------------
+XID_MONITORING = MetricSpec(
+    "gpunet_gpu_xid_monitoring", "gauge",
+    "1 when the exporter receives XID events for the GPU, 0 when NVML refused to register them "
+    "(some virtualised or MIG setups)", _G, "boolean", "nvmlDeviceRegisterEvents")
+XID_ERRORS = MetricSpec(
+    "gpunet_gpu_xid_errors_total", "counter",
+    "XID errors reported by the driver since the exporter started, by XID code (a series "
+    "appears with the first error of its code; alert on the last-error timestamp)",
+    ("gpu", "xid"), "errors", "NVML event nvmlEventTypeXidCriticalError .eventData")
+XID_LAST = MetricSpec(
+    "gpunet_gpu_xid_last_timestamp_seconds", "gauge",
+    "Unix time of the latest XID error; absent until one occurs", _G, "seconds",
+    "NVML XID events, exporter clock")
+XID_LAST_CODE = MetricSpec(
+    "gpunet_gpu_xid_last_code", "gauge", "XID code of the latest XID error", _G, "xid",
+    "NVML event .eventData")
+
+# Background field values: (constant name in pynvml, spec, labels after gpu).
+_FIELDS: tuple[tuple[str, MetricSpec, tuple[str, ...]], ...] = (
+    ("NVML_FI_DEV_PCIE_COUNT_TX_BYTES", PCIE_BYTES, ("transmit",)),
+    ("NVML_FI_DEV_PCIE_COUNT_RX_BYTES", PCIE_BYTES, ("receive",)),
+    ("NVML_FI_DEV_PCIE_REPLAY_COUNTER", PCIE_REPLAYS, ()),
+    ("NVML_FI_DEV_PCIE_REPLAY_ROLLOVER_COUNTER", PCIE_REPLAY_ROLLOVERS, ()),
+    ("NVML_FI_DEV_PCIE_L0_TO_RECOVERY_COUNTER", PCIE_RECOVERIES, ()),
+    ("NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS", PCIE_ERRORS, ("correctable",)),
+    ("NVML_FI_DEV_PCIE_COUNT_NAKS_RECEIVED", PCIE_ERRORS, ("naks_received",)),
+    ("NVML_FI_DEV_PCIE_COUNT_RECEIVER_ERROR", PCIE_ERRORS, ("receiver_error",)),
+    ("NVML_FI_DEV_PCIE_COUNT_BAD_TLP", PCIE_ERRORS, ("bad_tlp",)),
+    ("NVML_FI_DEV_PCIE_COUNT_NAKS_SENT", PCIE_ERRORS, ("naks_sent",)),
+    ("NVML_FI_DEV_PCIE_COUNT_BAD_DLLP", PCIE_ERRORS, ("bad_dllp",)),
+    ("NVML_FI_DEV_PCIE_COUNT_NON_FATAL_ERROR", PCIE_ERRORS, ("non_fatal",)),
+    ("NVML_FI_DEV_PCIE_COUNT_FATAL_ERROR", PCIE_ERRORS, ("fatal",)),
+    ("NVML_FI_DEV_PCIE_COUNT_UNSUPPORTED_REQ", PCIE_ERRORS, ("unsupported_request",)),
+    ("NVML_FI_DEV_PCIE_COUNT_LCRC_ERROR", PCIE_ERRORS, ("lcrc",)),
+    ("NVML_FI_DEV_PCIE_COUNT_LANE_ERROR", PCIE_ERRORS, ("lane",)),
+)
+NVLINK_COUNTERS = (("NVML_NVLINK_ERROR_DL_REPLAY", "replay"),
+                   ("NVML_NVLINK_ERROR_DL_RECOVERY", "recovery"),
+                   ("NVML_NVLINK_ERROR_DL_CRC_FLIT", "crc_flit"),
+                   ("NVML_NVLINK_ERROR_DL_CRC_DATA", "crc_data"),
+                   ("NVML_NVLINK_ERROR_DL_ECC_DATA", "ecc_data"))
+# nvmlFieldValue_t.valueType -> member of its value union (nvml.h nvmlValueType_t).
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+_OK = 0  # NVML_SUCCESS
+
+
+class _Lost(Exception):
+    """The GPU answered GpuIsLost."""
+
+
+class _SessionGone(Exception):
+    """NVML answered as if shut down: the driver went away or was reloaded."""
+
+
+class _Failed(Exception):
+    """A background read failed; the GPU keeps its last good counters."""
+
+
+Sample = tuple[MetricSpec, tuple[str, ...], float]
+
+
+@dataclass
+class _GpuState:
+    """What is known of one GPU within one NVML initialisation."""
+
+    gpu: Gpu
+    info: tuple[str, ...] = ()
+    nvlinks: int | None = None  # links, 0 without NVLink; None until discovered
+    unsupported: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Counters:
+    samples: list[Sample]
+    ok: bool
+    last_success: float  # time.time(), 0 when never
+
+
+class XidWatcher:
+    """Counts XID events of every GPU in a daemon thread blocked in nvmlEventSetWait.
+
+    Counts are kept by GPU UUID, so they survive NVML re-initialisations.
+    """
+
+    def __init__(self, log: Callable[..., None]) -> None:
+        self._log = log
+        self._lock = threading.Lock()
+        self.counts: dict[tuple[str, str], int] = {}  # (uuid, xid) -> count
+        self.last: dict[str, tuple[float, int]] = {}  # uuid -> (time, xid)
+        self.registered: dict[str, bool] = {}  # uuid -> registration worked
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._generation = -1
+
+    def ensure(self, session: Session, gpus: list[Gpu]) -> None:
+        """Start (or after a re-initialisation restart) the event thread."""
+        if self._generation == session.generation and self._thread is not None:
+            return
+        self.stop()
+        nv = session.nv
+        assert nv is not None
+        self._generation = session.generation
+        try:
+            es = nv.nvmlEventSetCreate()
+        except nv.NVMLError as exc:
+            self._log(logging.WARNING, "XID events unavailable: nvmlEventSetCreate: %s", exc)
+            for g in gpus:
+                self.registered[g.uuid] = False
+            return
+        mask = nv.nvmlEventTypeXidCriticalError
+        for g in gpus:
+            if g.handle is None:
+                continue
+            try:
+                nv.nvmlDeviceRegisterEvents(g.handle, mask, es)
+                self.registered[g.uuid] = True
+            except nv.NVMLError as exc:
+                self.registered[g.uuid] = False
+                self._log(logging.WARNING, "GPU %d: XID events not available: %s", g.index, exc)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(nv, es, mask, self._stop),
+                                        name="gpu-xid-events", daemon=True)
+        self._thread.start()
+
+    def _run(self, nv: Any, es: Any, mask: int, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                try:
+                    data = nv.nvmlEventSetWait_v2(es, XID_WAIT_MS)
+                except nv.NVMLError as exc:
+                    if error_name(exc) != "NVMLError_Timeout":
+                        self._log(logging.WARNING, "waiting for XID events: %s", exc)
+                        stop.wait(1.0)
+                    continue
+                if not int(data.eventType) & mask:  # only XID events count
+                    continue
+                try:
+                    uuid = nv.nvmlDeviceGetUUID(data.device)
+                except nv.NVMLError as exc:
+                    self._log(logging.WARNING, "XID %s on an unknown GPU: %s", data.eventData,
+                              exc)
+                    continue
+                self.record(uuid.decode() if isinstance(uuid, bytes) else str(uuid),
+                            int(data.eventData))
+        finally:
+            with contextlib.suppress(nv.NVMLError):
+                nv.nvmlEventSetFree(es)
+
+    def record(self, uuid: str, xid: int) -> None:
+        with self._lock:
+            code = str(xid)
+            known = {x for (u, x) in self.counts if u == uuid}
+            if code not in known and len(known) >= XID_LABELS_PER_GPU:
+                code = "other"
+            self.counts[(uuid, code)] = self.counts.get((uuid, code), 0) + 1
+            self.last[uuid] = (time.time(), xid)
+        self._log(logging.WARNING, "XID %d on GPU %s", xid, uuid)
+
+    def snapshot(self) -> tuple[dict[tuple[str, str], int], dict[str, tuple[float, int]]]:
+        with self._lock:
+            return dict(self.counts), dict(self.last)
+
+    def stop(self) -> None:
+        thread, self._thread = self._thread, None
+        self._stop.set()
+        if thread is not None:
+            thread.join(timeout=2 * XID_WAIT_MS / 1000 + 1)
+
+
+class GpuCollector(Collector):
+    name = "gpu"
+    description = ("NVIDIA GPUs through NVML: utilization, memory, PCIe link and errors, NVLink, "
+                   "compute processes, XID errors, lost GPUs")
+    metrics = (INFO, NVML_UP, LOST, MISSING, UTIL, MEM_UTIL, MEM_USED, MEM_TOTAL, PROCS, PCIE_GEN,
+               PCIE_GEN_MAX, PCIE_WIDTH, PCIE_WIDTH_MAX, PCIE_DEGRADED, NVLINK_ACTIVE,
+               PCIE_THROUGHPUT, PCIE_BYTES, PCIE_REPLAYS, PCIE_REPLAY_ROLLOVERS, PCIE_RECOVERIES,
+               PCIE_ERRORS, NVLINK_ERRORS, COUNTERS_SUCCESS, COUNTERS_AGE, XID_MONITORING,
+               XID_ERRORS, XID_LAST, XID_LAST_CODE)
+    config_fields: ClassVar[Mapping[str, Field]] = {
+        "counters_interval_seconds": Field(
+            "number", "how often the slow NVML counters (PCIe errors, bytes and throughput, "
+            "NVLink errors) are read in the background", default=15, minimum=1),
+        "pcie_throughput": Field(
+            "bool", "sample PCIe throughput (20 ms per direction and GPU, in the background)",
+            default=True),
+        "xid_events": Field("bool", "count XID errors through NVML events", default=True),
+    }
+
+    def __init__(self, ctx: CollectorContext) -> None:
+        super().__init__(ctx)
+        self.session = nvml.session(ctx.nvml_module)
+        self.xid = XidWatcher(ctx.log_once)
+        self.session.before_shutdown(self.xid.stop)
+        self._states: dict[int, _GpuState] = {}
+        self._generation = -1
+        self._seen: set[str] = set()  # UUIDs ever enumerated
+        self._counters: dict[str, _Counters] = {}  # by UUID
+        self._counters_lock = threading.Lock()
+        self._refresher: Refresher[None] | None = None
+        self._first_round = threading.Event()
+
+    # -- NVML plumbing -------------------------------------------------------------------------
+
+    def _states_for(self, gpus: list[Gpu]) -> list[_GpuState]:
+        if self._generation != self.session.generation:
+            self._generation = self.session.generation
+            self._states = {g.index: _GpuState(g) for g in gpus}
+            self._seen.update(g.uuid for g in gpus if g.uuid)
+        return [self._states[g.index] for g in gpus]
+
+    def _call(self, st: _GpuState, fn: str, *args: Any, key: str = "",
+              background: bool = False) -> Any:
+        """One NVML call for one GPU: None when unsupported (remembered under ``key``, logged
+        once) or failed (one unreadable value; in the background it raises _Failed); raises
+        _Lost or _SessionGone."""
+        key = key or fn
+        nv = self.session.nv
+        assert nv is not None
+        call = getattr(nv, fn, None)
+        if key in st.unsupported:
+            return None
+        if call is None:  # an nvidia-ml-py older than the call
+            st.unsupported.add(key)
+            self.ctx.log_once(logging.INFO, "GPU %d: %s not in %s; skipped", st.gpu.index, fn,
+                              self.session.module_name)
+            return None
+        try:
+            return call(st.gpu.handle, *args)
+        except nv.NVMLError as exc:
+            name = error_name(exc)
+            if name == "NVMLError_GpuIsLost":
+                raise _Lost from None
+            if name in nvml.SESSION_ERRORS:
+                raise _SessionGone(f"{fn}: {exc}") from None
+            if name in UNSUPPORTED:
+                st.unsupported.add(key)
+                self.ctx.log_once(logging.INFO, "GPU %d: %s not supported (%s); skipped",
+                                  st.gpu.index, key, exc)
+            elif background:
+                raise _Failed(f"{key}: {exc}") from None
+            else:
+                self.ctx.skip(f"GPU {st.gpu.index} {key}", exc)
+            return None
+
+    def _info(self, st: _GpuState) -> tuple[str, ...]:
+        if not st.info:
+            g, nv = st.gpu, self.session.nv
+            assert nv is not None
+            numa = self._call(st, "nvmlDeviceGetNumaNodeId")
+            if numa is None and g.pci_bus_id:  # not supported in VMs: the kernel's view
+                try:
+                    numa = self.ctx.sysfs.read(f"bus/pci/devices/{g.pci_bus_id}/numa_node")
+                except OSError:
+                    numa = None
+            st.info = (str(g.index), g.uuid, g.name, g.pci_bus_id, self.session.driver_version,
+                       "-1" if numa is None else str(numa))
+        return st.info
+
+    def _nvlinks(self, st: _GpuState) -> int:
+        """Number of NVLink links of the GPU: probe states from link 0 until InvalidArgument."""
+        if st.nvlinks is None:
+            nv = self.session.nv
+            assert nv is not None
+            n = 0
+            for link in range(int(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18))):
+                try:
+                    nv.nvmlDeviceGetNvLinkState(st.gpu.handle, link)
+                except nv.NVMLError as exc:
+                    name = error_name(exc)
+                    if name == "NVMLError_GpuIsLost":
+                        raise _Lost from None
+                    if name in nvml.SESSION_ERRORS:
+                        raise _SessionGone(f"nvmlDeviceGetNvLinkState: {exc}") from None
+                    if name not in UNSUPPORTED and name != "NVMLError_InvalidArgument":
+                        self.ctx.skip(f"GPU {st.gpu.index} NVLink {link} state", exc)
+                        return 0  # try again next scrape
+                    break
+                n = link + 1
+            st.nvlinks = n
+        return st.nvlinks
+
+    # -- scrape --------------------------------------------------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        fams = Families()
+        session = self.session
+        gpus = session.gpus()
+        if gpus is not None and session.device_count_changed():
+            session.invalidate("the number of GPUs changed")
+            gpus = session.gpus()
+        if gpus is None:
+            if session.state == "down":
+                fams.add(NVML_UP, [], 0)
+            yield from fams
+            return
+        self._start_background()
+        fams.add(NVML_UP, [], 1)
+        lost: set[int] = set()
+        try:
+            for st in self._states_for(gpus):
+                if self._collect_gpu(st, fams):
+                    lost.add(st.gpu.index)
+        except _SessionGone as exc:
+            session.invalidate(str(exc))
+            fams = Families()  # nothing of a half-read scrape
+            fams.add(NVML_UP, [], 0)
+            yield from fams
+            return
+        if gpus and len(lost) == len(gpus):  # all at once: rather a driver reload than N faults
+            session.invalidate("every GPU answered GpuIsLost")
+        present = {g.uuid for g in gpus if g.uuid}
+        fams.add(MISSING, [], len(self._seen - present))
+        self._add_background(fams, gpus, lost)
+        yield from fams
+
+    def _collect_gpu(self, st: _GpuState, fams: Families) -> bool:
+        """Add one GPU's per-scrape series; returns True when the GPU is lost."""
+        g, nv = st.gpu, self.session.nv
+        assert nv is not None
+        gpu = str(g.index)
+        if g.handle is None:
+            fams.add(LOST, [gpu], 1)
+            return True
+        try:
+            info = self._info(st)
+            util = self._call(st, "nvmlDeviceGetUtilizationRates")
+            mem = self._call(st, "nvmlDeviceGetMemoryInfo")
+            procs = self._call(st, "nvmlDeviceGetComputeRunningProcesses")
+            gen = self._call(st, "nvmlDeviceGetCurrPcieLinkGeneration")
+            gen_max = self._call(st, "nvmlDeviceGetMaxPcieLinkGeneration")
+            width = self._call(st, "nvmlDeviceGetCurrPcieLinkWidth")
+            width_max = self._call(st, "nvmlDeviceGetMaxPcieLinkWidth")
+            links = [(link, self._call(st, "nvmlDeviceGetNvLinkState", link,
+                                       key=f"nvmlDeviceGetNvLinkState/{link}"))
+                     for link in range(self._nvlinks(st))]
+        except _Lost:
+            fams.add(LOST, [gpu], 1)
+            return True
+        fams.add(LOST, [gpu], 0)
+        fams.add(INFO, list(info), 1)
+        if util is not None:
+            fams.add(UTIL, [gpu], util.gpu / 100)
+            fams.add(MEM_UTIL, [gpu], util.memory / 100)
+        if mem is not None:
+            fams.add(MEM_USED, [gpu], mem.used)
+            fams.add(MEM_TOTAL, [gpu], mem.total)
+        if procs is not None:
+            fams.add(PROCS, [gpu], len(procs))
+        for spec, v in ((PCIE_GEN, gen), (PCIE_GEN_MAX, gen_max), (PCIE_WIDTH, width),
+                        (PCIE_WIDTH_MAX, width_max)):
+            if v is not None:
+                fams.add(spec, [gpu], v)
+        if None not in (gen, gen_max, width, width_max):
+            busy = (util is not None and util.gpu > 0) or bool(procs)
+            degraded = width < width_max or (busy and gen < gen_max)
+            fams.add(PCIE_DEGRADED, [gpu], int(degraded))
+        for link, state in links:
+            if state is not None:
+                fams.add(NVLINK_ACTIVE, [gpu, str(link)], int(state == nv.NVML_FEATURE_ENABLED))
+        return False
+
+    # -- background counters and XID events ----------------------------------------------------
+
+    def _start_background(self) -> None:
+        if self.ctx.config["xid_events"]:
+            gpus = self.session.gpus()
+            if gpus is not None:
+                self.xid.ensure(self.session, gpus)
+        if self._refresher is None:
+            self._refresher = Refresher("gpu-counters",
+                                        float(self.ctx.config["counters_interval_seconds"]),
+                                        self.refresh, self.ctx.log_once)
+            self._refresher.start()
+            self._first_round.wait(FIRST_REFRESH_WAIT)
+
+    def refresh(self) -> None:
+        """One background round over every GPU; a GPU that fails keeps its last good values."""
+        try:
+            gpus = self.session.gpus() or []
+            for g in gpus:
+                if g.handle is None or not g.uuid:
+                    continue
+                samples: list[Sample] | None
+                try:
+                    samples = self._read_counters(g)
+                except (_Lost, _SessionGone, _Failed) as exc:
+                    self.ctx.log_once(logging.WARNING, "GPU %d: background counters: %s",
+                                      g.index, str(exc) or type(exc).__name__)
+                    samples = None
+                with self._counters_lock:
+                    old = self._counters.get(g.uuid)
+                    if samples is None:
+                        if old is not None:
+                            old.ok = False
+                        else:
+                            self._counters[g.uuid] = _Counters([], False, 0.0)
+                    else:
+                        self._counters[g.uuid] = _Counters(samples, True, time.time())
+        finally:
+            self._first_round.set()
+
+    def _read_counters(self, g: Gpu) -> list[Sample]:
+        nv = self.session.nv
+        assert nv is not None
+        st = self._states.get(g.index)
+        if st is None or st.gpu is not g:
+            st = _GpuState(g)  # a round racing a re-initialisation: no cached knowledge
+        gpu = str(g.index)
+        out: list[Sample] = []
+        wanted = [(const, getattr(nv, const), spec, labels) for const, spec, labels in _FIELDS
+                  if hasattr(nv, const) and f"field/{const}" not in st.unsupported]
+        if wanted:
+            values = self._call(st, "nvmlDeviceGetFieldValues", [w[1] for w in wanted],
+                                background=True)
+            for (const, _, spec, labels), fv in zip(wanted, values or (), strict=False):
+                if fv.nvmlReturn == _OK:
+                    out.append((spec, (gpu, *labels), _field_value(fv)))
+                elif fv.nvmlReturn == getattr(nv, "NVML_ERROR_NOT_SUPPORTED", 3):
+                    st.unsupported.add(f"field/{const}")
+                    self.ctx.log_once(logging.INFO, "GPU %s: %s not supported; skipped", gpu,
+                                      const)
+                else:
+                    raise _Failed(f"{const}: nvmlReturn {fv.nvmlReturn}")
+        if self.ctx.config["pcie_throughput"]:
+            for counter, direction in ((nv.NVML_PCIE_UTIL_TX_BYTES, "transmit"),
+                                       (nv.NVML_PCIE_UTIL_RX_BYTES, "receive")):
+                kbps = self._call(st, "nvmlDeviceGetPcieThroughput", counter, background=True)
+                if kbps is not None:
+                    out.append((PCIE_THROUGHPUT, (gpu, direction), kbps * 1000))
+        for link in range(self._nvlinks(st)):
+            for const, kind in NVLINK_COUNTERS:
+                v = self._call(st, "nvmlDeviceGetNvLinkErrorCounter", link, getattr(nv, const),
+                               key=f"nvmlDeviceGetNvLinkErrorCounter/{link}/{kind}",
+                               background=True)
+                if v is not None:
+                    out.append((NVLINK_ERRORS, (gpu, str(link), kind), v))
+        return out
+
+    def _add_background(self, fams: Families, gpus: list[Gpu], lost: set[int]) -> None:
+        now = time.time()
+        with self._counters_lock:
+            counters = dict(self._counters)
+        counts, last = self.xid.snapshot()
+        xid_on = self.ctx.config["xid_events"]
+        for g in gpus:
+            if g.handle is None or not g.uuid:
+                continue
+            gpu = str(g.index)
+            c = counters.get(g.uuid)
+            if c is not None and g.index not in lost:
+                for spec, labels, v in c.samples:
+                    fams.add(spec, [gpu, *labels[1:]], v)
+                fams.add(COUNTERS_SUCCESS, [gpu], int(c.ok))
+                if c.last_success:
+                    fams.add(COUNTERS_AGE, [gpu], max(0.0, now - c.last_success))
+            if xid_on and g.uuid in self.xid.registered:
+                fams.add(XID_MONITORING, [gpu], int(self.xid.registered[g.uuid]))
+            for (uuid, code), n in sorted(counts.items()):
+                if uuid == g.uuid:
+                    fams.add(XID_ERRORS, [gpu, code], n)
+            if g.uuid in last:
+                when, code_ = last[g.uuid]
+                fams.add(XID_LAST, [gpu], when)
+                fams.add(XID_LAST_CODE, [gpu], code_)
+
+    def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.stop()
+        self.xid.stop()
+
+
+def _field_value(fv: Any) -> float:
+    member = _VALUE_MEMBERS[fv.valueType] if 0 <= fv.valueType < len(_VALUE_MEMBERS) else "ullVal"
+    return float(getattr(fv.value, member))

@@ -1,0 +1,222 @@
+"""One NVML session per process, shared by the collectors that need NVML (gpu, topology).
+
+NVML is reached through a module implementing the pynvml API: ``pynvml`` from nvidia-ml-py by
+default (FORMATS.md §6.1), a stand-in in tests (``--nvml.module``). The session initialises NVML
+once, enumerates the GPUs, and re-initialises after a driver reload: a collector that sees NVML
+answer as if it had been shut down (Uninitialized, DriverNotLoaded, a library/driver version
+mismatch) or sees every GPU lost calls :meth:`Session.invalidate`, and the next use initialises
+again, at most once every ``RETRY_SECONDS``.
+
+States: ``absent`` (no nvidia-ml-py, no libnvidia-ml, or no driver, and NVML never came up: not a
+GPU node, no data), ``up``, and ``down`` (NVML was up before, or the library is broken: a fault
+worth a metric).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Literal
+
+log = logging.getLogger("gpunet.nvml")
+
+RETRY_SECONDS = 10.0
+State = Literal["absent", "up", "down"]
+_BUS_ID = re.compile(r"^([0-9a-f]{1,8}):([0-9a-f]{2}:[0-9a-f]{2}\.[0-7])$")
+
+# NVML errors that mean "this process's NVML no longer talks to a working driver".
+SESSION_ERRORS = ("NVMLError_Uninitialized", "NVMLError_DriverNotLoaded",
+                  "NVMLError_LibRmVersionMismatch")
+# Errors at the first nvmlInit that mean "no NVIDIA driver here" rather than "broken".
+ABSENT_ERRORS = ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded")
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """A GPU as enumerated at initialisation. ``handle`` is None when the GPU was lost then."""
+
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str  # sysfs form: lower-case, 4-digit domain ("0000:18:00.0"); "" if unknown
+    handle: Any
+
+
+def error_name(exc: BaseException) -> str:
+    """The pynvml exception class name (``NVMLError_NotSupported``), also for stand-ins."""
+    return type(exc).__name__
+
+
+def sysfs_bus_id(raw: str | bytes) -> str:
+    """NVML's busId ("00000000:18:00.0", bytes or str) in sysfs form ("0000:18:00.0")."""
+    text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else str(raw)
+    m = _BUS_ID.match(text.strip().lower())
+    if not m:
+        return ""
+    # sysfs prints the domain with at least 4 digits (VMD domains have 5: "10000:01:00.0").
+    return f"{int(m[1], 16):04x}:{m[2]}"
+
+
+class Session:
+    def __init__(self, module_name: str) -> None:
+        self.module_name = module_name
+        self.nv: ModuleType | None = None
+        self.state: State = "absent"
+        self.error = ""  # why NVML is not up, for logs and the landing page
+        self.driver_version = ""
+        self.generation = 0  # bumped at each successful initialisation
+        self._gpus: list[Gpu] | None = None
+        self._ever_up = False
+        self._next_try = 0.0
+        self._lock = threading.RLock()
+        self._before_shutdown: list[Callable[[], None]] = []
+
+    @property
+    def errors(self) -> Any:
+        """The NVMLError base class of the backend module (``except session.errors``)."""
+        return self.nv.NVMLError if self.nv is not None else ()
+
+    def gpus(self) -> list[Gpu] | None:
+        """The GPUs of the current initialisation, initialising if needed; None without NVML."""
+        with self._lock:
+            if self._gpus is None and time.monotonic() >= self._next_try:
+                self._next_try = time.monotonic() + RETRY_SECONDS
+                self._init()
+            return self._gpus
+
+    def _init(self) -> None:
+        if self.nv is None:
+            try:
+                self.nv = importlib.import_module(self.module_name)
+            except Exception as exc:  # ImportError, or a broken module
+                self.error = f"cannot import {self.module_name}: {exc}"
+                log.info("NVML unavailable (%s); no GPU data", self.error)
+                return
+        nv = self.nv
+        try:
+            nv.nvmlInit()
+        except nv.NVMLError as exc:
+            self.error = f"nvmlInit: {exc}"
+            absent = error_name(exc) in ABSENT_ERRORS and not self._ever_up
+            self.state = "absent" if absent else "down"
+            log.log(logging.INFO if absent else logging.WARNING, "NVML not initialised: %s; %s",
+                    exc, "no GPU data" if absent else f"retrying every {RETRY_SECONDS:g}s")
+            return
+        try:
+            gpus = self._enumerate(nv)
+            version = nv.nvmlSystemGetDriverVersion()
+        except nv.NVMLError as exc:
+            self.error = f"enumerating GPUs: {exc}"
+            self.state = "down"
+            log.warning("NVML initialised but cannot enumerate GPUs: %s", exc)
+            self._shutdown(nv)
+            return
+        self.driver_version = version.decode() if isinstance(version, bytes) else str(version)
+        self._gpus, self.state, self.error = gpus, "up", ""
+        self._ever_up = True
+        self.generation += 1
+        log.info("NVML initialised: driver %s, %d GPU(s)", self.driver_version, len(gpus))
+
+    @staticmethod
+    def _enumerate(nv: ModuleType) -> list[Gpu]:
+        out = []
+        for i in range(nv.nvmlDeviceGetCount()):
+            try:
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+            except nv.NVMLError as exc:  # a GPU lost before we could open it
+                log.warning("GPU %d: cannot get an NVML handle: %s", i, exc)
+                out.append(Gpu(i, "", "", "", None))
+                continue
+            try:
+                uuid, name = _text(nv.nvmlDeviceGetUUID(h)), _text(nv.nvmlDeviceGetName(h))
+                bus = sysfs_bus_id(nv.nvmlDeviceGetPciInfo(h).busId)
+            except nv.NVMLError as exc:
+                if error_name(exc) != "NVMLError_GpuIsLost":
+                    raise
+                out.append(Gpu(i, "", "", "", None))
+                continue
+            out.append(Gpu(i, uuid, name, bus, h))
+        return out
+
+    def device_count_changed(self) -> bool:
+        """True when NVML now reports a different number of GPUs than it enumerated."""
+        gpus, nv = self._gpus, self.nv
+        if gpus is None or nv is None:
+            return False
+        try:
+            return int(nv.nvmlDeviceGetCount()) != len(gpus)
+        except nv.NVMLError:
+            return True
+
+    def before_shutdown(self, fn: Callable[[], None]) -> None:
+        """Register a hook (stopping an event thread) run before NVML is shut down."""
+        with self._lock:
+            self._before_shutdown.append(fn)
+
+    def invalidate(self, reason: str, level: int = logging.WARNING) -> None:
+        """Drop the current initialisation; the next :meth:`gpus` initialises again."""
+        with self._lock:
+            if self._gpus is None:
+                return
+            log.log(level, "re-initialising NVML: %s", reason)
+            self._gpus, self.state, self.error = None, "down", reason
+            self._next_try = 0.0
+            if self.nv is not None:
+                self._shutdown(self.nv)
+
+    def _shutdown(self, nv: ModuleType) -> None:
+        for fn in list(self._before_shutdown):
+            try:
+                fn()
+            except Exception as exc:
+                log.debug("before-shutdown hook failed: %s", exc)
+        try:
+            nv.nvmlShutdown()
+        except nv.NVMLError as exc:
+            log.debug("nvmlShutdown: %s", exc)
+
+    def compute_pids(self) -> set[int] | None:
+        """PIDs of the compute processes on any GPU (host PID namespace); None without NVML."""
+        gpus, nv = self.gpus(), self.nv
+        if gpus is None or nv is None:
+            return None
+        pids: set[int] = set()
+        for g in gpus:
+            if g.handle is None:
+                continue
+            try:
+                pids.update(int(p.pid) for p in nv.nvmlDeviceGetComputeRunningProcesses(g.handle))
+            except nv.NVMLError as exc:
+                log.debug("GPU %d: compute processes: %s", g.index, exc)
+        return pids
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+_sessions: dict[str, Session] = {}
+_sessions_lock = threading.Lock()
+
+
+def session(module_name: str = "pynvml") -> Session:
+    """The process-wide session for a backend module (one NVML initialisation per process)."""
+    with _sessions_lock:
+        s = _sessions.get(module_name)
+        if s is None:
+            s = _sessions[module_name] = Session(module_name)
+        return s
+
+
+def forget(module_name: str) -> None:
+    """Drop a backend's session (tests start each scenario from scratch)."""
+    with _sessions_lock:
+        s = _sessions.pop(module_name, None)
+    if s is not None:
+        s.invalidate("session forgotten", logging.DEBUG)

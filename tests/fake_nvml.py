@@ -1,0 +1,339 @@
+"""A stand-in for ``pynvml`` (nvidia-ml-py) at the module boundary, replaying real readings.
+
+The default scenario is ../shared/fixtures/nvml/nvml_probe_h200x2.json, what NVML answered on
+a 2 x H200 machine (driver 580.159.04): every value and every error in it comes back exactly as
+recorded (NumaNodeId NotSupported, NVLink state InvalidArgument past link 17, the NVLink *_TOTAL
+fields NotSupported, ...). Exceptions and constants are nvidia-ml-py's own, so the collector's
+error handling meets the real classes. Scenario keys beyond the capture:
+
+    "library": "missing" | "no_driver"      nvmlInit fails as on a node without NVIDIA
+    devices[i]["lost"]: true                 every call on the GPU raises GpuIsLost
+    devices[i]["processes"]: [pid, ...]      compute processes (the capture had none)
+    devices[i][<function name>]: {"exc": "NVMLError_NotSupported"}   override one call
+
+Tests call :func:`load`, :func:`push_event` and :func:`reload_driver`. An exporter started as
+a subprocess loads this module with ``--nvml.module fake_nvml`` (tests/ on PYTHONPATH), reads
+its scenario from the JSON file named by ``GPUNET_FAKE_NVML``, and takes XID events from lines
+``<gpu index> <xid>`` appended to the file named by ``GPUNET_FAKE_NVML_EVENTS``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import threading
+import time
+from collections import Counter, deque
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pynvml as _real
+
+FIXTURE = (Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / "nvml"
+           / "nvml_probe_h200x2.json")
+NVMLError = _real.NVMLError
+_PASSTHROUGH = ("NVML_", "NVMLError", "nvmlEventType", "nvmlMemory")
+
+
+def __getattr__(name: str) -> Any:
+    """Constants and exception classes come from nvidia-ml-py; any NVML function this stand-in
+    does not define is missing, as in an nvidia-ml-py too old to have it."""
+    if name.startswith(_PASSTHROUGH):
+        return getattr(_real, name)
+    raise AttributeError(name)
+
+
+def _error(name: str) -> NVMLError:
+    return getattr(_real, name)()  # type: ignore[no-any-return]
+
+
+class _Handle:
+    def __init__(self, index: int, generation: int) -> None:
+        self.index, self.generation = index, generation
+
+    def __repr__(self) -> str:
+        return f"<fake nvmlDevice {self.index}>"
+
+
+class _State:
+    def __init__(self) -> None:
+        self.scenario: dict[str, Any] = {}
+        self.initialized = 0
+        self.generation = 0
+        self.calls: Counter[tuple[str, int]] = Counter()
+        self.events: deque[tuple[int, int, int]] = deque()
+        self.registered: dict[int, set[int]] = {}  # event set id -> GPU indexes
+        self.cond = threading.Condition()
+        self.events_file = ""
+        self.events_offset = 0
+
+
+_s = _State()
+
+
+def h200x2() -> dict[str, Any]:
+    """A fresh copy of the real 2 x H200 capture, for a test to modify."""
+    data: dict[str, Any] = json.loads(FIXTURE.read_text())
+    return data
+
+
+def load(scenario: dict[str, Any] | None = None) -> None:
+    """Start over with a scenario (default: GPUNET_FAKE_NVML's file, else the H200 capture)."""
+    if scenario is None:
+        path = os.environ.get("GPUNET_FAKE_NVML")
+        scenario = json.loads(Path(path).read_text()) if path else h200x2()
+    with _s.cond:
+        _s.scenario = copy.deepcopy(scenario)
+        _s.initialized = 0
+        _s.generation += 1
+        _s.calls.clear()
+        _s.events.clear()
+        _s.registered.clear()
+        _s.events_file = os.environ.get("GPUNET_FAKE_NVML_EVENTS", "")
+        _s.events_offset = 0
+
+
+def calls(fn: str, index: int = -1) -> int:
+    """How many times a function was called (for one GPU, or with no GPU when index is -1)."""
+    return _s.calls[(fn, index)]
+
+
+def device(index: int) -> dict[str, Any]:
+    """The live scenario entry of a GPU, to change its answers between scrapes."""
+    dev: dict[str, Any] = _s.scenario["devices"][index]
+    return dev
+
+
+def push_event(index: int, xid: int, event_type: int = 0x8) -> None:
+    """Deliver an event (an XID by default) to event sets that registered the GPU."""
+    with _s.cond:
+        _s.events.append((index, event_type, xid))
+        _s.cond.notify_all()
+
+
+def reload_driver() -> None:
+    """The driver went away and came back: old handles and the old initialisation are dead."""
+    with _s.cond:
+        _s.initialized = 0
+        _s.generation += 1
+
+
+# -- library ---------------------------------------------------------------------------------
+
+
+def nvmlInit() -> None:
+    _s.calls[("nvmlInit", -1)] += 1
+    lib = _s.scenario.get("library")
+    if lib == "missing":
+        raise _error("NVMLError_LibraryNotFound")
+    if lib == "no_driver":
+        raise _error("NVMLError_DriverNotLoaded")
+    _s.initialized += 1
+
+
+def nvmlShutdown() -> None:
+    _s.calls[("nvmlShutdown", -1)] += 1
+    if not _s.initialized:
+        raise _error("NVMLError_Uninitialized")
+    _s.initialized -= 1
+
+
+def _check_init() -> None:
+    if not _s.initialized:
+        raise _error("NVMLError_Uninitialized")
+
+
+def nvmlSystemGetDriverVersion() -> str:
+    _check_init()
+    return str(_s.scenario["driver"]["ok"])
+
+
+def nvmlDeviceGetCount() -> int:
+    _check_init()
+    _s.calls[("nvmlDeviceGetCount", -1)] += 1
+    return len(_s.scenario["devices"])
+
+
+def nvmlDeviceGetHandleByIndex(index: int) -> _Handle:
+    _check_init()
+    if not 0 <= index < len(_s.scenario["devices"]):
+        raise _error("NVMLError_InvalidArgument")
+    if device(index).get("lost"):
+        raise _error("NVMLError_GpuIsLost")
+    return _Handle(index, _s.generation)
+
+
+def _ns(value: Any) -> Any:
+    return SimpleNamespace(**value) if isinstance(value, dict) else value
+
+
+def _answer(entry: dict[str, Any]) -> Any:
+    if "exc" in entry:
+        raise _error(entry["exc"])
+    return _ns(entry["ok"])
+
+
+def _dev(h: _Handle, fn: str) -> dict[str, Any]:
+    _check_init()
+    if not isinstance(h, _Handle) or h.generation != _s.generation:
+        raise _error("NVMLError_Uninitialized")
+    _s.calls[(fn, h.index)] += 1
+    dev = device(h.index)
+    if dev.get("lost"):
+        raise _error("NVMLError_GpuIsLost")
+    return dev
+
+
+def _recorded(fn: str) -> Any:
+    def call(h: _Handle) -> Any:
+        dev = _dev(h, fn)
+        if fn not in dev:
+            raise _error("NVMLError_NotSupported")
+        return _answer(dev[fn])
+    call.__name__ = fn
+    return call
+
+
+nvmlDeviceGetName = _recorded("nvmlDeviceGetName")
+nvmlDeviceGetUUID = _recorded("nvmlDeviceGetUUID")
+nvmlDeviceGetPciInfo = _recorded("nvmlDeviceGetPciInfo")
+nvmlDeviceGetNumaNodeId = _recorded("nvmlDeviceGetNumaNodeId")
+nvmlDeviceGetUtilizationRates = _recorded("nvmlDeviceGetUtilizationRates")
+nvmlDeviceGetMemoryInfo = _recorded("nvmlDeviceGetMemoryInfo")
+nvmlDeviceGetCurrPcieLinkGeneration = _recorded("nvmlDeviceGetCurrPcieLinkGeneration")
+nvmlDeviceGetMaxPcieLinkGeneration = _recorded("nvmlDeviceGetMaxPcieLinkGeneration")
+nvmlDeviceGetCurrPcieLinkWidth = _recorded("nvmlDeviceGetCurrPcieLinkWidth")
+nvmlDeviceGetMaxPcieLinkWidth = _recorded("nvmlDeviceGetMaxPcieLinkWidth")
+
+
+def nvmlDeviceGetComputeRunningProcesses(h: _Handle) -> list[Any]:
+    dev = _dev(h, "nvmlDeviceGetComputeRunningProcesses")
+    if "nvmlDeviceGetComputeRunningProcesses" in dev:
+        return list(_answer(dev["nvmlDeviceGetComputeRunningProcesses"]))
+    return [SimpleNamespace(pid=p, usedGpuMemory=1 << 30) for p in dev.get("processes", [])]
+
+
+def nvmlDeviceGetPcieThroughput(h: _Handle, counter: int) -> int:
+    dev = _dev(h, "nvmlDeviceGetPcieThroughput")
+    key = "pcie_tx_KBps" if counter == _real.NVML_PCIE_UTIL_TX_BYTES else "pcie_rx_KBps"
+    if "nvmlDeviceGetPcieThroughput" in dev:
+        return int(_answer(dev["nvmlDeviceGetPcieThroughput"]))
+    return int(_answer(dev[key]))
+
+
+_FIELD_NAMES: dict[int, list[str]] = {}
+for _name in dir(_real):
+    if _name.startswith("NVML_FI_") and isinstance(getattr(_real, _name), int):
+        _FIELD_NAMES.setdefault(getattr(_real, _name), []).append(_name)
+
+
+def nvmlDeviceGetFieldValues(h: _Handle, field_ids: list[Any]) -> list[Any]:
+    dev = _dev(h, "nvmlDeviceGetFieldValues")
+    if "nvmlDeviceGetFieldValues" in dev:
+        _answer(dev["nvmlDeviceGetFieldValues"])
+    recorded = dev.get("fieldValues", {})
+    out = []
+    for fid in field_ids:
+        fid, scope = fid if isinstance(fid, tuple) else (fid, 0)
+        entry = next((recorded[n] for n in _FIELD_NAMES.get(fid, []) if n in recorded),
+                     {"nvmlReturn": _real.NVML_ERROR_NOT_SUPPORTED})
+        v = entry.get("value", 0)
+        value = SimpleNamespace(dVal=float(v), uiVal=v, ulVal=v, ullVal=v, sllVal=v, siVal=v,
+                                usVal=v)
+        out.append(SimpleNamespace(fieldId=fid, scopeId=scope, timestamp=0, latencyUsec=0,
+                                   valueType=entry.get("valueType", 1),
+                                   nvmlReturn=entry.get("nvmlReturn", 0), value=value))
+    return out
+
+
+def _link(h: _Handle, fn: str, link: int) -> dict[str, Any]:
+    dev = _dev(h, fn)
+    if fn in dev:
+        _answer(dev[fn])
+    if not 0 <= link < _real.NVML_NVLINK_MAX_LINKS:
+        raise _error("NVMLError_InvalidArgument")
+    nvlink = dev.get("nvlink")
+    if not nvlink:
+        raise _error("NVMLError_NotSupported")
+    entry: dict[str, Any] = nvlink[str(link)]
+    return entry
+
+
+def nvmlDeviceGetNvLinkState(h: _Handle, link: int) -> int:
+    return int(_answer(_link(h, "nvmlDeviceGetNvLinkState", link)["state"]))
+
+
+_NVLINK_COUNTERS = {getattr(_real, n): n for n in dir(_real)
+                    if n.startswith("NVML_NVLINK_ERROR_DL_") and "LANE" not in n
+                    and "COUNT" not in n}
+
+
+def nvmlDeviceGetNvLinkErrorCounter(h: _Handle, link: int, counter: int) -> int:
+    entry = _link(h, "nvmlDeviceGetNvLinkErrorCounter", link)
+    if "exc" in entry.get("state", {}):
+        _answer(entry["state"])
+    name = _NVLINK_COUNTERS.get(counter)
+    if name is None or name not in entry:
+        raise _error("NVMLError_InvalidArgument")
+    return int(_answer(entry[name]))
+
+
+# -- events ----------------------------------------------------------------------------------
+
+
+def nvmlEventSetCreate() -> int:
+    _check_init()
+    es = len(_s.registered) + 1
+    _s.registered[es] = set()
+    return es
+
+
+def nvmlDeviceRegisterEvents(h: _Handle, mask: int, es: int) -> None:
+    dev = _dev(h, "nvmlDeviceRegisterEvents")
+    if "nvmlDeviceRegisterEvents" in dev:
+        _answer(dev["nvmlDeviceRegisterEvents"])
+    if mask & _real.nvmlEventTypeXidCriticalError:
+        _s.registered[es].add(h.index)
+
+
+def _read_events_file() -> None:
+    if not _s.events_file:
+        return
+    try:
+        with open(_s.events_file) as fh:
+            fh.seek(_s.events_offset)
+            text = fh.read()
+    except OSError:
+        return
+    complete = text[:text.rfind("\n") + 1]
+    _s.events_offset += len(complete)
+    for line in complete.splitlines():
+        index, xid = line.split()
+        _s.events.append((int(index), _real.nvmlEventTypeXidCriticalError, int(xid)))
+
+
+def nvmlEventSetWait_v2(es: int, timeout_ms: int) -> Any:
+    _check_init()
+    deadline = time.monotonic() + timeout_ms / 1000
+    with _s.cond:
+        while True:
+            _read_events_file()
+            for i, (index, etype, data) in enumerate(_s.events):
+                if index in _s.registered.get(es, ()):
+                    del _s.events[i]
+                    return SimpleNamespace(
+                        device=_Handle(index, _s.generation), eventType=etype, eventData=data,
+                        gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _error("NVMLError_Timeout")
+            _s.cond.wait(min(left, 0.05))
+
+
+def nvmlEventSetFree(es: int) -> None:
+    _s.registered.pop(es, None)
+
+
+load()

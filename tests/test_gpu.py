@@ -1,0 +1,411 @@
+"""gpu collector against the NVML stand-in (tests/fake_nvml.py) replaying the real 2 x H200
+readings of ../shared/fixtures/nvml, and against the real nvidia-ml-py without a driver."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from collectors.gpu import XID_LABELS_PER_GPU, GpuCollector, XidWatcher
+from exporter import nvml
+
+import fake_nvml
+from conftest import REPO, Samples, collect, make_collector, parse, samples_of, series, value
+
+CAPTURE = fake_nvml.h200x2()
+UUID0 = CAPTURE["devices"][0]["nvmlDeviceGetUUID"]["ok"]
+UUID1 = CAPTURE["devices"][1]["nvmlDeviceGetUUID"]["ok"]
+NO_BACKGROUND = {"counters_interval_seconds": 3600}
+
+
+@pytest.fixture(autouse=True)
+def fresh_nvml() -> Iterator[None]:
+    """Every test starts with the real capture and a new NVML session."""
+    fake_nvml.load(fake_nvml.h200x2())
+    nvml.forget("fake_nvml")
+    yield
+    nvml.forget("fake_nvml")
+
+
+@pytest.fixture
+def sysfs(tmp_path: Path) -> Path:
+    """A sysfs with the two H200s' PCI functions (numa_node as the VM printed it)."""
+    for bdf in ("0000:00:06.0", "0000:00:07.0"):
+        d = tmp_path / "sys" / "bus" / "pci" / "devices" / bdf
+        d.mkdir(parents=True)
+        (d / "numa_node").write_text("-1\n")
+    return tmp_path / "sys"
+
+
+class Gpu:
+    """A collector kept across scrapes (the background thread and XID watcher live on)."""
+
+    def __init__(self, sysfs: Path, config: dict[str, Any] | None = None) -> None:
+        self.c = make_collector(GpuCollector, sysfs, {**NO_BACKGROUND, **(config or {})},
+                                nvml_module="fake_nvml")
+
+    def scrape(self) -> Samples:
+        self.c.ctx.unreadable = 0
+        return samples_of(list(self.c.collect()))
+
+    def close(self) -> None:
+        self.c.close()
+
+
+@pytest.fixture
+def gpu(sysfs: Path) -> Iterator[Gpu]:
+    g = Gpu(sysfs)
+    yield g
+    g.close()
+
+
+def wait_for(cond: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_capture_values_exactly(gpu: Gpu) -> None:
+    s = gpu.scrape()
+    assert gpu.c.ctx.unreadable == 0
+    for i, (uuid, bdf) in enumerate(((UUID0, "0000:00:06.0"), (UUID1, "0000:00:07.0"))):
+        dev, g = CAPTURE["devices"][i], str(i)
+        info = {"gpu": g, "uuid": uuid, "name": "NVIDIA H200", "pci_bus_id": bdf,
+                "driver_version": "580.159.04", "numa_node": "-1"}
+        assert series(s, "gpunet_gpu_info")[frozenset(info.items())] == 1
+        mem = dev["nvmlDeviceGetMemoryInfo"]["ok"]
+        assert value(s, "gpunet_gpu_memory_used_bytes", gpu=g) == mem["used"]
+        assert value(s, "gpunet_gpu_memory_total_bytes", gpu=g) == mem["total"] == 150754820096
+        assert value(s, "gpunet_gpu_utilization_ratio", gpu=g) == 0
+        assert value(s, "gpunet_gpu_pcie_link_generation", gpu=g) == 5
+        assert value(s, "gpunet_gpu_pcie_link_max_width", gpu=g) == 16
+        assert value(s, "gpunet_gpu_pcie_link_degraded", gpu=g) == 0
+        assert value(s, "gpunet_gpu_compute_processes", gpu=g) == 0
+        assert value(s, "gpunet_gpu_lost", gpu=g) == 0
+    assert value(s, "gpunet_gpu_nvml_up") == 1
+    assert value(s, "gpunet_gpu_missing") == 0
+
+
+def test_numa_node_falls_back_to_sysfs(sysfs: Path) -> None:
+    """NumaNodeId is NotSupported in the capture's VM: the kernel's numa_node is used."""
+    (sysfs / "bus/pci/devices/0000:00:07.0/numa_node").write_text("1\n")
+    g = Gpu(sysfs)
+    try:
+        s = g.scrape()
+    finally:
+        g.close()
+    numa = {dict(lbl)["gpu"]: dict(lbl)["numa_node"] for lbl in series(s, "gpunet_gpu_info")}
+    assert numa == {"0": "-1", "1": "1"}
+
+
+def test_nvlink_links_states_and_errors(gpu: Gpu) -> None:
+    s = gpu.scrape()
+    links = {dict(lbl)["link"] for lbl in series(s, "gpunet_gpu_nvlink_active")
+             if dict(lbl)["gpu"] == "0"}
+    assert links == {str(i) for i in range(18)}  # link 18 answered InvalidArgument
+    assert all(v == 1 for v in series(s, "gpunet_gpu_nvlink_active").values())
+    wait_for(lambda: value(gpu.scrape(), "gpunet_gpu_counters_refresh_success", gpu="1") == 1)
+    s = gpu.scrape()
+    for i in (0, 1):
+        for link in (0, 9, 17):
+            rec = CAPTURE["devices"][i]["nvlink"][str(link)]
+            for kind, name in (("crc_data", "NVML_NVLINK_ERROR_DL_CRC_DATA"),
+                               ("ecc_data", "NVML_NVLINK_ERROR_DL_ECC_DATA"),
+                               ("replay", "NVML_NVLINK_ERROR_DL_REPLAY")):
+                assert value(s, "gpunet_gpu_nvlink_errors_total", gpu=str(i), link=str(link),
+                             type=kind) == rec[name]["ok"]
+    assert len(series(s, "gpunet_gpu_nvlink_errors_total")) == 2 * 18 * 5
+
+
+def test_background_pcie_counters(gpu: Gpu) -> None:
+    wait_for(lambda: value(gpu.scrape(), "gpunet_gpu_counters_refresh_success", gpu="1") == 1)
+    s = gpu.scrape()
+    fv = CAPTURE["devices"][0]["fieldValues"]
+    assert value(s, "gpunet_gpu_pcie_errors_total", gpu="0", type="bad_tlp") == 2
+    assert value(s, "gpunet_gpu_pcie_errors_total", gpu="0", type="receiver_error") == 2
+    assert value(s, "gpunet_gpu_pcie_errors_total", gpu="0", type="naks_sent") == 1
+    assert value(s, "gpunet_gpu_pcie_link_recoveries_total", gpu="0") == 163
+    assert value(s, "gpunet_gpu_pcie_replays_total", gpu="0") == 0
+    assert value(s, "gpunet_gpu_pcie_bytes_total", gpu="0", direction="receive") == \
+        fv["NVML_FI_DEV_PCIE_COUNT_RX_BYTES"]["value"]
+    # NVML reports KB/s (FORMATS.md §6.2): exported in bytes per second.
+    assert value(s, "gpunet_gpu_pcie_throughput_bytes_per_second", gpu="0",
+                 direction="transmit") == 796_000
+    assert value(s, "gpunet_gpu_pcie_throughput_bytes_per_second", gpu="1",
+                 direction="receive") == 546_000
+    age = value(s, "gpunet_gpu_counters_age_seconds", gpu="0")
+    assert age is not None and 0 <= age < 60
+
+
+def test_pcie_throughput_can_be_turned_off(sysfs: Path) -> None:
+    g = Gpu(sysfs, {"pcie_throughput": False})
+    try:
+        wait_for(lambda: value(g.scrape(), "gpunet_gpu_counters_refresh_success", gpu="0") == 1)
+        assert not series(g.scrape(), "gpunet_gpu_pcie_throughput_bytes_per_second")
+        assert fake_nvml.calls("nvmlDeviceGetPcieThroughput", 0) == 0
+    finally:
+        g.close()
+
+
+def test_not_supported_is_skipped_for_that_gpu_alone(gpu: Gpu,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    fake_nvml.device(1)["nvmlDeviceGetMemoryInfo"] = {"exc": "NVMLError_NotSupported"}
+    with caplog.at_level(logging.INFO, logger="gpunet"):
+        for _ in range(3):
+            s = gpu.scrape()
+            assert gpu.c.ctx.unreadable == 0  # not supported is not an error
+    assert value(s, "gpunet_gpu_memory_used_bytes", gpu="0") is not None
+    assert value(s, "gpunet_gpu_memory_used_bytes", gpu="1") is None
+    assert value(s, "gpunet_gpu_utilization_ratio", gpu="1") == 0  # the rest of GPU 1 stays
+    assert fake_nvml.calls("nvmlDeviceGetMemoryInfo", 1) == 1  # not asked again
+    assert fake_nvml.calls("nvmlDeviceGetMemoryInfo", 0) == 3
+    logged = [r for r in caplog.records if "nvmlDeviceGetMemoryInfo not supported" in r.message]
+    assert len(logged) == 1 and logged[0].levelno == logging.INFO
+
+
+def test_other_errors_cost_one_value_each_scrape(gpu: Gpu) -> None:
+    fake_nvml.device(0)["nvmlDeviceGetUtilizationRates"] = {"exc": "NVMLError_Unknown"}
+    for _ in range(2):
+        s = gpu.scrape()
+        assert gpu.c.ctx.unreadable == 1
+        assert value(s, "gpunet_gpu_utilization_ratio", gpu="0") is None
+        assert value(s, "gpunet_gpu_memory_used_bytes", gpu="0") is not None
+    assert fake_nvml.calls("nvmlDeviceGetUtilizationRates", 0) == 2  # retried: may be transient
+    # Without the utilization sample the degraded gauge still judges by width and processes.
+    assert value(s, "gpunet_gpu_pcie_link_degraded", gpu="0") == 0
+
+
+def test_lost_gpu_is_a_series_not_an_exception(gpu: Gpu) -> None:
+    wait_for(lambda: value(gpu.scrape(), "gpunet_gpu_counters_refresh_success", gpu="1") == 1)
+    fake_nvml.device(1)["lost"] = True
+    s = gpu.scrape()
+    assert value(s, "gpunet_gpu_lost", gpu="1") == 1
+    assert value(s, "gpunet_gpu_lost", gpu="0") == 0
+    assert not [n for (n, lbl) in s if dict(lbl).get("gpu") == "1" and n != "gpunet_gpu_lost"
+                and not n.startswith("gpunet_gpu_xid")]
+    assert value(s, "gpunet_gpu_memory_used_bytes", gpu="0") is not None
+    assert value(s, "gpunet_gpu_nvml_up") == 1
+    fake_nvml.device(1)["lost"] = False  # after a reset the GPU answers again
+    assert value(gpu.scrape(), "gpunet_gpu_lost", gpu="1") == 0
+
+
+def test_gpu_lost_before_enumeration(sysfs: Path) -> None:
+    scenario = fake_nvml.h200x2()
+    scenario["devices"][0]["lost"] = True
+    fake_nvml.load(scenario)
+    g = Gpu(sysfs)
+    try:
+        s = g.scrape()
+    finally:
+        g.close()
+    assert value(s, "gpunet_gpu_lost", gpu="0") == 1
+    assert value(s, "gpunet_gpu_lost", gpu="1") == 0
+    assert {dict(lbl)["gpu"] for lbl in series(s, "gpunet_gpu_info")} == {"1"}
+
+
+@pytest.mark.parametrize("library", ["missing", "no_driver"])
+def test_no_library_or_driver_no_data(sysfs: Path, library: str) -> None:
+    scenario = fake_nvml.h200x2()
+    scenario["library"] = library
+    fake_nvml.load(scenario)
+    s, unreadable = collect(GpuCollector, sysfs, nvml_module="fake_nvml")
+    assert s == {} and unreadable == 0
+
+
+def test_real_nvidia_ml_py_without_a_driver(sysfs: Path) -> None:
+    """This machine has nvidia-ml-py but no libnvidia-ml: the real LibraryNotFound path."""
+    nvml.forget("pynvml")
+    s, unreadable = collect(GpuCollector, sysfs)
+    assert s == {} and unreadable == 0
+    assert nvml.session("pynvml").state == "absent"
+    assert "NVML Shared Library Not Found" in nvml.session("pynvml").error
+
+
+def test_missing_backend_module_no_data(sysfs: Path) -> None:
+    s, _ = collect(GpuCollector, sysfs, nvml_module="no_such_nvml_module")
+    assert s == {}
+
+
+def test_driver_reload_reinitialises(gpu: Gpu) -> None:
+    fake_nvml.push_event(0, 48)
+    wait_for(lambda: value(gpu.scrape(), "gpunet_gpu_xid_errors_total", gpu="0",
+                           xid="48") == 1)
+    inits = fake_nvml.calls("nvmlInit")
+    fake_nvml.reload_driver()  # NVML answers Uninitialized until initialised again
+    s = gpu.scrape()
+    assert fake_nvml.calls("nvmlInit") == inits + 1
+    assert value(s, "gpunet_gpu_nvml_up") == 1
+    assert len(series(s, "gpunet_gpu_info")) == 2
+    # The XID thread was restarted on the new initialisation; counts survived it.
+    fake_nvml.push_event(0, 48)
+    wait_for(lambda: value(gpu.scrape(), "gpunet_gpu_xid_errors_total", gpu="0",
+                           xid="48") == 2)
+
+
+def test_session_error_mid_scrape(gpu: Gpu) -> None:
+    """A device call answering as if NVML were shut down: no half-read data, NVML down, then
+    initialised again on the next scrape."""
+    gpu.scrape()
+    inits = fake_nvml.calls("nvmlInit")
+    dev = fake_nvml.device(1)
+    recorded = dev["nvmlDeviceGetMemoryInfo"]
+    dev["nvmlDeviceGetMemoryInfo"] = {"exc": "NVMLError_Uninitialized"}
+    s = gpu.scrape()
+    assert s == {("gpunet_gpu_nvml_up", frozenset()): 0}
+    dev["nvmlDeviceGetMemoryInfo"] = recorded
+    s = gpu.scrape()
+    assert fake_nvml.calls("nvmlInit") == inits + 1
+    assert value(s, "gpunet_gpu_nvml_up") == 1
+    assert value(s, "gpunet_gpu_memory_used_bytes", gpu="1") is not None
+
+
+def test_every_gpu_lost_reinitialises(gpu: Gpu) -> None:
+    gpu.scrape()
+    inits = fake_nvml.calls("nvmlInit")
+    for i in (0, 1):
+        fake_nvml.device(i)["lost"] = True
+    s = gpu.scrape()
+    assert series(s, "gpunet_gpu_lost") == {frozenset({("gpu", "0")}): 1,
+                                            frozenset({("gpu", "1")}): 1}
+    for i in (0, 1):
+        fake_nvml.device(i)["lost"] = False
+    s = gpu.scrape()
+    assert fake_nvml.calls("nvmlInit") == inits + 1
+    assert value(s, "gpunet_gpu_lost", gpu="0") == 0
+
+
+def test_gpu_count_change_reenumerates_and_counts_missing(gpu: Gpu) -> None:
+    gpu.scrape()
+    del fake_nvml._s.scenario["devices"][1]  # the GPU no longer enumerates (failed init)
+    s = gpu.scrape()
+    assert {dict(lbl)["gpu"] for lbl in series(s, "gpunet_gpu_info")} == {"0"}
+    assert value(s, "gpunet_gpu_missing") == 1
+
+
+def test_pcie_degraded_width_always_generation_only_when_busy(gpu: Gpu) -> None:
+    dev = fake_nvml.device(0)
+    dev["nvmlDeviceGetCurrPcieLinkGeneration"] = {"ok": 1}  # idle power saving
+    assert value(gpu.scrape(), "gpunet_gpu_pcie_link_degraded", gpu="0") == 0
+    dev["processes"] = [4242]
+    s = gpu.scrape()
+    assert value(s, "gpunet_gpu_compute_processes", gpu="0") == 1
+    assert value(s, "gpunet_gpu_pcie_link_degraded", gpu="0") == 1
+    dev["processes"] = []
+    dev["nvmlDeviceGetUtilizationRates"] = {"ok": {"gpu": 35, "memory": 12}}
+    s = gpu.scrape()
+    assert value(s, "gpunet_gpu_utilization_ratio", gpu="0") == 0.35
+    assert value(s, "gpunet_gpu_memory_utilization_ratio", gpu="0") == 0.12
+    assert value(s, "gpunet_gpu_pcie_link_degraded", gpu="0") == 1
+    dev["nvmlDeviceGetCurrPcieLinkGeneration"] = {"ok": 5}
+    dev["nvmlDeviceGetCurrPcieLinkWidth"] = {"ok": 8}
+    dev["nvmlDeviceGetUtilizationRates"] = {"ok": {"gpu": 0, "memory": 0}}
+    assert value(gpu.scrape(), "gpunet_gpu_pcie_link_degraded", gpu="0") == 1  # x8 of x16
+
+
+def test_xid_events_counted_by_code_only_xid(gpu: Gpu) -> None:
+    gpu.scrape()
+    before = time.time()
+    for xid in (79, 79, 48):
+        fake_nvml.push_event(1, xid)
+    fake_nvml.push_event(1, 0, event_type=0x10)  # a clock event: not an XID
+    wait_for(lambda: value(gpu.scrape(), "gpunet_gpu_xid_errors_total", gpu="1",
+                           xid="48") == 1)
+    s = gpu.scrape()
+    assert series(s, "gpunet_gpu_xid_errors_total") == {
+        frozenset({("gpu", "1"), ("xid", "79")}): 2, frozenset({("gpu", "1"), ("xid", "48")}): 1}
+    assert value(s, "gpunet_gpu_xid_last_code", gpu="1") == 48
+    last = value(s, "gpunet_gpu_xid_last_timestamp_seconds", gpu="1")
+    assert last is not None and before <= last <= time.time()
+    assert value(s, "gpunet_gpu_xid_last_timestamp_seconds", gpu="0") is None
+    assert value(s, "gpunet_gpu_xid_monitoring", gpu="0") == 1
+
+
+def test_xid_registration_refused_is_reported(sysfs: Path) -> None:
+    scenario = fake_nvml.h200x2()
+    scenario["devices"][1]["nvmlDeviceRegisterEvents"] = {"exc": "NVMLError_NotSupported"}
+    fake_nvml.load(scenario)
+    g = Gpu(sysfs)
+    try:
+        s = g.scrape()
+    finally:
+        g.close()
+    assert value(s, "gpunet_gpu_xid_monitoring", gpu="0") == 1
+    assert value(s, "gpunet_gpu_xid_monitoring", gpu="1") == 0
+
+
+def test_xid_events_off(sysfs: Path) -> None:
+    g = Gpu(sysfs, {"xid_events": False})
+    try:
+        assert not series(g.scrape(), "gpunet_gpu_xid_monitoring")
+        assert fake_nvml.calls("nvmlDeviceRegisterEvents", 0) == 0
+    finally:
+        g.close()
+
+
+def test_xid_codes_are_bounded() -> None:
+    w = XidWatcher(lambda *a: None)
+    for code in range(XID_LABELS_PER_GPU + 10):
+        w.record("GPU-x", code)
+    counts, _ = w.snapshot()
+    assert len(counts) == XID_LABELS_PER_GPU + 1
+    assert counts[("GPU-x", "other")] == 10
+
+
+def test_background_failure_keeps_last_good_values(gpu: Gpu) -> None:
+    wait_for(lambda: value(gpu.scrape(), "gpunet_gpu_counters_refresh_success", gpu="0") == 1)
+    fake_nvml.device(0)["nvmlDeviceGetFieldValues"] = {"exc": "NVMLError_Unknown"}
+    gpu.c.refresh()  # type: ignore[attr-defined]
+    s = gpu.scrape()
+    assert value(s, "gpunet_gpu_counters_refresh_success", gpu="0") == 0
+    assert value(s, "gpunet_gpu_counters_refresh_success", gpu="1") == 1
+    assert value(s, "gpunet_gpu_pcie_link_recoveries_total", gpu="0") == 163  # last good
+
+
+def test_unsupported_fields_are_not_asked_again(gpu: Gpu) -> None:
+    fake_nvml.device(0)["fieldValues"]["NVML_FI_DEV_PCIE_COUNT_LANE_ERROR"] = {"nvmlReturn": 3}
+    c: Any = gpu.c
+    gpu.scrape()
+    c.refresh()
+    c.refresh()
+    s = gpu.scrape()
+    assert value(s, "gpunet_gpu_pcie_errors_total", gpu="0", type="lane") is None
+    assert value(s, "gpunet_gpu_pcie_errors_total", gpu="1", type="lane") == 0
+    assert value(s, "gpunet_gpu_counters_refresh_success", gpu="0") == 1
+    assert "field/NVML_FI_DEV_PCIE_COUNT_LANE_ERROR" in c._states[0].unsupported
+
+
+def test_end_to_end_installed_exporter(run_exporter: Any, sysfs: Path, tmp_path: Path) -> None:
+    """The installed console script loads the stand-in through --nvml.module and reads XID
+    events appended to a file while it runs."""
+    scenario = fake_nvml.h200x2()
+    scenario["devices"][0]["processes"] = [101, 102]
+    (tmp_path / "nvml.json").write_text(json.dumps(scenario))
+    events = tmp_path / "events"
+    events.write_text("")
+    env = {"PYTHONPATH": str(REPO / "tests"), "GPUNET_FAKE_NVML": str(tmp_path / "nvml.json"),
+           "GPUNET_FAKE_NVML_EVENTS": str(events)}
+    e = run_exporter(f"--path.sysfs={sysfs}", "--collector.disable-defaults", "--collector.gpu",
+                     "--nvml.module=fake_nvml", env=env)
+    s = parse(e.metrics())
+    assert value(s, "gpunet_scrape_collector_success", collector="gpu") == 1
+    assert value(s, "gpunet_gpu_compute_processes", gpu="0") == 2
+    assert value(s, "gpunet_gpu_memory_total_bytes", gpu="1") == 150754820096
+    with events.open("a") as fh:
+        fh.write("0 79\n")
+    wait_for(lambda: value(parse(e.metrics()), "gpunet_gpu_xid_errors_total", gpu="0",
+                           xid="79") == 1)
+
+
+def test_end_to_end_without_nvidia(run_exporter: Any, sysfs: Path) -> None:
+    e = run_exporter(f"--path.sysfs={sysfs}", "--collector.disable-defaults", "--collector.gpu")
+    text = e.metrics()
+    s = parse(text)
+    assert value(s, "gpunet_scrape_collector_success", collector="gpu") == 1
+    assert "gpunet_gpu_" not in text
