@@ -73,6 +73,16 @@ class Root:
             os.close(fd)
         return data.decode("utf-8", "replace").rstrip()
 
+    def read_bytes(self, rel: str, offset: int, size: int) -> bytes:
+        """Up to ``size`` raw bytes at ``offset`` of a file (pread), fewer when the file (or what
+        the kernel lets this reader see) ends sooner. For binary files such as a PCI function's
+        ``config``, where only a few registers are wanted. Raises OSError."""
+        fd = os.open(f"{self.root}/{rel}", _OPEN_FLAGS)
+        try:
+            return os.pread(fd, size, offset)
+        finally:
+            os.close(fd)
+
     def listdir(self, rel: str) -> list[str]:
         """Sorted entries of a directory; raises OSError."""
         return sorted(os.listdir(f"{self.root}/{rel}"))

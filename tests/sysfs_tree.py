@@ -8,15 +8,25 @@ values are derived from the device index, never random.
     build_scaled(root, ports)          `ports` IB NDR devices, for scrape-time scaling tests
     make_*(sys, ...), add_dangling_device(sys, ...)   fault variants applied to a built tree
 
+For the topology collector (PCIe layout, GPUs, bridges' ACS, GPUDirect RDMA, NCCL environment):
+
+    build_dgx_h100_gpus(root)          the same RDMA devices, plus 8 H100 GPUs, each sharing a
+                                       PCIe switch with one IB NIC, and peermem loaded
+    build_mixed_topology(root)         4 GPUs and 3 NICs at every distance (PIX PXB PHB NODE SYS)
+    build_numa_wrong_side(root)        2 GPUs whose NICs both sit on NUMA node 1
+    build_procfs(root), write_process(proc, pid, environ)   a /proc with the NVIDIA driver
+
 `python tests/sysfs_tree.py examples/dgx-h100` regenerates the committed example tree.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 HOST = "dgx01"
@@ -157,6 +167,9 @@ class Nic:
     roce: bool = False
     domain: int = 0
     ifindex: int = 0
+    # sysfs directory (below sys/) of the bridge the function sits under, e.g. a PCIe switch's
+    # downstream port; "" keeps the default layout: a root port of its own (see pci_dir).
+    parent: str = ""
 
     @property
     def ibdev(self) -> str:
@@ -168,7 +181,10 @@ class Nic:
 
     @property
     def pci_dir(self) -> str:
-        """sysfs path below sys/ of the PCI function: root bus, root port, endpoint."""
+        """sysfs path below sys/ of the PCI function: root bus, root port, endpoint (or the
+        endpoint below ``parent`` when one is given)."""
+        if self.parent:
+            return f"{self.parent}/{self.pci}"
         root = f"{self.domain:04x}:{self.bus - 1:02x}"
         return f"devices/pci{root}/{root}:01.0/{self.pci}"
 
@@ -511,6 +527,297 @@ def add_dangling_device(sys: Path, name: str = "mlx5_10") -> None:
     _class_link(
         sys, "infiniband", name, f"devices/pci0000:e5/0000:e5:01.0/0000:e6:00.0/infiniband/{name}"
     )
+
+
+# ---- PCIe topology, GPUs, GPUDirect RDMA and /proc (topology collector) ----
+
+DRIVER_VERSION = "580.159.04"
+# H100 SXM5 (device 0x2330), a 3D controller (class 0x0302), Gen 5 x16.
+PCI_H100 = {
+    "vendor": "0x10de\n", "device": "0x2330\n", "class": "0x030200\n",
+    "current_link_speed": "32.0 GT/s PCIe\n", "current_link_width": "16\n",
+    "max_link_speed": "32.0 GT/s PCIe\n", "max_link_width": "16\n",
+}  # fmt: skip
+# Other PCI functions of a DGX H100 that GPU discovery must not mistake for GPUs: the NVSwitch
+# chips (NVIDIA, but class 0x0680 "other bridge") and the BMC's ASPEED VGA (class 0x0300).
+PCI_NVSWITCH = {"vendor": "0x10de\n", "device": "0x22a3\n", "class": "0x068000\n"}
+PCI_ASPEED = {"vendor": "0x1a03\n", "device": "0x2000\n", "class": "0x030000\n"}
+NVSWITCH_DIRS = tuple(f"devices/pci0000:00/0000:00:{2 + k:02x}.0/0000:{5 + k:02x}:00.0"
+                      for k in range(4))
+ASPEED_DIR = "devices/pci0000:00/0000:00:1c.4/0000:04:00.0"
+
+# PCI Express capability "device/port type" (PCIe base spec 7.5.3.2).
+ROOT_PORT, UPSTREAM_PORT, DOWNSTREAM_PORT = 4, 5, 6
+BRIDGE_IDS = {
+    ROOT_PORT: (0x8086, 0x352A),  # an Intel Xeon root port
+    UPSTREAM_PORT: (0x1000, 0xC030),  # Broadcom PEX890xx Gen 5 switch
+    DOWNSTREAM_PORT: (0x1000, 0xC030),
+}
+# Extended capabilities of every bridge here, starting at 0x100: AER, then ACS (id 0x000D:
+# capability register at +4, control register at +6), then Secondary PCIe.
+AER_OFFSET, ACS_OFFSET, SECONDARY_PCIE_OFFSET = 0x100, 0x148, 0x158
+ACS_CAPABILITY = 0x005F  # SV TB RR CR UF DT
+ACS_CONTROL_OFF = 0x0011  # Source Validation + Upstream Forwarding: no P2P redirect
+# What Linux's pci_std_enable_acs() sets: SV + P2P Request Redirect (bit 2) + P2P Completion
+# Redirect (bit 3) + UF. Peer-to-peer traffic then detours through the root complex.
+ACS_CONTROL_REDIRECT = 0x001D
+CONFIG_SIZE = 4096
+CONFIG_UNPRIVILEGED = 64  # what the kernel lets a reader without CAP_SYS_ADMIN see
+
+# Where a GPUDirect RDMA peer-memory client shows (FORMATS.md §5.3), by module name.
+PEERMEM_FILES = {
+    "nvidia_peermem": "module/nvidia_peermem/version",
+    "nv_peer_mem": "kernel/mm/memory_peers/nv_mem/version",
+    "nv_peer_mem_nc": "kernel/mm/memory_peers/nv_mem_nc/version",
+    "nvidia-peermem": "kernel/mm/memory_peers/nvidia-peermem/version",
+}
+
+# /proc/driver/nvidia/version of the open and of the proprietary kernel module.
+NVRM_OPEN = (f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {DRIVER_VERSION}  "
+             "Release Build  (nixbld@)  \nGCC version:  gcc version 14.3.0 (GCC) \n")
+NVRM_PROPRIETARY = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.129.03  Thu Oct 19 "
+                    "18:56:32 UTC 2023\nGCC version:  gcc version 11.4.0 "
+                    "(Ubuntu 11.4.0-1ubuntu1~22.04) \n")
+OSRELEASE = "6.8.0-45-generic"
+
+
+def _bdf(domain: int, bus: int, dev: int = 0, fn: int = 0) -> str:
+    return f"{domain:04x}:{bus:02x}:{dev:02x}.{fn}"
+
+
+def pci_config(vendor: int, device: int, port_type: int,
+               acs_control: int | None = ACS_CONTROL_OFF) -> bytes:
+    """The 4096-byte configuration space of a PCIe bridge: type 1 header, a PCI Express
+    capability with the port type, and the extended capability list at 0x100 (AER, ACS with
+    ``acs_control`` unless it is None, Secondary PCIe). Little-endian, as the file reads."""
+    cfg = bytearray(CONFIG_SIZE)
+    struct.pack_into("<HHHH", cfg, 0x00, vendor, device, 0x0407, 0x0010)  # status: cap list
+    cfg[0x0A], cfg[0x0B], cfg[0x0E] = 0x04, 0x06, 0x01  # PCI-to-PCI bridge, header type 1
+    cfg[0x34] = 0x40  # capability pointer
+    struct.pack_into("<BBH", cfg, 0x40, 0x10, 0x00, 0x0002 | port_type << 4)  # PCIe cap v2
+
+    def ext(offset: int, cap_id: int, version: int, next_offset: int) -> None:
+        struct.pack_into("<I", cfg, offset, cap_id | version << 16 | next_offset << 20)
+
+    ext(AER_OFFSET, 0x0001, 2, SECONDARY_PCIE_OFFSET if acs_control is None else ACS_OFFSET)
+    if acs_control is not None:
+        ext(ACS_OFFSET, 0x000D, 1, SECONDARY_PCIE_OFFSET)
+        struct.pack_into("<HH", cfg, ACS_OFFSET + 4, ACS_CAPABILITY, acs_control)
+    ext(SECONDARY_PCIE_OFFSET, 0x0019, 1, 0)
+    return bytes(cfg)
+
+
+def _bus_link(sys: Path, device_dir: str) -> None:
+    """sys/bus/pci/devices/<address> -> ../../../<device_dir>, as the kernel links every
+    PCI function."""
+    link = sys / "bus" / "pci" / "devices" / Path(device_dir).name
+    if not link.is_symlink():
+        _symlink(link, f"../../../{device_dir}")
+
+
+def _write_bridge(sys: Path, bridge_dir: str, numa: int, port_type: int,
+                  acs_control: int | None = ACS_CONTROL_OFF) -> None:
+    vendor, device = BRIDGE_IDS[port_type]
+    _write(sys / bridge_dir, {"vendor": f"0x{vendor:04x}\n", "device": f"0x{device:04x}\n",
+                              "class": "0x060400\n", "numa_node": f"{numa}\n"})
+    (sys / bridge_dir / "config").write_bytes(pci_config(vendor, device, port_type, acs_control))
+    _bus_link(sys, bridge_dir)
+
+
+def _root_port(sys: Path, root_bus: int, numa: int, slot: int = 1, domain: int = 0) -> str:
+    """Root port <domain>:<root_bus>:<slot>.0 of host bridge pci<domain>:<root_bus>; its dir."""
+    port = f"devices/pci{domain:04x}:{root_bus:02x}/{_bdf(domain, root_bus, slot)}"
+    _write_bridge(sys, port, numa, ROOT_PORT)
+    return port
+
+
+def _switch(sys: Path, above: str, bus: int, children: Iterable[int], numa: int,
+            domain: int = 0) -> dict[int, str]:
+    """A PCIe switch below the bridge directory ``above``: upstream port <bus>:00.0, downstream
+    ports on bus+1, the one leading to child bus c being device c-bus-2 (firmware numbers buses
+    depth first). Returns child bus -> downstream port directory."""
+    upstream = f"{above}/{_bdf(domain, bus)}"
+    _write_bridge(sys, upstream, numa, UPSTREAM_PORT)
+    out = {}
+    for child in children:
+        out[child] = f"{upstream}/{_bdf(domain, bus + 1, child - bus - 2)}"
+        _write_bridge(sys, out[child], numa, DOWNSTREAM_PORT)
+    return out
+
+
+def _write_gpu(sys: Path, parent: str, bus: int, numa: int, domain: int = 0) -> str:
+    gpu_dir = f"{parent}/{_bdf(domain, bus)}"
+    _write(sys / gpu_dir, {**PCI_H100, "numa_node": f"{numa}\n"})
+    _bus_link(sys, gpu_dir)
+    return gpu_dir
+
+
+def _write_gpu_node(root: Path, nics: Iterable[Nic]) -> Path:
+    """_write_node, plus the root ports of NICs in the default layout, bus links of every
+    function, the NVSwitch and BMC functions, and nvidia_peermem loaded."""
+    nics = list(nics)
+    sys = _write_node(root, nics)
+    for nic in nics:
+        if not nic.parent:
+            _write_bridge(sys, str(Path(nic.pci_dir).parent), nic.numa, ROOT_PORT)
+        _bus_link(sys, nic.pci_dir)
+    _bus_link(sys, MGMT_PCI_DIR)
+    for other_dir, attrs in ((ASPEED_DIR, PCI_ASPEED),
+                             *((d, PCI_NVSWITCH) for d in NVSWITCH_DIRS)):
+        _write(sys / other_dir, {**attrs, "numa_node": "0\n"})
+        _bus_link(sys, other_dir)
+    make_peermem(sys, "nvidia_peermem")
+    return sys
+
+
+# DGX H100: GPU i shares a PCIe switch with IB NIC mlx5_i (nvidia-smi topo: PIX).
+DGX_GPU_BUSES = (0x1B, 0x43, 0x52, 0x61, 0x9D, 0xC3, 0xD1, 0xDF)
+
+
+def build_dgx_h100_gpus(root: Path) -> Path:
+    """build_dgx_h100's RDMA devices, netdevs and PCI addresses (so the other collectors see the
+    same node), placed in a DGX H100's PCIe layout: for each IB NIC a host bridge and root port
+    on bus NIC-3, a switch (upstream port, downstream ports) whose downstream ports lead to the
+    NIC and to one H100 GPU. GPUs 0-3 and mlx5_0-3 on NUMA node 0, the rest on 1; the RoCE
+    mlx5_8 (node 0) and mlx5_9 (node 1) on root ports of their own. ACS redirect is off on every
+    bridge, and nvidia_peermem is loaded."""
+    sys = root / "sys"
+    nics = list(DGX_NICS)
+    for i, gpu_bus in enumerate(DGX_GPU_BUSES):
+        nic = nics[i]
+        root_bus = nic.bus - 3
+        port = _root_port(sys, root_bus, nic.numa)
+        downstream = _switch(sys, port, root_bus + 1, (nic.bus, gpu_bus), nic.numa)
+        nics[i] = replace(nic, parent=downstream[nic.bus])
+        _write_gpu(sys, downstream[gpu_bus], gpu_bus, nic.numa)
+    return _write_gpu_node(root, nics)
+
+
+def build_mixed_topology(root: Path) -> Path:
+    """Four GPUs and three IB NICs at every distance nvidia-smi topo names.
+
+    Host bridge pci0000:30 (NUMA 0): root port 30:01.0 -> switch A, whose downstream ports lead
+    to mlx5_0 (33:00.0), to a second switch B holding GPU0 (36:00.0) and GPU1 (37:00.0), and to
+    GPU2 (38:00.0); root port 30:02.0 -> GPU3 (39:00.0). mlx5_1 (51:00.0) on host bridge
+    pci0000:50, NUMA 0; mlx5_2 (a1:00.0) on pci0000:a0, NUMA 1.
+    With mlx5_0: GPU0 and GPU1 PXB, GPU2 PIX, GPU3 PHB. mlx5_1: NODE. mlx5_2: SYS.
+    """
+    sys = root / "sys"
+    switch_a = _switch(sys, _root_port(sys, 0x30, 0), 0x31, (0x33, 0x34, 0x38), 0)
+    switch_b = _switch(sys, switch_a[0x34], 0x34, (0x36, 0x37), 0)
+    for bus in (0x36, 0x37):
+        _write_gpu(sys, switch_b[bus], bus, 0)
+    _write_gpu(sys, switch_a[0x38], 0x38, 0)
+    _write_gpu(sys, _root_port(sys, 0x30, 0, slot=2), 0x39, 0)
+    nics = (Nic(0, 0x33, numa=0, ifindex=3, parent=switch_a[0x33]),
+            Nic(1, 0x51, numa=0, ifindex=4), Nic(2, 0xA1, numa=1, ifindex=5))
+    return _write_gpu_node(root, nics)
+
+
+def build_numa_wrong_side(root: Path) -> Path:
+    """Two GPUs, two IB NICs, both NICs on NUMA node 1. GPU0 (1b:00.0, NUMA 0) sits alone on a
+    root port; GPU1 (a0:00.0, NUMA 1) shares a switch with mlx5_0 (9d:00.0); mlx5_1 (c1:00.0,
+    NUMA 1) has a root port of its own. GPU0's nearest NIC is mlx5_1 (SYS, like mlx5_0, but
+    across fewer bridges), on the other NUMA node."""
+    sys = root / "sys"
+    _write_gpu(sys, _root_port(sys, 0x1A, 0), 0x1B, 0)
+    downstream = _switch(sys, _root_port(sys, 0x9A, 1), 0x9B, (0x9D, 0xA0), 1)
+    _write_gpu(sys, downstream[0xA0], 0xA0, 1)
+    nics = (Nic(0, 0x9D, numa=1, ifindex=3, parent=downstream[0x9D]),
+            Nic(1, 0xC1, numa=1, ifindex=4))
+    return _write_gpu_node(root, nics)
+
+
+def pci_function_dir(sys: Path, address: str) -> Path:
+    """The real directory of a PCI function, found through bus/pci/devices like the kernel's."""
+    return Path(os.path.realpath(sys / "bus" / "pci" / "devices" / address))
+
+
+def set_numa_node(sys: Path, address: str, numa: int) -> None:
+    """Change one PCI function's numa_node (-1: the platform gives none, as on many VMs)."""
+    _write(pci_function_dir(sys, address), {"numa_node": f"{numa}\n"})
+
+
+def _bridge_above(sys: Path, address: str) -> Path:
+    return pci_function_dir(sys, address).parent
+
+
+def make_acs_enabled(sys: Path, gpu_bus: int = 0x1B, control: int = ACS_CONTROL_REDIRECT,
+                     domain: int = 0) -> Path:
+    """Set the ACS Control register of the bridge right above the function <gpu_bus>:00.0 (for a
+    GPU of the DGX tree, a switch downstream port; any bridge's address works too); returns that
+    bridge's directory."""
+    bridge = _bridge_above(sys, _bdf(domain, gpu_bus))
+    config = bytearray((bridge / "config").read_bytes())
+    struct.pack_into("<H", config, ACS_OFFSET + 6, control)
+    (bridge / "config").write_bytes(bytes(config))
+    return bridge
+
+
+def make_acs_absent(sys: Path, gpu_bus: int = 0x1B, domain: int = 0) -> Path:
+    """The bridge above GPU <gpu_bus> has no ACS capability (AER links straight to the next)."""
+    bridge = _bridge_above(sys, _bdf(domain, gpu_bus))
+    vendor, device = BRIDGE_IDS[DOWNSTREAM_PORT]
+    (bridge / "config").write_bytes(pci_config(vendor, device, DOWNSTREAM_PORT, None))
+    return bridge
+
+
+def make_acs_unreadable(sys: Path, gpu_bus: int = 0x1B, domain: int = 0) -> Path:
+    """The bridge above GPU <gpu_bus> as a reader without CAP_SYS_ADMIN sees its config space:
+    only the first 64 bytes (drivers/pci/pci-sysfs.c pci_read_config)."""
+    bridge = _bridge_above(sys, _bdf(domain, gpu_bus))
+    config = (bridge / "config").read_bytes()
+    (bridge / "config").write_bytes(config[:CONFIG_UNPRIVILEGED])
+    return bridge
+
+
+def make_peermem(sys: Path, module: str, version: str = DRIVER_VERSION) -> None:
+    """A peer-memory client's version file (module: a key of PEERMEM_FILES)."""
+    _write(sys, {PEERMEM_FILES[module]: f"{version}\n"})
+
+
+def make_peermem_unloaded(sys: Path) -> None:
+    """No peer-memory client at all: nvidia_peermem not loaded, no nv_peer_mem."""
+    shutil.rmtree(sys / "module" / "nvidia_peermem", ignore_errors=True)
+    shutil.rmtree(sys / "kernel" / "mm" / "memory_peers", ignore_errors=True)
+
+
+def add_virtual_rdma_device(sys: Path, name: str = "rxe0", netdev: str = "eno1") -> None:
+    """A soft-RoCE (rxe) device on ``netdev``: a class link into devices/virtual, no PCI parent
+    (no ``device`` link), its netdev named by the GID table."""
+    dev_dir = f"devices/virtual/infiniband/{name}"
+    _write(sys / dev_dir, {"node_type": "1: CA\n", "hca_type": "\n"})
+    _write(sys / dev_dir / "ports" / "1", {
+        **PORT_COMMON, "link_layer": "Ethernet\n", **PORT_ATTRS["Ethernet"],
+        "gid_attrs/ndevs/0": f"{netdev}\n", "gid_attrs/types/0": "RoCE v2\n",
+    })
+    _class_link(sys, "infiniband", name, dev_dir)
+
+
+def build_procfs(root: Path, nvidia: str | None = NVRM_OPEN,
+                 osrelease: str | None = OSRELEASE) -> Path:
+    """root/proc with the NVIDIA driver's version file (None: no driver loaded) and the kernel
+    release; add processes with write_process. Returns it (the --path.procfs value)."""
+    proc = root / "proc"
+    proc.mkdir(parents=True, exist_ok=True)
+    _write(proc, {"driver/nvidia/version": nvidia,
+                  "sys/kernel/osrelease": None if osrelease is None else f"{osrelease}\n"})
+    return proc
+
+
+def write_process(proc: Path, pid: int, environ: Mapping[str, str] | bytes,
+                  starttime: int = 1_234_567, comm: str = "python3") -> None:
+    """/proc/<pid>/stat (proc_pid_stat's format: starttime is field 22, in clock ticks since
+    boot) and /proc/<pid>/environ (NUL-terminated KEY=value strings)."""
+    raw = environ if isinstance(environ, bytes) else b"".join(
+        f"{key}={val}".encode() + b"\0" for key, val in environ.items())
+    fields = ["S", "1", str(pid), str(pid), "0", "-1", "4194560", "105273", "0", "12", "0",
+              "1520", "310", "0", "0", "20", "0", "57", "0", str(starttime), "41943040000",
+              "1203311", "18446744073709551615", *["0"] * 29]
+    pid_dir = proc / str(pid)
+    pid_dir.mkdir(parents=True, exist_ok=True)
+    (pid_dir / "stat").write_text(f"{pid} ({comm}) {' '.join(fields)}\n")
+    (pid_dir / "environ").write_bytes(raw)
 
 
 def main() -> None:

@@ -1,0 +1,591 @@
+"""topology collector: where each GPU sits relative to each RDMA NIC on the PCIe tree, whether
+GPUDirect RDMA can work on this host, whether PCIe ACS forces GPU-NIC peer-to-peer traffic through
+the root complex, and which NCCL environment variables of the running GPU processes turn the
+fast paths off.
+
+Sources: the realpath of /sys/bus/pci/devices/<gpu> and /sys/class/infiniband/<dev>/device, and
+the numa_node files (the distances in nvidia-smi topo's vocabulary); the files NCCL checks for a
+peer-memory client and /proc/driver/nvidia/version with /proc/sys/kernel/osrelease for DMA-BUF
+(FORMATS.md §5.3); each bridge's ACS Control register from its binary config file (PCIe base spec
+7.7.8, readable beyond 64 bytes by root only); /proc/<pid>/environ of NVML's compute processes.
+GPUs come from the shared NVML session when NVML is up, else from sysfs.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from prometheus_client.core import Metric
+
+from exporter import nvml, rdma
+from exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from exporter.config import Field
+from exporter.sysfs import parse_int
+
+_PCI_ADDRESS = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+_HOST_BRIDGE = re.compile(r"pci[0-9a-f]{4,8}:[0-9a-f]{2}")
+_NVIDIA = "0x10de"
+_GPU_CLASSES = ("0x0300", "0x0302")  # VGA compatible controller, 3D controller
+
+# nvidia-smi topo's names, nearest first (NCCL's PIX < PXB < PHB < SYS, with NODE between).
+PATHS = ("PIX", "PXB", "PHB", "NODE", "SYS")
+_RANK = {p: i for i, p in enumerate(PATHS)}
+
+# GPUDirect RDMA peer-memory clients, by module name: the files NCCL's ncclIbGdrSupport checks.
+PEERMEM_FILES = (
+    ("nvidia_peermem", "module/nvidia_peermem/version"),
+    ("nv_peer_mem", "kernel/mm/memory_peers/nv_mem/version"),
+    ("nv_peer_mem_nc", "kernel/mm/memory_peers/nv_mem_nc/version"),
+    ("nvidia-peermem", "kernel/mm/memory_peers/nvidia-peermem/version"),
+)
+DMABUF_MIN_KERNEL = (5, 12)
+_LABEL_MAX = 32
+
+# PCIe extended capabilities (PCIe base spec 7.6.3 and 7.7.8).
+_EXT_CAP_START = 0x100
+_EXT_CAP_MAX = (4096 - 0x100) // 8  # more than this many capabilities means a loop
+_ACS_ID = 0x000D
+_ACS_CONTROL = 6  # offset of the ACS Control register in the capability
+_ACS_REDIRECT = 0x0004 | 0x0008  # P2P Request Redirect, P2P Completion Redirect
+
+# The NCCL environment audit: every (variable, issue) it can report.
+NCCL_FINDINGS = (
+    ("NCCL_IB_DISABLE", "ib_disabled"),
+    ("NCCL_NET_GDR_LEVEL", "gdr_disabled"),
+    ("NCCL_IB_GDR_LEVEL", "gdr_disabled"),
+    ("NCCL_P2P_DISABLE", "p2p_disabled"),
+    ("NCCL_NET", "socket_forced"),
+    ("NCCL_SOCKET_IFNAME", "no_rdma_interface"),
+    ("NCCL_IB_HCA", "unknown_device"),
+)
+_NCCL_VARIABLES = frozenset(v for v, _ in NCCL_FINDINGS)
+# Errors that mean "not ours to read" or "already gone": expected, not a fault of the exporter.
+_PROC_EXPECTED = (errno.EACCES, errno.EPERM, errno.ENOENT, errno.ESRCH)
+ENVIRON_MAX = 1 << 20  # bytes of /proc/<pid>/environ read at most
+ENV_CACHE_MAX = 4096  # processes whose NCCL variables are remembered
+
+_G = ("gpu",)
+_GD = ("gpu", "device")
+_GDP = ("gpu", "device", "path")
+_PATH_HELP = (
+    "PIX: below one PCIe switch (at most one bridge on each side below the shared one); PXB: "
+    "through several bridges below a shared one; PHB: through the host bridge; NODE: through "
+    "the interconnect between host bridges of one NUMA node; SYS: across NUMA nodes")
+_PCI_SOURCE = ("realpath of /sys/bus/pci/devices/<gpu> and /sys/class/infiniband/<device>/device, "
+               "their numa_node files")
+PEERMEM_LOADED = MetricSpec(
+    "gpunet_topology_gdr_peermem_loaded", "gauge",
+    "1 when a GPUDirect RDMA peer-memory client (nvidia_peermem, or the older nv_peer_mem) is "
+    "loaded, the files NCCL checks, else 0", (), "boolean",
+    "/sys/module/nvidia_peermem/version, /sys/kernel/mm/memory_peers/{nv_mem,nv_mem_nc,"
+    "nvidia-peermem}/version")
+PEERMEM_INFO = MetricSpec(
+    "gpunet_topology_gdr_peermem_info", "gauge",
+    "Always 1, for each peer-memory client present; version is its version file (at most 32 "
+    "characters)", ("module", "version"), "", "the peer-memory version files")
+KERNEL_MODULE_INFO = MetricSpec(
+    "gpunet_topology_nvidia_kernel_module_info", "gauge",
+    "Always 1 while the NVIDIA kernel module is loaded; flavor is open or proprietary",
+    ("flavor", "version"), "", "/proc/driver/nvidia/version")
+DMABUF_CAPABLE = MetricSpec(
+    "gpunet_topology_gdr_dmabuf_capable", "gauge",
+    "1 when GPUDirect RDMA can use DMA-BUF instead of a peer-memory module (open NVIDIA kernel "
+    "module and Linux 5.12 or later), else 0; absent without the NVIDIA driver", (), "boolean",
+    "/proc/driver/nvidia/version and /proc/sys/kernel/osrelease")
+GDR_READY = MetricSpec(
+    "gpunet_topology_gdr_ready", "gauge",
+    "1 when the host side of GPUDirect RDMA is in place (a peer-memory client loaded, or DMA-BUF "
+    "capable), else 0; only on hosts with an NVIDIA GPU", (), "boolean",
+    "peer-memory version files, /proc/driver/nvidia/version, /proc/sys/kernel/osrelease")
+GPU_NIC_PATH = MetricSpec(
+    "gpunet_topology_gpu_nic_path", "gauge",
+    "Always 1; path is the PCIe distance between the GPU (NVML index) and the RDMA device in "
+    "nvidia-smi topo's terms. " + _PATH_HELP, _GDP, "", _PCI_SOURCE)
+NEAREST_NIC = MetricSpec(
+    "gpunet_topology_gpu_nearest_nic", "gauge",
+    "Always 1, for the RDMA device nearest the GPU (PIX < PXB < PHB < NODE < SYS, then fewest "
+    "bridges, then device name)", _GDP, "", _PCI_SOURCE)
+NUMA_MISMATCH = MetricSpec(
+    "gpunet_topology_gpu_nearest_nic_numa_mismatch", "gauge",
+    "1 when the GPU's nearest RDMA device is on another NUMA node, else 0; absent when either "
+    "NUMA node is unknown (-1)", _G, "boolean", "numa_node of the GPU and of the device")
+ACS_REDIRECT = MetricSpec(
+    "gpunet_topology_gpu_nic_acs_redirect_bridges", "gauge",
+    "PCI bridges between the GPU and the RDMA device (below the last component their paths "
+    "share) whose ACS Control has P2P Request or Completion Redirect set, which sends GPUDirect "
+    "traffic through the root complex; absent when a bridge's config space is unreadable "
+    "(needs root)", _GD, "bridges", "/sys/bus/pci/devices/<bridge>/config, ACS Control register")
+NCCL_ENV_FINDINGS = MetricSpec(
+    "gpunet_topology_nccl_env_findings", "gauge",
+    "GPU compute processes whose initial environment sets the NCCL variable so that it causes "
+    "the issue (ib_disabled, gdr_disabled, p2p_disabled, socket_forced, no_rdma_interface, "
+    "unknown_device); values are never exported; parsed environments are cached per process",
+    ("variable", "issue"), "processes", "/proc/<pid>/environ of NVML's compute processes")
+NCCL_ENV_PROCESSES = MetricSpec(
+    "gpunet_topology_nccl_env_processes", "gauge",
+    "GPU compute processes whose environment was inspected or could not be read (needs root or "
+    "CAP_SYS_PTRACE, and the host PID namespace)", ("result",), "processes",
+    "NVML compute processes, /proc/<pid>/environ")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A GPU or NIC PCI function and its place in the PCIe tree."""
+
+    name: str  # the label: GPU index, or RDMA device name
+    host: str  # host bridge, "pci0000:17"
+    chain: tuple[str, ...]  # PCI addresses below the host bridge: root port ... the function
+    dirs: tuple[str, ...]  # sysfs directory (relative to the root) of each chain element
+    numa: int  # -1: unknown
+
+
+@dataclass(frozen=True)
+class Relation:
+    path: str  # one of PATHS
+    bridges: tuple[str, ...]  # directories of the bridges crossed below the shared component
+
+
+def endpoint(name: str, rel: str, numa: int) -> Endpoint | None:
+    """The endpoint of a function at sysfs path ``rel`` (resolved, relative to the root), or
+    None when the path does not end in a PCI function below a host bridge."""
+    parts = rel.split("/")
+    host = next((i for i, p in enumerate(parts) if _HOST_BRIDGE.fullmatch(p)), None)
+    if host is None or not _PCI_ADDRESS.fullmatch(parts[-1]):
+        return None
+    keep = [i for i in range(host + 1, len(parts)) if _PCI_ADDRESS.fullmatch(parts[i])]
+    return Endpoint(name, parts[host], tuple(parts[i] for i in keep),
+                    tuple("/".join(parts[: i + 1]) for i in keep), numa)
+
+
+def relation(a: Endpoint, b: Endpoint) -> Relation:
+    """nvidia-smi topo's distance between two functions, and the bridges between them."""
+    shared = 0
+    if a.host == b.host:
+        while (shared < min(len(a.chain), len(b.chain))
+               and a.chain[shared] == b.chain[shared]):
+            shared += 1
+    # Bridges strictly below the last shared component, not the endpoints themselves.
+    below_a, below_b = a.dirs[shared:-1], b.dirs[shared:-1]
+    if a.host != b.host:
+        same_node = a.numa == b.numa or a.numa < 0 or b.numa < 0
+        path = "NODE" if same_node else "SYS"
+    elif shared == 0:
+        path = "PHB"
+    else:
+        path = "PIX" if len(below_a) <= 1 and len(below_b) <= 1 else "PXB"
+    return Relation(path, below_a + below_b)
+
+
+def _little_endian(raw: bytes, size: int) -> int:
+    if len(raw) < size:
+        raise EOFError
+    return int.from_bytes(raw, "little")
+
+
+def acs_control(read: Callable[[int, int], bytes]) -> int | None:
+    """The ACS Control register of a PCIe function, found by walking its extended capability
+    list with ``read(offset, size)`` on its config space; None without an ACS capability.
+    Raises EOFError when the config space ends early, as it does past 64 bytes for a reader
+    without CAP_SYS_ADMIN (drivers/pci/pci-sysfs.c pci_read_config)."""
+    offset = _EXT_CAP_START
+    for _ in range(_EXT_CAP_MAX):
+        header = _little_endian(read(offset, 4), 4)
+        if header in (0, 0xFFFFFFFF):  # no extended capabilities; a device gone
+            return None
+        if header & 0xFFFF == _ACS_ID:
+            return _little_endian(read(offset + _ACS_CONTROL, 2), 2)
+        offset = (header >> 20) & 0xFFC
+        if offset < _EXT_CAP_START:  # 0: the end of the list
+            return None
+    return None  # a list that loops
+
+
+def _strtol(text: str) -> int:
+    """C strtol(text, NULL, 0) as NCCL calls it: leading space, sign, 0x/0 prefixes, digits
+    up to the first that does not belong; no digits gives 0."""
+    s = text.lstrip(" \t\n\r\f\v")
+    sign = -1 if s[:1] == "-" else 1
+    s = s[1:] if s[:1] in "+-" else s
+    base = 10
+    if s[:2].lower() == "0x" and s[2:3] and s[2:3] in "0123456789abcdefABCDEF":
+        base, s = 16, s[2:]
+    elif s[:1] == "0":
+        base = 8
+    digits = "0123456789abcdef"[:base]
+    n = 0
+    for ch in s.lower():
+        if ch not in digits:
+            break
+        n = n * base + digits.index(ch)
+    return sign * n
+
+
+def _gdr_level_off(value: str) -> bool:
+    """NCCL's ncclGetLevel: a path name compared case-sensitively (strcmp), else a legacy
+    number when the value starts with a digit (0 meaning LOC). LOC disables GPUDirect RDMA."""
+    if value == "LOC":
+        return True
+    return "0" <= value[:1] <= "9" and _strtol(value) == 0
+
+
+def _nccl_list(value: str) -> tuple[bool, bool, list[str]]:
+    """NCCL's device/interface list syntax (parseStringList): optional ``^`` (exclude), optional
+    ``=`` (exact names, else prefixes), comma-separated ``name[:port]``. Returns (exclude, exact,
+    names)."""
+    exclude = value.startswith("^")
+    value = value[1:] if exclude else value
+    exact = value.startswith("=")
+    value = value[1:] if exact else value
+    names = [tok.partition(":")[0] for tok in value.split(",")]
+    return exclude, exact, [n for n in names if n]
+
+
+def _matches(name: str, entries: list[str], exact: bool) -> bool:
+    return any(name == e if exact else name.startswith(e) for e in entries)
+
+
+def env_findings(env: Mapping[str, str], rdma_netdevs: Collection[str],
+                 rdma_devices: Collection[str]) -> set[tuple[str, str]]:
+    """The (variable, issue) pairs of NCCL_FINDINGS one process's environment gives, judged the
+    way NCCL itself reads each variable (NVIDIA/nccl src/misc/param.cc, graph/paths.cc,
+    misc/socket.cc, transport/net_ib.cc)."""
+    out: set[tuple[str, str]] = set()
+    value = env.get("NCCL_IB_DISABLE", "")
+    if value and _strtol(value) != 0:  # an int64 parameter: any non-zero value disables
+        out.add(("NCCL_IB_DISABLE", "ib_disabled"))
+    # NCCL_NET_GDR_LEVEL; its former name (current releases ignore it) only when it is unset.
+    gdr_var = "NCCL_NET_GDR_LEVEL" if "NCCL_NET_GDR_LEVEL" in env else "NCCL_IB_GDR_LEVEL"
+    if _gdr_level_off(env.get(gdr_var, "")):
+        out.add((gdr_var, "gdr_disabled"))
+    if _strtol(env.get("NCCL_P2P_DISABLE", "")) == 1:  # ncclGetLevel: exactly 1
+        out.add(("NCCL_P2P_DISABLE", "p2p_disabled"))
+    if env.get("NCCL_NET", "").lower() == "socket":  # matched with strcasecmp
+        out.add(("NCCL_NET", "socket_forced"))
+    value = env.get("NCCL_SOCKET_IFNAME", "")
+    if len(value) > 1 and rdma_netdevs:  # NCCL ignores a value of one character
+        exclude, exact, names = _nccl_list(value)
+        if not exclude and not any(_matches(n, names, exact) for n in rdma_netdevs):
+            out.add(("NCCL_SOCKET_IFNAME", "no_rdma_interface"))
+    value = env.get("NCCL_IB_HCA", "")
+    if value:
+        exclude, exact, names = _nccl_list(value)
+        if not exclude and any(not any(_matches(d, [n], exact) for d in rdma_devices)
+                               for n in names):
+            out.add(("NCCL_IB_HCA", "unknown_device"))
+    return out
+
+
+def parse_environ(raw: bytes) -> dict[str, str]:
+    """The NCCL variables this audit reads from a NUL-separated environment block; the first
+    definition of a name wins, as getenv() finds it."""
+    env: dict[str, str] = {}
+    for entry in raw.split(b"\0"):
+        if not entry.startswith(b"NCCL_"):
+            continue
+        key, sep, val = entry.partition(b"=")
+        name = key.decode("ascii", "replace")
+        if sep and name in _NCCL_VARIABLES and name not in env:
+            env[name] = val.decode("utf-8", "replace")
+    return env
+
+
+def parse_starttime(stat: str) -> int | None:
+    """Field 22 of /proc/<pid>/stat (clock ticks after boot); comm may hold spaces and ')'."""
+    fields = stat[stat.rfind(")") + 1:].split()
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+
+
+def parse_nvidia_version(text: str) -> tuple[str, str] | None:
+    """(flavor, version) from /proc/driver/nvidia/version's NVRM line, or None."""
+    line = text.splitlines()[0] if text else ""
+    if not line.startswith("NVRM version:"):
+        return None
+    flavor = "open" if "Open Kernel Module" in line else "proprietary"
+    version = next((t for t in line.split() if re.fullmatch(r"\d+(?:\.\d+)+", t)), "")
+    return flavor, version[:_LABEL_MAX]
+
+
+def parse_kernel_release(text: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _pci_sort_key(address: str) -> tuple[int, ...]:
+    domain, bus, devfn = address.split(":")
+    dev, fn = devfn.split(".")
+    return int(domain, 16), int(bus, 16), int(dev, 16), int(fn)
+
+
+class TopologyCollector(Collector):
+    name = "topology"
+    description = ("GPU-NIC PCIe distances, GPUDirect RDMA readiness, ACS redirect on the path, "
+                   "NCCL environment audit of GPU processes")
+    metrics = (PEERMEM_LOADED, PEERMEM_INFO, KERNEL_MODULE_INFO, DMABUF_CAPABLE, GDR_READY,
+               GPU_NIC_PATH, NEAREST_NIC, NUMA_MISMATCH, ACS_REDIRECT, NCCL_ENV_FINDINGS,
+               NCCL_ENV_PROCESSES)
+    config_fields: ClassVar[Mapping[str, Field]] = {
+        "device_include": Field("regex", "only RDMA devices whose name matches"),
+        "device_exclude": Field("regex", "skip RDMA devices whose name matches"),
+        "nccl_env_audit": Field("bool", "read the environment of GPU compute processes for NCCL "
+                                "settings that disable RDMA, GPUDirect or P2P", default=True),
+    }
+    flags: ClassVar[Mapping[str, tuple[str, str]]] = {
+        "device-include": ("device_include", "regexp of RDMA devices to include"),
+        "device-exclude": ("device_exclude", "regexp of RDMA devices to exclude"),
+    }
+
+    def __init__(self, ctx: CollectorContext) -> None:
+        super().__init__(ctx)
+        self.nvml = nvml.session(ctx.nvml_module)
+        # pid -> (starttime, the process's NCCL variables); only processes NVML still lists.
+        self._env_cache: dict[int, tuple[int, dict[str, str]]] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        fams = Families()
+        gpus = self._gpus()
+        self._gdr(fams, bool(gpus))
+        nics = self._nics()
+        self._pairs(fams, gpus, nics)
+        if self.ctx.config.get("nccl_env_audit", True):
+            self._nccl_audit(fams)
+        return iter(fams)
+
+    # -- PCIe placement --------------------------------------------------------------------
+
+    def _resolve(self, rel: str) -> str | None:
+        """Where a sysfs path leads, relative to the root; None when it leads nowhere (a device
+        unplugged meanwhile) or out of the tree."""
+        try:
+            real = os.path.realpath(self.ctx.sysfs.path(rel), strict=True)
+        except OSError:
+            return None
+        base = os.path.realpath(self.ctx.sysfs.root)
+        return real[len(base) + 1:] if real.startswith(base + "/") else None
+
+    def _numa(self, device_dir: str) -> int:
+        rel = f"{device_dir}/numa_node"
+        try:
+            text = self.ctx.sysfs.read(rel)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:  # kernels without CONFIG_NUMA have no such file
+                self.ctx.skip(rel, exc.strerror or exc)
+            return -1
+        value = parse_int(text)
+        if value is None:
+            self.ctx.skip(rel, f"unparseable {text[:20]!r}")
+            return -1
+        return value
+
+    def _pci_endpoint(self, name: str, rel: str) -> Endpoint | None:
+        real = self._resolve(rel)
+        if real is None:
+            return None
+        ep = endpoint(name, real, -1)
+        return None if ep is None else replace(ep, numa=self._numa(real))
+
+    def _gpus(self) -> list[Endpoint]:
+        """GPUs labelled with NVML's index: from NVML when it is up, else the NVIDIA display and
+        3D controllers in sysfs, numbered in PCI address order (which is NVML's order)."""
+        listed = self.nvml.gpus()
+        if listed is not None:
+            pairs = [(str(g.index), g.pci_bus_id) for g in listed if g.pci_bus_id]
+        else:
+            pairs = [(str(i), address) for i, address in enumerate(self._sysfs_gpus())]
+        out = []
+        for label, address in pairs:
+            ep = self._pci_endpoint(label, f"bus/pci/devices/{address}")
+            if ep is None:
+                self.ctx.skip(f"bus/pci/devices/{address}", "GPU without a PCI device in sysfs")
+            else:
+                out.append(ep)
+        return out
+
+    def _sysfs_gpus(self) -> list[str]:
+        try:
+            names = self.ctx.sysfs.listdir("bus/pci/devices")
+        except OSError:
+            return []
+        found = []
+        for address in names:
+            if not _PCI_ADDRESS.fullmatch(address):
+                continue
+            try:
+                attrs = self.ctx.sysfs.read_many(f"bus/pci/devices/{address}",
+                                                 ("vendor", "class"))
+            except OSError:
+                continue  # removed meanwhile
+            vendor, cls = attrs["vendor"], attrs["class"]
+            if (isinstance(vendor, str) and isinstance(cls, str) and vendor == _NVIDIA
+                    and cls.startswith(_GPU_CLASSES)):
+                found.append(address)
+        return sorted(found, key=_pci_sort_key)
+
+    def _nics(self) -> list[Endpoint]:
+        cfg = self.ctx.config
+        out = []
+        for dev in rdma.devices(self.ctx.sysfs, cfg.get("device_include"),
+                                cfg.get("device_exclude")):
+            ep = self._pci_endpoint(dev, f"{rdma.CLASS}/{dev}/device")
+            if ep is None:  # rxe/siw (no PCI parent), or gone
+                self.ctx.log_once(logging.DEBUG, "RDMA device %s has no PCI function; skipped",
+                                  dev)
+            else:
+                out.append(ep)
+        return out
+
+    def _pairs(self, fams: Families, gpus: list[Endpoint], nics: list[Endpoint]) -> None:
+        acs: dict[str, bool | None] = {}  # bridge dir -> redirect, for this scrape
+        for gpu in gpus:
+            best: tuple[int, int, str] | None = None
+            best_nic: Endpoint | None = None
+            for nic in nics:
+                rel = relation(gpu, nic)
+                fams.add(GPU_NIC_PATH, [gpu.name, nic.name, rel.path], 1)
+                key = (_RANK[rel.path], len(rel.bridges), nic.name)
+                if best is None or key < best:
+                    best, best_nic = key, nic
+                redirects = 0
+                for bridge in rel.bridges:
+                    if bridge not in acs:
+                        acs[bridge] = self._acs_redirect(bridge)
+                    state = acs[bridge]
+                    if state is None:
+                        redirects = -1
+                        break
+                    redirects += int(state)
+                if redirects >= 0:
+                    fams.add(ACS_REDIRECT, [gpu.name, nic.name], redirects)
+            if best is not None and best_nic is not None:
+                fams.add(NEAREST_NIC, [gpu.name, best_nic.name, PATHS[best[0]]], 1)
+                if gpu.numa >= 0 and best_nic.numa >= 0:
+                    fams.add(NUMA_MISMATCH, [gpu.name], int(gpu.numa != best_nic.numa))
+
+    def _acs_redirect(self, bridge: str) -> bool | None:
+        """Whether the bridge's ACS Control has a P2P redirect bit set (False also without an
+        ACS capability); None when its extended config space cannot be read."""
+        rel = f"{bridge}/config"
+        try:
+            control = acs_control(lambda offset, size: self.ctx.sysfs.read_bytes(rel, offset, size))
+        except EOFError:
+            self.ctx.log_once(logging.DEBUG, "ACS of %s unknown: config space beyond 64 bytes is "
+                              "readable by root only; no ACS series for its GPU-NIC pairs", bridge)
+            return None
+        except OSError as exc:
+            self.ctx.log_once(logging.DEBUG, "cannot read ACS of %s: %s; no ACS series for its "
+                              "GPU-NIC pairs", bridge, exc.strerror or exc)
+            return None
+        return control is not None and bool(control & _ACS_REDIRECT)
+
+    # -- GPUDirect RDMA --------------------------------------------------------------------
+
+    def _gdr(self, fams: Families, have_gpu: bool) -> None:
+        root = self.ctx.sysfs
+        loaded = False
+        for module, rel in PEERMEM_FILES:
+            if not root.exists(rel):
+                continue
+            loaded = True
+            try:
+                version = root.read(rel)
+            except OSError as exc:
+                self.ctx.skip(rel, exc.strerror or exc)
+                continue
+            fams.add(PEERMEM_INFO, [module, version[:_LABEL_MAX]], 1)
+        fams.add(PEERMEM_LOADED, [], int(loaded))
+
+        dmabuf = self._dmabuf(fams)
+        if have_gpu:
+            ready = True if loaded else dmabuf
+            if ready is not None:
+                fams.add(GDR_READY, [], int(ready))
+
+    def _dmabuf(self, fams: Families) -> bool | None:
+        """Whether DMA-BUF GPUDirect is possible: False without the NVIDIA driver, None when it
+        cannot be told."""
+        proc = self.ctx.procfs
+        try:
+            text = proc.read("driver/nvidia/version")
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                self.ctx.skip("driver/nvidia/version", exc.strerror or exc)
+                return None
+            return False  # no NVIDIA driver loaded
+        module = parse_nvidia_version(text)
+        if module is None:
+            self.ctx.skip("driver/nvidia/version", f"unparseable {text[:40]!r}")
+            return None
+        flavor, version = module
+        fams.add(KERNEL_MODULE_INFO, [flavor, version], 1)
+        try:
+            release = parse_kernel_release(proc.read("sys/kernel/osrelease"))
+        except OSError as exc:
+            self.ctx.skip("sys/kernel/osrelease", exc.strerror or exc)
+            return None
+        if release is None:
+            self.ctx.skip("sys/kernel/osrelease", "unparseable")
+            return None
+        capable = flavor == "open" and release >= DMABUF_MIN_KERNEL
+        fams.add(DMABUF_CAPABLE, [], int(capable))
+        return capable
+
+    # -- NCCL environment audit ------------------------------------------------------------
+
+    def _nccl_audit(self, fams: Families) -> None:
+        pids = self.nvml.compute_pids()
+        if pids is None:
+            return
+        counts = dict.fromkeys(NCCL_FINDINGS, 0)
+        inspected = unreadable = 0
+        netdevs: set[str] | None = None
+        devices: list[str] = []
+        cache: dict[int, tuple[int, dict[str, str]]] = {}
+        for pid in sorted(pids):
+            env = self._environment(pid, cache)
+            if env is None:
+                unreadable += 1
+                continue
+            inspected += 1
+            if not env:
+                continue
+            if netdevs is None:  # only when some process sets an NCCL variable
+                netdevs = {p.netdev for p in rdma.all_ports(self.ctx.sysfs) if p.netdev}
+                devices = rdma.devices(self.ctx.sysfs)
+            for finding in env_findings(env, netdevs, devices):
+                counts[finding] += 1
+        self._env_cache = cache
+        for (variable, issue), n in counts.items():
+            fams.add(NCCL_ENV_FINDINGS, [variable, issue], n)
+        fams.add(NCCL_ENV_PROCESSES, ["inspected"], inspected)
+        fams.add(NCCL_ENV_PROCESSES, ["unreadable"], unreadable)
+
+    def _environment(self, pid: int,
+                     cache: dict[int, tuple[int, dict[str, str]]]) -> dict[str, str] | None:
+        """A process's NCCL variables, from the cache while its start time is unchanged (a
+        reused PID has another); None when it cannot be read."""
+        proc = self.ctx.procfs
+        rel = f"{pid}/stat"
+        try:
+            stat = proc.read(rel)
+            start = parse_starttime(stat)
+            if start is None:
+                self.ctx.skip(rel, "no start time")
+                return None
+            cached = self._env_cache.get(pid)
+            if cached is not None and cached[0] == start:
+                env = cached[1]
+            else:
+                rel = f"{pid}/environ"
+                env = parse_environ(proc.read_bytes(rel, 0, ENVIRON_MAX))
+        except OSError as exc:
+            if exc.errno not in _PROC_EXPECTED:
+                self.ctx.skip(rel, exc.strerror or exc)
+            return None
+        if len(cache) < ENV_CACHE_MAX:
+            cache[pid] = (start, env)
+        return env
