@@ -39,7 +39,8 @@ from exporter.nvml import Gpu, Session, error_name
 
 _G = ("gpu",)
 _NVML = "NVML"
-UNSUPPORTED = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound")
+UNSUPPORTED = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound",
+               "NVMLError_ArgumentVersionMismatch")
 FIRST_REFRESH_WAIT = 1.0
 XID_WAIT_MS = 500
 XID_LABELS_PER_GPU = 64  # XID codes are a small enumeration; anything beyond this is "other"
@@ -72,8 +73,13 @@ MEM_UTIL = MetricSpec(
     "gpunet_gpu_memory_utilization_ratio", "gauge",
     "Fraction of the last sample period during which device memory was read or written (0 to 1)",
     _G, "ratio", "nvmlDeviceGetUtilizationRates .memory / 100")
-MEM_USED = MetricSpec("gpunet_gpu_memory_used_bytes", "gauge", "Device memory in use", _G,
-                      "bytes", "nvmlDeviceGetMemoryInfo .used")
+MEM_USED = MetricSpec(
+    "gpunet_gpu_memory_used_bytes", "gauge", "Device memory allocated, as nvidia-smi shows it "
+    "(without the driver's reservation; drivers before the v2 call include it)", _G, "bytes",
+    "nvmlDeviceGetMemoryInfo_v2 .used (v1 .used on old drivers)")
+MEM_RESERVED = MetricSpec(
+    "gpunet_gpu_memory_reserved_bytes", "gauge", "Device memory the driver and firmware reserve",
+    _G, "bytes", "nvmlDeviceGetMemoryInfo_v2 .reserved")
 MEM_TOTAL = MetricSpec("gpunet_gpu_memory_total_bytes", "gauge", "Device memory installed", _G,
                        "bytes", "nvmlDeviceGetMemoryInfo .total")
 PROCS = MetricSpec(
@@ -314,7 +320,8 @@ class GpuCollector(Collector):
     name = "gpu"
     description = ("NVIDIA GPUs through NVML: utilization, memory, PCIe link and errors, NVLink, "
                    "compute processes, XID errors, lost GPUs")
-    metrics = (INFO, NVML_UP, LOST, MISSING, UTIL, MEM_UTIL, MEM_USED, MEM_TOTAL, PROCS, PCIE_GEN,
+    metrics = (INFO, NVML_UP, LOST, MISSING, UTIL, MEM_UTIL, MEM_USED, MEM_RESERVED, MEM_TOTAL,
+               PROCS, PCIE_GEN,
                PCIE_GEN_MAX, PCIE_WIDTH, PCIE_WIDTH_MAX, PCIE_DEGRADED, NVLINK_ACTIVE,
                PCIE_THROUGHPUT, PCIE_BYTES, PCIE_REPLAYS, PCIE_REPLAY_ROLLOVERS, PCIE_RECOVERIES,
                PCIE_ERRORS, NVLINK_ERRORS, COUNTERS_SUCCESS, COUNTERS_AGE, XID_MONITORING,
@@ -352,7 +359,7 @@ class GpuCollector(Collector):
         return [self._states[g.index] for g in gpus]
 
     def _call(self, st: _GpuState, fn: str, *args: Any, key: str = "",
-              background: bool = False) -> Any:
+              background: bool = False, **kwargs: Any) -> Any:
         """One NVML call for one GPU: None when unsupported (remembered under ``key``, logged
         once) or failed (one unreadable value; in the background it raises _Failed); raises
         _Lost or _SessionGone."""
@@ -368,7 +375,7 @@ class GpuCollector(Collector):
                               self.session.module_name)
             return None
         try:
-            return call(st.gpu.handle, *args)
+            return call(st.gpu.handle, *args, **kwargs)
         except nv.NVMLError as exc:
             name = error_name(exc)
             if name == "NVMLError_GpuIsLost":
@@ -398,6 +405,19 @@ class GpuCollector(Collector):
             st.info = (str(g.index), g.uuid, g.name, g.pci_bus_id, self.session.driver_version,
                        "-1" if numa is None else str(numa))
         return st.info
+
+    def _memory(self, st: _GpuState) -> Any:
+        """Memory as nvidia-smi shows it: the v2 struct, whose ``used`` leaves out what the
+        driver reserves (the v1 ``used`` includes it: about 614 MiB more on an H200); v1 on
+        drivers before the v2 call."""
+        nv = self.session.nv
+        v2 = getattr(nv, "nvmlMemory_v2", None)
+        if v2 is not None:
+            mem = self._call(st, "nvmlDeviceGetMemoryInfo", version=v2,
+                             key="nvmlDeviceGetMemoryInfo_v2")
+            if mem is not None:
+                return mem
+        return self._call(st, "nvmlDeviceGetMemoryInfo")
 
     def _nvlinks(self, st: _GpuState) -> int:
         """Number of NVLink links of the GPU: probe states from link 0 until InvalidArgument."""
@@ -467,7 +487,7 @@ class GpuCollector(Collector):
         try:
             info = self._info(st)
             util = self._call(st, "nvmlDeviceGetUtilizationRates")
-            mem = self._call(st, "nvmlDeviceGetMemoryInfo")
+            mem = self._memory(st)
             procs = self._call(st, "nvmlDeviceGetComputeRunningProcesses")
             gen = self._call(st, "nvmlDeviceGetCurrPcieLinkGeneration")
             gen_max = self._call(st, "nvmlDeviceGetMaxPcieLinkGeneration")
@@ -487,6 +507,8 @@ class GpuCollector(Collector):
         if mem is not None:
             fams.add(MEM_USED, [gpu], mem.used)
             fams.add(MEM_TOTAL, [gpu], mem.total)
+            if hasattr(mem, "reserved"):
+                fams.add(MEM_RESERVED, [gpu], mem.reserved)
         if procs is not None:
             fams.add(PROCS, [gpu], len(procs))
         for spec, v in ((PCIE_GEN, gen), (PCIE_GEN_MAX, gen_max), (PCIE_WIDTH, width),

@@ -10,6 +10,7 @@ error handling meets the real classes. Scenario keys beyond the capture:
     devices[i]["lost"]: true                 every call on the GPU raises GpuIsLost
     devices[i]["processes"]: [pid, ...]      compute processes (the capture had none)
     devices[i][<function name>]: {"exc": "NVMLError_NotSupported"}   override one call
+    devices[i]["nvmlDeviceGetMemoryInfo_v2"]: {"ok": {...}}   the v2 memory struct
 
 Tests call :func:`load`, :func:`push_event` and :func:`reload_driver`. An exporter started as
 a subprocess loads this module with ``--nvml.module fake_nvml`` (tests/ on PYTHONPATH), reads
@@ -201,7 +202,18 @@ nvmlDeviceGetUUID = _recorded("nvmlDeviceGetUUID")
 nvmlDeviceGetPciInfo = _recorded("nvmlDeviceGetPciInfo")
 nvmlDeviceGetNumaNodeId = _recorded("nvmlDeviceGetNumaNodeId")
 nvmlDeviceGetUtilizationRates = _recorded("nvmlDeviceGetUtilizationRates")
-nvmlDeviceGetMemoryInfo = _recorded("nvmlDeviceGetMemoryInfo")
+_memory_v1 = _recorded("nvmlDeviceGetMemoryInfo")
+_memory_v2 = _recorded("nvmlDeviceGetMemoryInfo_v2")
+
+
+def nvmlDeviceGetMemoryInfo(h: _Handle, version: int | None = None) -> Any:
+    """v1, or with ``version`` the v2 struct; a scenario without a recorded v2 answer behaves
+    like a driver without nvmlDeviceGetMemoryInfo_v2 (the H200 capture recorded only v1)."""
+    if not version:
+        return _memory_v1(h)
+    if "nvmlDeviceGetMemoryInfo_v2" not in _dev(h, "nvmlDeviceGetMemoryInfo"):
+        raise _error("NVMLError_FunctionNotFound")
+    return _memory_v2(h)
 nvmlDeviceGetCurrPcieLinkGeneration = _recorded("nvmlDeviceGetCurrPcieLinkGeneration")
 nvmlDeviceGetMaxPcieLinkGeneration = _recorded("nvmlDeviceGetMaxPcieLinkGeneration")
 nvmlDeviceGetCurrPcieLinkWidth = _recorded("nvmlDeviceGetCurrPcieLinkWidth")

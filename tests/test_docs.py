@@ -85,3 +85,16 @@ def test_naming_rules(spec) -> None:  # type: ignore[no-untyped-def]
     if spec.name.endswith("_info"):
         assert spec.type == "gauge"
     assert "Unit:" in spec.full_help or not spec.unit
+
+
+def test_every_family_of_the_golden_scrape_is_documented() -> None:
+    """The golden end-to-end scrape has every collector, GPUs and topology included."""
+    documented = {s.name for s in ALL_SPECS}
+    doc_text = (REPO / "docs" / "metrics.md").read_text()
+    golden = (REPO / "tests" / "golden" / "dgx-h100-faults.prom").read_text()
+    families = {line.split()[2] for line in golden.splitlines() if line.startswith("# TYPE ")}
+    families = {f if f in documented else f + "_total" for f in families}  # counters' TYPE
+    assert {f for f in families if f.startswith(("gpunet_gpu_", "gpunet_topology_"))}
+    for family in families:
+        assert family in documented, f"{family} is exported but not declared"
+        assert f"`{family}`" in doc_text, family

@@ -1,8 +1,11 @@
 """Golden end-to-end test: the installed exporter on a DGX H100 tree with every fault variant.
 
-One exporter (the installed console script) serves a DGX tree with all fault variants of
-sysfs_tree applied except make_unreadable (its result depends on running as root), and a config
-with an expected rate and an expected MTU rule. Its /metrics, minus what varies from run to run
+One exporter (the installed console script) serves a DGX tree (with its GPUs and PCIe switches)
+with all fault variants of sysfs_tree applied except make_unreadable (its result depends on
+running as root), a procfs with two GPU processes whose environment turns NCCL's fast paths off,
+NVML replayed by tests/fake_nvml.py from the real H200 capture (its two GPUs placed at the DGX
+tree's first two GPU addresses, one XID event delivered), and a config with an expected rate and
+an expected MTU rule. Its /metrics, minus what varies from run to run
 (durations, ages, versions) and minus HELP text, sorted, must equal
 tests/golden/dgx-h100-faults.prom.
 
@@ -14,6 +17,7 @@ regeneration is caught even when the reviewer skims the diff. test_promtool lint
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import shutil
@@ -27,8 +31,9 @@ import pytest
 
 from collectors.infiniband import COUNTER_SPECS
 
+import fake_nvml
 import sysfs_tree as st
-from conftest import SHARED, Exporter, Samples, parse, series, value
+from conftest import REPO, SHARED, Exporter, Samples, parse, series, value
 
 GOLDEN = Path(__file__).parent / "golden" / "dgx-h100-faults.prom"
 UPDATE = os.environ.get("GPUNET_UPDATE_GOLDEN") == "1"
@@ -58,7 +63,8 @@ CAPTURE = SHARED / "fixtures" / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTR
 
 # Families whose values depend on time; dropped from the golden comparison.
 TIME_BASED = {"gpunet_scrape_collector_duration_seconds", "gpunet_link_ibv_devinfo_age_seconds",
-              "gpunet_pfc_config_age_seconds"}
+              "gpunet_pfc_config_age_seconds", "gpunet_gpu_counters_age_seconds",
+              "gpunet_gpu_xid_last_timestamp_seconds"}
 # Families whose labels carry versions; kept, with their labels dropped.
 VERSIONED = {"gpunet_exporter_build_info"}
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
@@ -71,6 +77,10 @@ SATURATED_FILES = {"symbol_error", "link_error_recovery", "link_downed", "port_r
                    "local_link_integrity_errors", "excessive_buffer_overrun_errors",
                    "port_xmit_wait"}
 DEVICES = [nic.ibdev for nic in st.DGX_NICS]
+ACS_GPU_BUS = 0x43  # GPU 1's switch downstream port redirects peer-to-peer requests
+# GPU processes (pid -> environment) and the NVML GPU each runs on.
+PROCESSES = {31337: ({"NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "INFO"}, 0),
+             31338: ({"NCCL_IB_HCA": "=mlx5_0,mlx5_99", "NCCL_P2P_DISABLE": "1"}, 1)}
 
 
 class Scrape:
@@ -83,7 +93,7 @@ class Scrape:
 @pytest.fixture(scope="module")
 def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
     root = tmp_path_factory.mktemp("golden")
-    sysfs = st.build_dgx_h100(root)
+    sysfs = st.build_dgx_h100_gpus(root)
     st.make_port_down(sysfs, DOWN)
     st.make_port_degraded(sysfs, DEGRADED)
     st.make_counters_saturated(sysfs, SATURATED)
@@ -94,18 +104,36 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
     st.make_missing_hw_counters(sysfs, NO_HW)
     st.make_switchdev(sysfs, SWITCHDEV)
     qos_netdev = st.make_ofed_qos(sysfs, SWITCHDEV)
+    st.make_acs_enabled(sysfs, ACS_GPU_BUS)
+    st.make_peermem_unloaded(sysfs)
+    procfs = st.build_procfs(root, nvidia=st.NVRM_PROPRIETARY)  # no DMA-BUF: GDR not ready
+    scenario = fake_nvml.h200x2()
+    for i, (pid, (environ, gpu)) in enumerate(PROCESSES.items()):
+        st.write_process(procfs, pid, environ, starttime=1000 + i)
+        scenario["devices"][gpu]["processes"] = [pid]
+    for dev, bus in zip(scenario["devices"], st.DGX_GPU_BUSES, strict=False):
+        dev["nvmlDeviceGetPciInfo"]["ok"]["busId"] = f"00000000:{bus:02X}:00.0"
+    (root / "nvml.json").write_text(json.dumps(scenario))
+    (root / "xid-events").write_text("1 79\n")
     ethtool = root / "ethtool"
     ethtool.write_text(ETHTOOL.format(netdev=qos_netdev, capture=CAPTURE))
     ethtool.chmod(0o755)
     config = root / "config.yml"
     config.write_text(CONFIG.replace("ETHTOOL", str(ethtool)))
-    exporter = Exporter([f"--path.sysfs={sysfs}", f"--config.file={config}"])
+    exporter = Exporter(
+        [f"--path.sysfs={sysfs}", f"--path.procfs={procfs}", f"--config.file={config}",
+         "--nvml.module=fake_nvml"],
+        env={"PYTHONPATH": str(REPO / "tests"), "GPUNET_FAKE_NVML": str(root / "nvml.json"),
+             "GPUNET_FAKE_NVML_EVENTS": str(root / "xid-events")})
     try:
         # The pfc configuration arrives from a background thread: normally before the first
         # scrape answers, but a stalled machine must not make the golden file flaky.
+        # So do the GPU counters and the XID event.
+        background = ("gpunet_pfc_config_refresh_success{", "gpunet_gpu_counters_refresh_success{",
+                      "gpunet_gpu_xid_errors_total{")
         deadline = time.monotonic() + 20
         text = exporter.metrics()
-        while "gpunet_pfc_config_refresh_success{" not in text and time.monotonic() < deadline:
+        while (not all(b in text for b in background)) and time.monotonic() < deadline:
             time.sleep(0.2)
             text = exporter.metrics()
         yield Scrape(sysfs, text)
@@ -267,3 +295,39 @@ def test_pfc_facts(scrape: Scrape) -> None:
     assert value(s, "gpunet_pfc_ecn_enabled", interface=roce, priority="3", point="np") == 1
     assert value(s, "gpunet_pfc_ecn_enabled", interface=roce, priority="0", point="np") == 0
     assert not series(s, "gpunet_pfc_enabled")  # the OFED sysfs files do not say
+
+
+def test_gpu_and_topology_facts(scrape: Scrape) -> None:
+    s = scrape.samples
+    for collector in ("gpu", "topology"):
+        assert value(s, "gpunet_scrape_collector_success", collector=collector) == 1, collector
+        assert value(s, "gpunet_scrape_collector_unreadable_values", collector=collector) == 0
+    # The capture's two H200s at the tree's first two GPU addresses, one process each.
+    buses = {dict(lbl)["gpu"]: dict(lbl)["pci_bus_id"] for lbl in series(s, "gpunet_gpu_info")}
+    assert buses == {"0": "0000:1b:00.0", "1": "0000:43:00.0"}
+    assert series(s, "gpunet_gpu_compute_processes") == {
+        frozenset({("gpu", "0")}): 1, frozenset({("gpu", "1")}): 1}
+    assert value(s, "gpunet_gpu_xid_errors_total", gpu="1", xid="79") == 1
+    # Each GPU's nearest NIC is the one under its switch; GPU 1's switch redirects P2P.
+    nearest = {dict(lbl)["gpu"]: (dict(lbl)["device"], dict(lbl)["path"])
+               for lbl in series(s, "gpunet_topology_gpu_nearest_nic")}
+    assert nearest == {"0": ("mlx5_0", "PIX"), "1": ("mlx5_1", "PIX")}
+    assert value(s, "gpunet_topology_gpu_nic_path", gpu="0", device="mlx5_4", path="SYS") == 1
+    assert value(s, "gpunet_topology_gpu_nic_path", gpu="0", device="mlx5_8", path="NODE") == 1
+    assert value(s, "gpunet_topology_gpu_nic_acs_redirect_bridges", gpu="1",
+                 device="mlx5_1") == 1
+    assert value(s, "gpunet_topology_gpu_nic_acs_redirect_bridges", gpu="0",
+                 device="mlx5_0") == 0
+    assert value(s, "gpunet_topology_gpu_nearest_nic_numa_mismatch", gpu="0") == 0
+    # No peer-memory client and a proprietary kernel module: GPUDirect RDMA cannot work.
+    assert value(s, "gpunet_topology_gdr_peermem_loaded") == 0
+    assert value(s, "gpunet_topology_gdr_dmabuf_capable") == 0
+    assert value(s, "gpunet_topology_gdr_ready") == 0
+    # The NCCL audit: one finding per harmful setting, counted by process, no values exported.
+    findings = {(dict(lbl)["variable"], dict(lbl)["issue"]): v
+                for lbl, v in series(s, "gpunet_topology_nccl_env_findings").items()}
+    assert {k: v for k, v in findings.items() if v} == {
+        ("NCCL_IB_DISABLE", "ib_disabled"): 1, ("NCCL_IB_HCA", "unknown_device"): 1,
+        ("NCCL_P2P_DISABLE", "p2p_disabled"): 1}
+    assert value(s, "gpunet_topology_nccl_env_processes", result="inspected") == 2
+    assert "mlx5_99" not in scrape.text and "31337" not in scrape.text

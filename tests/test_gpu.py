@@ -93,6 +93,26 @@ def test_capture_values_exactly(gpu: Gpu) -> None:
     assert value(s, "gpunet_gpu_missing") == 0
 
 
+def test_memory_v2_as_nvidia_smi_shows_it(sysfs: Path) -> None:
+    """Drivers with nvmlDeviceGetMemoryInfo_v2 report the driver's reservation apart from
+    `used` (values read on an idle H200, driver 580, docs/gpu.md); nvidia-smi shows v2 `used`.
+    The capture recorded only v1, which the stand-in answers for drivers without v2."""
+    scenario = fake_nvml.h200x2()
+    scenario["devices"][1]["nvmlDeviceGetMemoryInfo_v2"] = {"ok": {
+        "version": 0x02000028, "total": 150754820096, "reserved": 644939776,
+        "free": 150109880320, "used": 0}}
+    fake_nvml.load(scenario)
+    g = Gpu(sysfs)
+    try:
+        s = g.scrape()
+    finally:
+        g.close()
+    assert value(s, "gpunet_gpu_memory_used_bytes", gpu="1") == 0
+    assert value(s, "gpunet_gpu_memory_reserved_bytes", gpu="1") == 644939776
+    assert value(s, "gpunet_gpu_memory_used_bytes", gpu="0") == 644939776  # v1: reserved in
+    assert value(s, "gpunet_gpu_memory_reserved_bytes", gpu="0") is None
+
+
 def test_numa_node_falls_back_to_sysfs(sysfs: Path) -> None:
     """NumaNodeId is NotSupported in the capture's VM: the kernel's numa_node is used."""
     (sysfs / "bus/pci/devices/0000:00:07.0/numa_node").write_text("1\n")
@@ -156,17 +176,19 @@ def test_pcie_throughput_can_be_turned_off(sysfs: Path) -> None:
 
 def test_not_supported_is_skipped_for_that_gpu_alone(gpu: Gpu,
                                                      caplog: pytest.LogCaptureFixture) -> None:
-    fake_nvml.device(1)["nvmlDeviceGetMemoryInfo"] = {"exc": "NVMLError_NotSupported"}
+    fake_nvml.device(1)["nvmlDeviceGetCurrPcieLinkWidth"] = {"exc": "NVMLError_NotSupported"}
     with caplog.at_level(logging.INFO, logger="gpunet"):
         for _ in range(3):
             s = gpu.scrape()
             assert gpu.c.ctx.unreadable == 0  # not supported is not an error
-    assert value(s, "gpunet_gpu_memory_used_bytes", gpu="0") is not None
-    assert value(s, "gpunet_gpu_memory_used_bytes", gpu="1") is None
-    assert value(s, "gpunet_gpu_utilization_ratio", gpu="1") == 0  # the rest of GPU 1 stays
-    assert fake_nvml.calls("nvmlDeviceGetMemoryInfo", 1) == 1  # not asked again
-    assert fake_nvml.calls("nvmlDeviceGetMemoryInfo", 0) == 3
-    logged = [r for r in caplog.records if "nvmlDeviceGetMemoryInfo not supported" in r.message]
+    assert value(s, "gpunet_gpu_pcie_link_width", gpu="0") == 16
+    assert value(s, "gpunet_gpu_pcie_link_width", gpu="1") is None
+    assert value(s, "gpunet_gpu_pcie_link_degraded", gpu="1") is None  # cannot be judged
+    assert value(s, "gpunet_gpu_pcie_link_max_width", gpu="1") == 16  # the rest of GPU 1 stays
+    assert fake_nvml.calls("nvmlDeviceGetCurrPcieLinkWidth", 1) == 1  # not asked again
+    assert fake_nvml.calls("nvmlDeviceGetCurrPcieLinkWidth", 0) == 3
+    logged = [r for r in caplog.records
+              if "nvmlDeviceGetCurrPcieLinkWidth not supported" in r.message]
     assert len(logged) == 1 and logged[0].levelno == logging.INFO
 
 

@@ -1,0 +1,368 @@
+"""Checks that need real NVIDIA GPUs, run on the device machine (docs/gpu.md has the results).
+
+    python3 bench/device_checks.py gpu [--scrapes 300] [--out DIR]
+
+gpu: installs this checkout into a temporary directory, starts the exporter with the gpu and
+topology collectors on the machine's real /sys and NVML, puts load on GPU 0 with PyTorch (so
+utilization, compute processes and PCIe counters move), scrapes /metrics and checks every GPU
+value that nvidia-smi also shows against nvidia-smi's answer. Then it times the gpu collector's
+per-scrape collection in-process (real NVML, per GPU), the background counter round, the NVML
+calls that decide what runs per scrape, and, side by side in the same loop, a peer:
+``nvidia-smi --query-gpu`` run as a subprocess the way nvidia-smi-based exporters do on every
+scrape. Exit status 1 when a check fails.
+
+Needs: python3 with nvidia-ml-py, prometheus_client, PyYAML and (for the load) torch, which the
+device image has. On machines with several GPUs keep NCCL_NVLS_ENABLE=0 and friends set; this
+script uses no NCCL at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+
+LOAD = """
+import sys, time, torch
+a = torch.randn(8192, 8192, device="cuda:0", dtype=torch.bfloat16)
+host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+dev = torch.empty_like(host, device="cuda:0")
+end = time.time() + float(sys.argv[1])
+print("load running", flush=True)
+while time.time() < end:
+    for _ in range(20):
+        a = (a @ a).clamp_(-1, 1)
+    dev.copy_(host, non_blocking=True)  # PCIe traffic for the byte counters
+    torch.cuda.synchronize()
+"""
+
+
+def sh(*argv: str, timeout: float = 60) -> str:
+    return subprocess.run(argv, check=True, capture_output=True, text=True,
+                          timeout=timeout).stdout
+
+
+def install(tmp: Path) -> Path:
+    """This checkout installed (with its entry points) into tmp/site, nothing fetched."""
+    site = tmp / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--no-build-isolation", "--target", str(site), str(REPO)], check=True,
+                   capture_output=True)
+    return site
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url, timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def pick(samples: dict[Any, float], name: str, **labels: str) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+def smi_gpus() -> list[dict[str, str]]:
+    fields = ("index,uuid,name,pci.bus_id,driver_version,memory.total,memory.used,"
+              "pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,"
+              "pcie.link.width.max,utilization.gpu")
+    out = sh("nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits")
+    keys = fields.split(",")
+    return [dict(zip(keys, (v.strip() for v in line.split(",")), strict=True))
+            for line in out.strip().splitlines()]
+
+
+def smi_apps() -> dict[str, int]:
+    out = sh("nvidia-smi", "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader")
+    counts: dict[str, int] = {}
+    for line in out.strip().splitlines():
+        if "," in line:
+            uuid = line.split(",")[0].strip()
+            counts[uuid] = counts.get(uuid, 0) + 1
+    return counts
+
+
+def smi_nvlink(index: int) -> tuple[int, dict[tuple[str, str], int]]:
+    """(active links, {(link, kind): errors}) from nvidia-smi nvlink -s / -e."""
+    status = sh("nvidia-smi", "nvlink", "-s", "-i", str(index))
+    active = sum(1 for line in status.splitlines()
+                 if line.strip().startswith("Link ") and "inactive" not in line.lower())
+    errors: dict[tuple[str, str], int] = {}
+    kinds = {"Replay Errors": "replay", "Recovery Errors": "recovery", "CRC Errors": "crc_flit"}
+    for line in sh("nvidia-smi", "nvlink", "-e", "-i", str(index)).splitlines():
+        parts = [p.strip() for p in line.strip().split(":")]
+        if len(parts) == 3 and parts[0].startswith("Link ") and parts[1] in kinds:
+            errors[(parts[0].split()[1], kinds[parts[1]])] = int(parts[2])
+    return active, errors
+
+
+class Checks:
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def eq(self, what: str, ours: Any, theirs: Any, ok: bool | None = None) -> None:
+        good = (ours == theirs) if ok is None else ok
+        self.rows.append({"check": what, "exporter": ours, "nvidia-smi": theirs, "ok": good})
+        print(f"  {'ok  ' if good else 'FAIL'} {what}: exporter={ours} nvidia-smi={theirs}")
+
+    @property
+    def failed(self) -> int:
+        return sum(not r["ok"] for r in self.rows)
+
+
+def check_against_smi(url: str, checks: Checks) -> dict[str, Any]:
+    s = scrape(url)
+    gpus = smi_gpus()
+    apps = smi_apps()
+    print(f"\n== exported GPU metrics vs nvidia-smi ({len(gpus)} GPUs)")
+    for row in gpus:
+        g = row["index"]
+        info = [dict(lbl) for (n, lbl) in s if n == "gpunet_gpu_info" and dict(lbl)["gpu"] == g]
+        checks.eq(f"gpu {g} info present", len(info), 1)
+        if not info:
+            continue
+        lbl = info[0]
+        checks.eq(f"gpu {g} uuid", lbl["uuid"], row["uuid"])
+        checks.eq(f"gpu {g} name", lbl["name"], row["name"])
+        checks.eq(f"gpu {g} pci_bus_id", lbl["pci_bus_id"], row["pci.bus_id"][-12:].lower())
+        checks.eq(f"gpu {g} driver_version", lbl["driver_version"], row["driver_version"])
+        total = pick(s, "gpunet_gpu_memory_total_bytes", gpu=g)
+        checks.eq(f"gpu {g} memory total MiB", int((total or 0) // MIB), int(row["memory.total"]))
+        used = pick(s, "gpunet_gpu_memory_used_bytes", gpu=g)
+        used_mib = int((used or 0) // MIB)
+        checks.eq(f"gpu {g} memory used MiB (within 64 MiB: sampled apart)", used_mib,
+                  int(row["memory.used"]), abs(used_mib - int(row["memory.used"])) <= 64)
+        for metric, col in (("gpunet_gpu_pcie_link_generation", "pcie.link.gen.current"),
+                            ("gpunet_gpu_pcie_link_max_generation", "pcie.link.gen.max"),
+                            ("gpunet_gpu_pcie_link_width", "pcie.link.width.current"),
+                            ("gpunet_gpu_pcie_link_max_width", "pcie.link.width.max")):
+            v = pick(s, metric, gpu=g)
+            checks.eq(f"gpu {g} {metric}", None if v is None else int(v), int(row[col]))
+        procs = pick(s, "gpunet_gpu_compute_processes", gpu=g)
+        checks.eq(f"gpu {g} compute processes", None if procs is None else int(procs),
+                  apps.get(row["uuid"], 0))
+        util = pick(s, "gpunet_gpu_utilization_ratio", gpu=g)
+        smi_util = int(row["utilization.gpu"])
+        checks.eq(f"gpu {g} utilization busy-or-idle agrees (sampled apart)",
+                  util, smi_util / 100, (util or 0) > 0.3 if smi_util > 30 else True)
+        active, errors = smi_nvlink(int(g))
+        ours_active = [v for (n, lbl), v in s.items()
+                       if n == "gpunet_gpu_nvlink_active" and dict(lbl)["gpu"] == g]
+        checks.eq(f"gpu {g} NVLink active links", int(sum(ours_active)), active)
+        for (link, kind), n in sorted(errors.items()):
+            v = pick(s, "gpunet_gpu_nvlink_errors_total", gpu=g, link=link, type=kind)
+            if link in ("0", "17") or v != n:
+                checks.eq(f"gpu {g} NVLink {link} {kind} errors", v, n)
+        checks.eq(f"gpu {g} lost", pick(s, "gpunet_gpu_lost", gpu=g), 0.0)
+        checks.eq(f"gpu {g} XID events registered", pick(s, "gpunet_gpu_xid_monitoring", gpu=g),
+                  1.0)
+    return {"samples": {f"{n}{dict(sorted(lbl))}": v for (n, lbl), v in sorted(
+        s.items(), key=lambda kv: (kv[0][0], sorted(kv[0][1]))) if n.startswith("gpunet_")}}
+
+
+def time_calls(n: int) -> dict[str, Any]:
+    """Median cost of the per-scrape collection with the real NVML, and of its parts."""
+    sys.path.insert(0, str(REPO))
+    import pynvml
+
+    from collectors.gpu import GpuCollector
+    from exporter import nvml
+    from exporter.collector import CollectorContext, LogOnce, collector_logger
+    from exporter.config import Field, validate
+    from exporter.sysfs import Root
+
+    cfg = validate({"counters_interval_seconds": 3600}, Field(
+        "map", fields=dict(GpuCollector.config_fields)), "gpu")
+    log = collector_logger("gpu")
+    c = GpuCollector(CollectorContext("gpu", Root("/sys"), Root("/proc"), cfg, log,
+                                      LogOnce(log)))
+    list(c.collect())  # discovery, info, NVLink link count, background round, XID thread
+    gpus = nvml.session().gpus() or []
+    ngpu = len(gpus)
+    fields = ("utilization.gpu,memory.used,memory.total,pcie.link.gen.current,"
+              "pcie.link.width.current")
+
+    def ours() -> float:
+        t = time.perf_counter()
+        list(c.collect())
+        return time.perf_counter() - t
+
+    def peer() -> float:
+        t = time.perf_counter()
+        sh("nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits")
+        return time.perf_counter() - t
+
+    # Three phases in one run: ours alone, the peer alone, then both interleaved (each
+    # nvidia-smi start initialises NVML and the driver anew, which slows the calls after it).
+    alone = [ours() for _ in range(n)]
+    peer_alone = [peer() for _ in range(max(n // 5, 20))]
+    collect_s, smi_s = [], []
+    for _ in range(n):
+        collect_s.append(ours())
+        smi_s.append(peer())
+    t = time.perf_counter()
+    c.refresh()
+    round_s = time.perf_counter() - t
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(100):
+        list(c.collect())
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
+    print(text.getvalue())
+    memory = {}
+    for g in gpus:
+        v1 = pynvml.nvmlDeviceGetMemoryInfo(g.handle)
+        v2 = pynvml.nvmlDeviceGetMemoryInfo(g.handle, version=pynvml.nvmlMemory_v2)
+        memory[g.index] = {"v1": {"total": v1.total, "free": v1.free, "used": v1.used},
+                           "v2": {"total": v2.total, "reserved": v2.reserved, "free": v2.free,
+                                  "used": v2.used}}
+    print("memory v1/v2:", memory)
+    parts: dict[str, float] = {}
+    h = gpus[0].handle
+    for name, fn in (
+            ("nvmlDeviceGetCount", pynvml.nvmlDeviceGetCount),
+            ("nvmlDeviceGetUtilizationRates", lambda: pynvml.nvmlDeviceGetUtilizationRates(h)),
+            ("nvmlDeviceGetMemoryInfo", lambda: pynvml.nvmlDeviceGetMemoryInfo(h)),
+            ("nvmlDeviceGetMemoryInfo_v2", lambda: pynvml.nvmlDeviceGetMemoryInfo(
+                h, version=pynvml.nvmlMemory_v2)),
+            ("nvmlDeviceGetCurrPcieLinkGeneration",
+             lambda: pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h)),
+            ("nvmlDeviceGetMaxPcieLinkGeneration",
+             lambda: pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h)),
+            ("nvmlDeviceGetCurrPcieLinkWidth", lambda: pynvml.nvmlDeviceGetCurrPcieLinkWidth(h)),
+            ("nvmlDeviceGetMaxPcieLinkWidth", lambda: pynvml.nvmlDeviceGetMaxPcieLinkWidth(h)),
+            ("nvmlDeviceGetComputeRunningProcesses",
+             lambda: pynvml.nvmlDeviceGetComputeRunningProcesses(h)),
+            ("nvmlDeviceGetNvLinkState(link 0)", lambda: pynvml.nvmlDeviceGetNvLinkState(h, 0)),
+            ("nvmlDeviceGetNvLinkErrorCounter(link 0)",
+             lambda: pynvml.nvmlDeviceGetNvLinkErrorCounter(h, 0, 0)),
+            ("nvmlDeviceGetFieldValues(1 PCIe error field)",
+             lambda: pynvml.nvmlDeviceGetFieldValues(h, [176])),
+            ("nvmlDeviceGetFieldValues(NVLINK_GET_STATE x 18 links)",
+             lambda: pynvml.nvmlDeviceGetFieldValues(h, [(165, i) for i in range(18)]))):
+        ts = []
+        for _ in range(50):
+            t = time.perf_counter()
+            try:
+                fn()
+            except pynvml.NVMLError as exc:
+                parts[name + " error"] = 0.0
+                print(f"  {name}: {exc}")
+                break
+            ts.append(time.perf_counter() - t)
+        if ts:
+            parts[name] = statistics.median(ts) * 1e6
+    c.close()
+    med, med_alone = statistics.median(collect_s), statistics.median(alone)
+    res = {
+        "gpus": ngpu, "scrapes": n,
+        "alone_collect_median_ms": med_alone * 1e3,
+        "alone_collect_p90_ms": sorted(alone)[int(0.9 * n)] * 1e3,
+        "alone_collect_per_gpu_median_ms": med_alone * 1e3 / max(ngpu, 1),
+        "alone_peer_nvidia_smi_query_median_ms": statistics.median(peer_alone) * 1e3,
+        "interleaved_collect_median_ms": med * 1e3,
+        "interleaved_collect_p90_ms": sorted(collect_s)[int(0.9 * n)] * 1e3,
+        "interleaved_collect_per_gpu_median_ms": med * 1e3 / max(ngpu, 1),
+        "interleaved_peer_nvidia_smi_query_median_ms": statistics.median(smi_s) * 1e3,
+        "background_round_ms": round_s * 1e3,
+        "call_median_us": parts,
+        "memory_v1_v2": memory,
+        "profile": text.getvalue(),
+    }
+    print("\n== timing (real NVML)")
+    print(json.dumps({k: v for k, v in res.items() if k != "profile"}, indent=1))
+    return res
+
+
+def gpu(args: argparse.Namespace) -> int:
+    checks = Checks()
+    out: dict[str, Any] = {"nvidia_smi": sh("nvidia-smi", "-L")}
+    print(out["nvidia_smi"])
+    with tempfile.TemporaryDirectory() as tmp_:
+        tmp = Path(tmp_)
+        site = install(tmp)
+        load = subprocess.Popen([sys.executable, "-c", LOAD, str(args.load_seconds)],
+                                stdout=subprocess.PIPE, text=True)
+        assert load.stdout is not None
+        load.stdout.readline()  # "load running"
+        port = free_port()
+        env = {**os.environ, "PYTHONPATH": str(site)}
+        exp = subprocess.Popen(
+            [sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}",
+             "--collector.disable-defaults", "--collector.gpu", "--collector.topology",
+             "--log.level=debug"],
+            env=env, stderr=subprocess.PIPE, text=True)
+        url = f"http://127.0.0.1:{port}/metrics"
+        try:
+            for _ in range(100):
+                try:
+                    scrape(url)
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            time.sleep(3)  # a utilization sample period under load, and a background round
+            out |= check_against_smi(url, checks)
+            s = scrape(url)
+            for coll in ("gpu", "topology"):
+                checks.eq(f"collector {coll} success",
+                          pick(s, "gpunet_scrape_collector_success", collector=coll), 1.0)
+            out["topology"] = {f"{n}{dict(sorted(lbl))}": v for (n, lbl), v in s.items()
+                               if n.startswith("gpunet_topology_")}
+            print("\n== topology series")
+            for k, v in sorted(out["topology"].items()):
+                print(f"  {k} {v}")
+        finally:
+            exp.terminate()
+            _, err = exp.communicate(timeout=10)
+            out["exporter_log_tail"] = err.splitlines()[-40:]
+            load.terminate()
+            load.wait(timeout=30)
+    out["timing"] = time_calls(args.scrapes)
+    out["checks"] = checks.rows
+    print(f"\n{len(checks.rows) - checks.failed}/{len(checks.rows)} checks passed")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "gpu_check.json").write_text(json.dumps(out, indent=1, default=str))
+    return 1 if checks.failed else 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("gpu", help="the gpu and topology collectors against nvidia-smi")
+    g.add_argument("--scrapes", type=int, default=300)
+    g.add_argument("--load-seconds", type=float, default=60)
+    g.add_argument("--out", help="directory for gpu_check.json")
+    args = p.parse_args()
+    return gpu(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
