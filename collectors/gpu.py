@@ -114,10 +114,6 @@ PCIE_THROUGHPUT = MetricSpec(
     "gpunet_gpu_pcie_throughput_bytes_per_second", "gauge",
     "PCIe throughput over a 20 ms sample, NVML KB/s x 1000" + _BG, ("gpu", "direction"),
     "bytes per second", "nvmlDeviceGetPcieThroughput TX_BYTES / RX_BYTES")
-PCIE_BYTES = MetricSpec(
-    "gpunet_gpu_pcie_bytes_total", "counter",
-    "Bytes moved over the GPU's PCIe link, for exact rates with rate()" + _BG,
-    ("gpu", "direction"), "bytes", "NVML_FI_DEV_PCIE_COUNT_TX_BYTES / RX_BYTES")
 PCIE_REPLAYS = MetricSpec(
     "gpunet_gpu_pcie_replays_total", "counter",
     "PCIe replays (link-level retransmissions) since the driver loaded" + _BG, _G, "replays",
@@ -164,10 +160,10 @@ XID_LAST_CODE = MetricSpec(
     "gpunet_gpu_xid_last_code", "gauge", "XID code of the latest XID error", _G, "xid",
     "NVML event .eventData")
 
-# Background field values: (constant name in pynvml, spec, labels after gpu).
+# Background field values: (constant name in pynvml, spec, labels after gpu). Not read:
+# NVML_FI_DEV_PCIE_COUNT_TX_BYTES / RX_BYTES, 32-bit values (valueType unsigned int) that wrap
+# every 0.3 s at the 14 GB/s measured on an H200 (docs/gpu.md): no scrape interval can follow them.
 _FIELDS: tuple[tuple[str, MetricSpec, tuple[str, ...]], ...] = (
-    ("NVML_FI_DEV_PCIE_COUNT_TX_BYTES", PCIE_BYTES, ("transmit",)),
-    ("NVML_FI_DEV_PCIE_COUNT_RX_BYTES", PCIE_BYTES, ("receive",)),
     ("NVML_FI_DEV_PCIE_REPLAY_COUNTER", PCIE_REPLAYS, ()),
     ("NVML_FI_DEV_PCIE_REPLAY_ROLLOVER_COUNTER", PCIE_REPLAY_ROLLOVERS, ()),
     ("NVML_FI_DEV_PCIE_L0_TO_RECOVERY_COUNTER", PCIE_RECOVERIES, ()),
@@ -323,7 +319,7 @@ class GpuCollector(Collector):
     metrics = (INFO, NVML_UP, LOST, MISSING, UTIL, MEM_UTIL, MEM_USED, MEM_RESERVED, MEM_TOTAL,
                PROCS, PCIE_GEN,
                PCIE_GEN_MAX, PCIE_WIDTH, PCIE_WIDTH_MAX, PCIE_DEGRADED, NVLINK_ACTIVE,
-               PCIE_THROUGHPUT, PCIE_BYTES, PCIE_REPLAYS, PCIE_REPLAY_ROLLOVERS, PCIE_RECOVERIES,
+               PCIE_THROUGHPUT, PCIE_REPLAYS, PCIE_REPLAY_ROLLOVERS, PCIE_RECOVERIES,
                PCIE_ERRORS, NVLINK_ERRORS, COUNTERS_SUCCESS, COUNTERS_AGE, XID_MONITORING,
                XID_ERRORS, XID_LAST, XID_LAST_CODE)
     config_fields: ClassVar[Mapping[str, Field]] = {
@@ -469,7 +465,10 @@ class GpuCollector(Collector):
             fams.add(NVML_UP, [], 0)
             yield from fams
             return
-        if gpus and len(lost) == len(gpus):  # all at once: rather a driver reload than N faults
+        # Every GPU lost at once is rather a driver reload than N faults: initialise again, but
+        # not more often than NVML retries, so truly lost GPUs stay visible as lost.
+        if (gpus and len(lost) == len(gpus)
+                and time.monotonic() - session.initialised_at >= nvml.RETRY_SECONDS):
             session.invalidate("every GPU answered GpuIsLost")
         present = {g.uuid for g in gpus if g.uuid}
         fams.add(MISSING, [], len(self._seen - present))

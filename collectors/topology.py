@@ -345,12 +345,21 @@ class TopologyCollector(Collector):
         self.nvml = nvml.session(ctx.nvml_module)
         # pid -> (starttime, the process's NCCL variables); only processes NVML still lists.
         self._env_cache: dict[int, tuple[int, dict[str, str]]] = {}
+        # Endpoints of the last scrape by (label, path, symlink targets): resolving a path
+        # costs an lstat per component, reading its links two readlinks. PCIe placement only
+        # changes with hot-plug, which changes the links.
+        self._endpoints: dict[tuple[str, ...], Endpoint | None] = {}
+        self._endpoints_now: dict[tuple[str, ...], Endpoint | None] = {}
+        # The NVIDIA GPUs among the PCI functions, while the list of functions stays the same.
+        self._sysfs_gpu_cache: tuple[list[str], list[str]] | None = None
 
     def collect(self) -> Iterator[Metric]:
         fams = Families()
+        self._endpoints_now = {}
         gpus = self._gpus()
         self._gdr(fams, bool(gpus))
         nics = self._nics()
+        self._endpoints = self._endpoints_now  # only what this scrape saw stays cached
         self._pairs(fams, gpus, nics)
         if self.ctx.config.get("nccl_env_audit", True):
             self._nccl_audit(fams)
@@ -382,12 +391,35 @@ class TopologyCollector(Collector):
             return -1
         return value
 
+    def _links(self, rel: str) -> tuple[str, ...] | None:
+        """The symlink targets that decide where ``rel`` resolves (its own and its parent's:
+        class/infiniband/<dev> and .../device are both links); None when it is gone."""
+        out = []
+        for path in (rel, os.path.dirname(rel)):
+            try:
+                out.append(os.readlink(self.ctx.sysfs.path(path)))
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # EINVAL: not a link
+                    return None
+                out.append("")
+        return tuple(out)
+
     def _pci_endpoint(self, name: str, rel: str) -> Endpoint | None:
+        links = self._links(rel)
+        if links is None:
+            return None
+        key = (name, rel, *links)
+        if key in self._endpoints:
+            ep = self._endpoints_now[key] = self._endpoints[key]
+            return ep
         real = self._resolve(rel)
         if real is None:
             return None
         ep = endpoint(name, real, -1)
-        return None if ep is None else replace(ep, numa=self._numa(real))
+        if ep is not None:
+            ep = replace(ep, numa=self._numa(real))
+        self._endpoints_now[key] = ep
+        return ep
 
     def _gpus(self) -> list[Endpoint]:
         """GPUs labelled with NVML's index: from NVML when it is up, else the NVIDIA display and
@@ -411,6 +443,8 @@ class TopologyCollector(Collector):
             names = self.ctx.sysfs.listdir("bus/pci/devices")
         except OSError:
             return []
+        if self._sysfs_gpu_cache is not None and self._sysfs_gpu_cache[0] == names:
+            return self._sysfs_gpu_cache[1]  # the same PCI functions as last time
         found = []
         for address in names:
             if not _PCI_ADDRESS.fullmatch(address):
@@ -424,7 +458,9 @@ class TopologyCollector(Collector):
             if (isinstance(vendor, str) and isinstance(cls, str) and vendor == _NVIDIA
                     and cls.startswith(_GPU_CLASSES)):
                 found.append(address)
-        return sorted(found, key=_pci_sort_key)
+        found.sort(key=_pci_sort_key)
+        self._sysfs_gpu_cache = (names, found)
+        return found
 
     def _nics(self) -> list[Endpoint]:
         cfg = self.ctx.config

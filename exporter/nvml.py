@@ -71,6 +71,7 @@ class Session:
         self.error = ""  # why NVML is not up, for logs and the landing page
         self.driver_version = ""
         self.generation = 0  # bumped at each successful initialisation
+        self.initialised_at = 0.0  # time.monotonic() of the latest successful initialisation
         self._gpus: list[Gpu] | None = None
         self._ever_up = False
         self._next_try = 0.0
@@ -121,6 +122,7 @@ class Session:
         self._gpus, self.state, self.error = gpus, "up", ""
         self._ever_up = True
         self.generation += 1
+        self.initialised_at = time.monotonic()
         log.info("NVML initialised: driver %s, %d GPU(s)", self.driver_version, len(gpus))
 
     @staticmethod

@@ -788,3 +788,31 @@ def test_end_to_end(tmp_path: Path, run_exporter) -> None:  # type: ignore[no-un
     assert value(s, P + "gdr_dmabuf_capable") == 1
     assert value(s, P + "nvidia_kernel_module_info", flavor="open", version="580.159.04") == 1
     assert not series(s, P + "nccl_env_processes")  # no NVML, no compute processes
+
+
+def test_placement_cache_follows_hot_plug(dgx: Path, proc: Path) -> None:
+    """Placement is cached between scrapes by the symlinks that decide it: a device that comes
+    back elsewhere (here: mlx5_0's and mlx5_4's class links swapped) is placed anew, and a GPU
+    that appears among the PCI functions is found."""
+    c = topology(dgx, proc)
+    try:
+        s = samples_of(list(c.collect()))
+        assert paths(s)[("0", "mlx5_0")] == "PIX" and paths(s)[("0", "mlx5_4")] == "SYS"
+        cls = dgx / "class" / "infiniband"
+        a, b = os.readlink(cls / "mlx5_0"), os.readlink(cls / "mlx5_4")
+        for name, target in (("mlx5_0", b), ("mlx5_4", a)):
+            (cls / name).unlink()
+            (cls / name).symlink_to(target)
+        s = samples_of(list(c.collect()))
+        assert paths(s)[("0", "mlx5_0")] == "SYS" and paths(s)[("0", "mlx5_4")] == "PIX"
+        gpu0 = dgx / "bus" / "pci" / "devices" / "0000:1b:00.0"
+        target = os.readlink(gpu0)
+        gpu0.unlink()  # GPU 0 gone: the others are renumbered, as NVML would
+        s = samples_of(list(c.collect()))
+        assert nearest(s)["0"] == ("mlx5_1", "PIX")  # now the GPU at bus 0x43
+        assert len(nearest(s)) == 7
+        gpu0.symlink_to(target)  # back: under the switch of the NIC now named mlx5_4
+        s = samples_of(list(c.collect()))
+        assert nearest(s)["0"] == ("mlx5_4", "PIX") and len(nearest(s)) == 8
+    finally:
+        c.close()
