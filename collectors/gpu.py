@@ -112,7 +112,8 @@ NVLINK_ACTIVE = MetricSpec(
 _BG = " (read in the background every counters_interval_seconds)"
 PCIE_THROUGHPUT = MetricSpec(
     "gpunet_gpu_pcie_throughput_bytes_per_second", "gauge",
-    "PCIe throughput over a 20 ms sample, NVML KB/s x 1000" + _BG, ("gpu", "direction"),
+    "PCIe throughput over a 20 ms sample, NVML KB/s x 1000 (NVML does not say whether its KB "
+    "is 1000 or 1024 bytes; they differ by 2.4%)" + _BG, ("gpu", "direction"),
     "bytes per second", "nvmlDeviceGetPcieThroughput TX_BYTES / RX_BYTES")
 PCIE_REPLAYS = MetricSpec(
     "gpunet_gpu_pcie_replays_total", "counter",
