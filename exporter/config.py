@@ -30,6 +30,7 @@ class Field:
     minimum: float | None = None
     required: bool = False
     choices: tuple[str, ...] = ()  # the allowed values of a str
+    multiple_of: int | None = None  # an int must be a multiple of this
 
 
 _EXPECTED = {
@@ -70,6 +71,9 @@ def validate(value: Any, spec: Field, key: str) -> Any:
             raise wrong()
         if spec.minimum is not None and cast(float, value) < spec.minimum:
             raise ConfigError(f"{where}: expected a value >= {spec.minimum:g}, got {value!r}")
+        if spec.multiple_of and cast(int, value) % spec.multiple_of:
+            raise ConfigError(f"{where}: expected a multiple of {spec.multiple_of}, "
+                              f"got {value!r}")
         return value
     if spec.kind == "str":
         if not isinstance(value, str):

@@ -28,7 +28,7 @@ fi
 venv=.venv
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/pip" install -q --upgrade pip >/dev/null
-"$venv/bin/pip" install -q ".[test]"
+"$venv/bin/pip" install -q ".[test,probe]"  # probe: torch==2.13.0, CPU build, gloo tests
 export PATH="$PWD/$venv/bin:$PATH"
 
 echo "run.sh: ruff"; ruff check exporter collectors tests bench

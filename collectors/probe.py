@@ -1,0 +1,400 @@
+"""probe collector: the results of micro all-reduce probes (exporter/probe/runner.py).
+
+The collector never imports torch. With ``runner: intra`` (default) a supervisor thread starts
+``gpunet-probe run`` in its own process group, which keeps running rounds every
+``interval_seconds``. A round that has not finished ``timeout_seconds`` after it started, or a
+runner that has not started its first round by then, has its whole process group killed (a hung
+NCCL never blocks anything) and the runner is started again, as it is after any exit. Results
+come from the files the runner writes atomically into ``state_dir`` (exporter/probe/results.py);
+cluster-mode ranks started by torchrun or srun write ``inter.json`` there, and the collector
+exports whatever it finds, so ``runner: none`` serves those alone.
+
+Scrapes read only what the supervisor thread cached: every value is from the last round, whose
+time and success come with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import IO, ClassVar
+
+from prometheus_client.core import Metric
+
+from exporter import rdma
+from exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from exporter.config import Field
+from exporter.probe import results
+from exporter.probe.results import Result
+
+REASONS = ("timeout", "crash", "bad_result", *results.FAILURE_REASONS)
+_S = ("scope",)
+_CACHED = (" Cached: from the probe's last round (every probe.interval_seconds; "
+           "gpunet_probe_last_round_timestamp_seconds says when)")
+_FILE = "<probe.state_dir>/<scope>.json, written by gpunet-probe"
+POLL_SECONDS = 0.5
+RESTART_BACKOFF_MAX = 60.0
+
+SUCCESS = MetricSpec(
+    "gpunet_probe_success", "gauge",
+    "1 if the last probe round finished with results, else 0 (timeout, error, no GPU); scope "
+    "intra: this node's GPUs, inter: a cluster-mode round across nodes", _S, "boolean", _FILE)
+LAST_ROUND = MetricSpec(
+    "gpunet_probe_last_round_timestamp_seconds", "gauge",
+    "Unix time the last probe round ended, successful or not", _S, "seconds", _FILE)
+LAST_SUCCESS = MetricSpec(
+    "gpunet_probe_last_success_timestamp_seconds", "gauge",
+    "Unix time the last successful probe round ended (alert when it grows old)", _S, "seconds",
+    _FILE)
+DURATION = MetricSpec(
+    "gpunet_probe_duration_seconds", "gauge",
+    "Wall time of the last probe round, all sizes" + _CACHED, _S, "seconds", _FILE)
+FAILURES = MetricSpec(
+    "gpunet_probe_failures_total", "counter",
+    "Probe rounds that gave no or partial results, by reason: timeout (killed after "
+    "probe.timeout_seconds), crash (the runner exited without saying why), nccl_error, "
+    "init_error, error, no_gpu, bad_result (an unreadable result file), skipped_busy (sizes "
+    "skipped because GPUs were busy with other work)", ("scope", "reason"), "rounds",
+    "the probe supervisor and result files")
+RUNNING = MetricSpec(
+    "gpunet_probe_runner_running", "gauge",
+    "1 while the exporter's probe runner process is alive (runner: intra), else 0", (),
+    "boolean", "the probe supervisor")
+LATENCY = MetricSpec(
+    "gpunet_probe_allreduce_seconds", "gauge",
+    "All-reduce time per message size: median, p99 or max over the timed iterations, each "
+    "iteration as long as its slowest rank" + _CACHED, ("scope", "size", "stat"), "seconds",
+    _FILE)
+ALGBW = MetricSpec(
+    "gpunet_probe_allreduce_algorithm_bandwidth_bytes_per_second", "gauge",
+    "Algorithm bandwidth: message bytes / median time" + _CACHED, ("scope", "size"),
+    "bytes per second", _FILE)
+BUSBW = MetricSpec(
+    "gpunet_probe_allreduce_bus_bandwidth_bytes_per_second", "gauge",
+    "Bus bandwidth, nccl-tests' all-reduce formula algbw x 2(n-1)/n" + _CACHED,
+    ("scope", "size"), "bytes per second", _FILE)
+SKIPPED = MetricSpec(
+    "gpunet_probe_size_skipped", "gauge",
+    "1 when the last round skipped this size because a GPU was busy with other work",
+    ("scope", "size"), "boolean", _FILE)
+LATENESS = MetricSpec(
+    "gpunet_probe_slowest_rank_lateness_ratio", "gauge",
+    "How much longer the slowest rank's median all-reduce time is than the median rank's (0.5: "
+    "50% longer), at the largest size measured" + _CACHED, _S, "ratio", _FILE)
+WORLD = MetricSpec("gpunet_probe_world_size", "gauge", "Ranks in the last probe round", _S,
+                   "ranks", _FILE)
+INFO = MetricSpec(
+    "gpunet_probe_info", "gauge", "Always 1; the backend and NCCL version of the last round",
+    ("scope", "backend", "nccl_version"), "", _FILE)
+TRANSPORT = MetricSpec(
+    "gpunet_probe_transport_info", "gauge",
+    "Always 1 for each transport NCCL's channels used in the last successful round (P2P, SHM, "
+    "NET, COLLNET), with the network of NET channels (IB, Socket or a plugin's name)" + _CACHED,
+    ("scope", "transport", "net"), "", "NCCL INFO log of the probe, per-connection lines")
+GDR = MetricSpec(
+    "gpunet_probe_gdr_active", "gauge",
+    "1 when NCCL's network channels registered GPU memory with the NIC (GPUDirect RDMA), 0 when "
+    "they did not; absent without network channels" + _CACHED, _S, "boolean",
+    "NCCL INFO log, /GDRDMA on NET channels")
+SOCKET_FALLBACK = MetricSpec(
+    "gpunet_probe_socket_fallback", "gauge",
+    "1 when NCCL sends over TCP sockets although it should not: inter-node channels on "
+    "NET/Socket while this node has an ACTIVE RDMA port, or intra-node traffic on the network "
+    "instead of P2P/SHM; else 0" + _CACHED, _S, "boolean",
+    "NCCL INFO log and /sys/class/infiniband/*/ports/*/state")
+PROBLEM = MetricSpec(
+    "gpunet_probe_nccl_problem", "gauge",
+    "Always 1 for each problem the NCCL log of the last successful round shows (socket_fallback, "
+    "gdr_disabled, no_ib_device, ...; docs/nccl-log.md)" + _CACHED, ("scope", "problem"), "",
+    "NCCL INFO log of the probe")
+
+
+@dataclass
+class _ScopeState:
+    last: Result | None = None  # the last result read, successful or not
+    good: Result | None = None  # the last successful one
+    mtime_ns: int = 0
+    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+
+
+class ProbeCollector(Collector):
+    name = "probe"
+    description = ("Micro all-reduce probes through torch.distributed/NCCL run outside the "
+                   "scrape: latency, bus bandwidth, stragglers, NCCL transport and GDR")
+    default_enabled = False  # it puts work on the GPUs: an operator turns it on
+    metrics = (SUCCESS, LAST_ROUND, LAST_SUCCESS, DURATION, FAILURES, RUNNING, LATENCY, ALGBW,
+               BUSBW, SKIPPED, LATENESS, WORLD, INFO, TRANSPORT, GDR, SOCKET_FALLBACK, PROBLEM)
+    config_fields: ClassVar[Mapping[str, Field]] = {
+        "state_dir": Field("str", "where the runner and cluster-mode ranks write results",
+                           default="/var/lib/gpunet-exporter/probe"),
+        "runner": Field("str", "intra: start the intra-node runner; none: only export what "
+                        "cluster-mode ranks write", default="intra", choices=("intra", "none")),
+        "command": Field("list", "the runner program (default: gpunet-probe of this Python)",
+                         item=Field("str")),
+        "backend": Field("str", "nccl (GPUs) or gloo (CPUs)", default="nccl",
+                         choices=("nccl", "gloo")),
+        "nprocs": Field("int", "ranks (0: one per visible GPU; 2 for gloo)", default=0,
+                        minimum=0),
+        "sizes": Field("list", "all-reduce message sizes in bytes (multiples of 4: float32)",
+                       item=Field("int", minimum=4, multiple_of=4),
+                       default=[8 << 10, 1 << 20, 64 << 20]),
+        "warmup": Field("int", "untimed all-reduces per size", default=5, minimum=0),
+        "iterations": Field("int", "timed all-reduces per size", default=20, minimum=1),
+        "interval_seconds": Field("number", "from one round's start to the next", default=60,
+                                  minimum=1),
+        "timeout_seconds": Field("number", "a round (or the start) taking longer is killed",
+                                 default=120, minimum=1),
+        "memory_cap_bytes": Field("int", "GPU memory the probe may allocate per GPU",
+                                  default=1 << 30, minimum=1 << 20),
+        "busy_utilization": Field("number", "GPU utilization (0 to 1) above which a GPU is "
+                                  "busy with other work", default=0.5, minimum=0),
+        "skip_busy": Field("bool", "skip sizes of 1 MiB and up while a GPU is busy",
+                           default=True),
+    }
+
+    def __init__(self, ctx: CollectorContext) -> None:
+        super().__init__(ctx)
+        self.state_dir: str = ctx.config["state_dir"]
+        self._scopes = {s: _ScopeState() for s in results.SCOPES}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc_started_wall = 0.0  # time.time() the current runner was started
+        self._restarts = 0
+        self._thread: threading.Thread | None = None
+
+    # -- the runner ------------------------------------------------------------------------
+
+    def command(self) -> list[str]:
+        cfg = self.ctx.config
+        base = list(cfg.get("command") or [sys.executable, "-m", "exporter.probe.cli"])
+        return [*base, "run", "--state-dir", self.state_dir, "--backend", cfg["backend"],
+                "--nprocs", str(cfg["nprocs"]),
+                "--sizes", ",".join(str(s) for s in cfg["sizes"]),
+                "--warmup", str(cfg["warmup"]), "--iterations", str(cfg["iterations"]),
+                "--interval", str(cfg["interval_seconds"]),
+                "--timeout", str(cfg["timeout_seconds"]),
+                "--memory-cap", str(cfg["memory_cap_bytes"]),
+                "--busy-utilization", str(cfg["busy_utilization"]),
+                *([] if cfg["skip_busy"] else ["--no-skip-busy"])]
+
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._supervise, name="probe-supervisor",
+                                            daemon=True)
+            self._thread.start()
+
+    def _supervise(self) -> None:
+        next_start = 0.0
+        while not self._stop.is_set():
+            try:
+                self._poll_results()
+                if self.ctx.config["runner"] == "intra":
+                    next_start = self._watch_runner(next_start)
+            except Exception as exc:  # the supervisor must outlive anything
+                self.ctx.log_once(logging.ERROR, "probe supervisor: %s", exc)
+            self._stop.wait(POLL_SECONDS)
+        self._kill("exporter stopping")
+
+    def _watch_runner(self, next_start: float) -> float:
+        now = time.monotonic()
+        proc = self._proc
+        if proc is None:
+            if now >= next_start:
+                self._spawn()
+            return next_start
+        rc = proc.poll()
+        if rc is not None:
+            self._proc = None
+            self._on_exit(rc)
+            self._restarts += 1
+            return now + min(RESTART_BACKOFF_MAX, 2.0 ** min(self._restarts, 6))
+        started = self._round_started()
+        deadline = float(self.ctx.config["timeout_seconds"])
+        since = started if started is not None else self._proc_started_wall
+        if time.time() - since > deadline:
+            what = "round" if started is not None else "start"
+            self._count("intra", "timeout")
+            self._kill(f"probe {what} exceeded {deadline:g}s")
+            return now + min(RESTART_BACKOFF_MAX, 2.0 ** min(self._restarts, 6))
+        return next_start
+
+    def _spawn(self) -> None:
+        try:
+            os.makedirs(self.state_dir, exist_ok=True)
+            log: IO[bytes] | int = open(  # noqa: SIM115 - closed below, once the child has it
+                os.path.join(self.state_dir, "runner.log"), "wb")
+        except OSError as exc:
+            self.ctx.log_once(logging.ERROR, "probe: cannot use state_dir %s: %s",
+                              self.state_dir, exc.strerror or exc)
+            log = subprocess.DEVNULL
+        try:
+            self._proc = subprocess.Popen(
+                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                start_new_session=True)  # its own process group, killed as a whole
+        except OSError as exc:
+            self.ctx.log_once(logging.ERROR, "probe: cannot start the runner: %s", exc)
+            self._count("intra", "crash")
+            self._proc = None
+        finally:
+            if not isinstance(log, int):
+                log.close()
+        self._proc_started_wall = time.time()
+        self.ctx.logger.info("probe runner started: %s", " ".join(self.command()))
+
+    def _round_started(self) -> float | None:
+        """Start time of the round in progress; None when no round is in progress."""
+        try:
+            with open(os.path.join(self.state_dir, results.STATUS), encoding="utf-8") as fh:
+                status = json.load(fh)
+            started = float(status["round_started"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if started < self._proc_started_wall:
+            return None  # a previous runner's status
+        last = self._scopes["intra"].last
+        if last is not None and last.started >= started:
+            return None  # that round has finished: between rounds
+        return started
+
+    def _on_exit(self, rc: int) -> None:
+        last = self._scopes["intra"].last
+        said = last is not None and not last.success and last.time >= self._proc_started_wall
+        if not said:  # the runner died without writing why
+            self._count("intra", "crash")
+        tail = self._log_tail()
+        self.ctx.log_once(logging.WARNING, "probe runner exited with status %d%s", rc,
+                          f": {tail}" if tail else "")
+
+    def _log_tail(self) -> str:
+        try:
+            with open(os.path.join(self.state_dir, "runner.log"), "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                fh.seek(max(0, fh.tell() - 400))
+                lines = fh.read().decode("utf-8", "replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1][:200] if lines else ""
+
+    def _kill(self, why: str) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        self.ctx.log_once(logging.WARNING, "probe runner killed: %s", why)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            proc.kill()
+        proc.wait()
+
+    def _count(self, scope: str, reason: str) -> None:
+        with self._lock:
+            self._scopes[scope].failures[reason] += 1
+
+    # -- result files ----------------------------------------------------------------------
+
+    def _poll_results(self) -> None:
+        for scope, st in self._scopes.items():
+            path = results.result_path(self.state_dir, scope)
+            try:
+                mtime = os.stat(path).st_mtime_ns
+            except OSError:
+                continue
+            if mtime == st.mtime_ns:
+                continue
+            st.mtime_ns = mtime
+            try:
+                res = results.read(path)
+            except (OSError, results.BadResult) as exc:
+                self.ctx.log_once(logging.WARNING, "probe: %s", exc)
+                self._count(scope, "bad_result")
+                continue
+            with self._lock:
+                st.last = res
+                if res.success:
+                    st.good = res
+                    if res.skipped_busy:
+                        st.failures["skipped_busy"] += 1
+                else:
+                    st.failures[res.failure] += 1
+
+    # -- scrape ----------------------------------------------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        self._start_thread()
+        fams = Families()
+        if self.ctx.config["runner"] == "intra":
+            proc = self._proc
+            fams.add(RUNNING, [], int(proc is not None and proc.poll() is None))
+        with self._lock:
+            scopes = {s: (st.last, st.good, dict(st.failures)) for s, st in self._scopes.items()}
+        rdma_active: bool | None = None
+        for scope, (last, good, failures) in scopes.items():
+            if last is None and not any(failures.values()) and scope == "inter":
+                continue  # no cluster-mode rounds on this node
+            for reason, n in failures.items():
+                fams.add(FAILURES, [scope, reason], n)
+            if last is None:
+                continue
+            fams.add(SUCCESS, [scope], int(last.success))
+            fams.add(LAST_ROUND, [scope], last.time)
+            if good is None:
+                continue
+            fams.add(LAST_SUCCESS, [scope], good.time)
+            fams.add(DURATION, [scope], max(0.0, good.time - good.started))
+            fams.add(WORLD, [scope], good.world_size)
+            fams.add(INFO, [scope, good.backend, good.nccl_version], 1)
+            if good.slowest_rank_lateness_ratio is not None:
+                fams.add(LATENESS, [scope], good.slowest_rank_lateness_ratio)
+            for s in good.sizes:
+                size = str(s.bytes)
+                fams.add(SKIPPED, [scope, size], int(s.skipped))
+                if s.skipped:
+                    continue
+                for stat, v in (("median", s.median_seconds), ("p99", s.p99_seconds),
+                                ("max", s.max_seconds)):
+                    fams.add(LATENCY, [scope, size, stat], v)
+                fams.add(ALGBW, [scope, size], s.algbw_bytes_per_second)
+                fams.add(BUSBW, [scope, size], s.busbw_bytes_per_second)
+            if good.backend != "nccl":
+                continue
+            for t in good.transports:
+                nets = good.net_transports if t == "NET" else ("",)
+                for net in nets or ("",):
+                    fams.add(TRANSPORT, [scope, t, net], 1)
+            if good.gdr is not None:
+                fams.add(GDR, [scope], int(good.gdr))
+            for problem in good.problems:
+                fams.add(PROBLEM, [scope, problem], 1)
+            if scope == "intra":
+                fallback = "NET" in good.transports
+            else:
+                if rdma_active is None:
+                    rdma_active = self._rdma_active()
+                fallback = "Socket" in good.net_transports and rdma_active
+            fams.add(SOCKET_FALLBACK, [scope], int(fallback))
+        yield from fams
+
+    def _rdma_active(self) -> bool:
+        root = self.ctx.sysfs
+        for p in rdma.all_ports(root):
+            try:
+                if root.read(f"{p.dir}/state").endswith("ACTIVE"):
+                    return True
+            except OSError:
+                continue
+        return False
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._kill("exporter stopping")

@@ -1,0 +1,1 @@
+"""The NCCL probe: runner, NCCL log parser, result files."""

@@ -1,0 +1,3 @@
+from exporter.probe.cli import entry
+
+entry()

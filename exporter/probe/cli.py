@@ -1,0 +1,47 @@
+"""gpunet-probe: micro all-reduce probes, and NCCL log explanations for operators.
+
+    gpunet-probe run --state-dir DIR [--backend nccl|gloo] [--sizes 8KiB,1MiB,64MiB] ...
+    gpunet-probe explain-log [--json] FILE...
+
+``run`` is what the exporter's probe collector starts (intra-node), and what torchrun or srun
+start on every node for cluster mode. ``python -m exporter.probe.cli`` is the same program.
+Exit codes of run: 0 after --rounds, 2 bad arguments, 3 no GPU, 4 a round failed (the exporter
+starts it again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from exporter.probe import runner
+
+PROG = "gpunet-probe"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["explain-log"]:
+        from exporter.probe import explain
+
+        return explain.main(args_list[1:])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="probe rounds, results to --state-dir")
+    runner.add_run_arguments(run)
+    work = sub.add_parser("worker", help=argparse.SUPPRESS)  # one rank, started by `run`
+    runner.add_run_arguments(work)
+    sub.add_parser("explain-log", help="what NCCL INFO logs say about network, transports, GDR")
+    args = p.parse_args(args_list)
+    if args.cmd == "worker":
+        return runner.worker(args)
+    return runner.launch(args, args_list[1:])
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

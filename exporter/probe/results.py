@@ -1,0 +1,164 @@
+"""Probe result files: how the runner hands a round's results to the exporter.
+
+One JSON file per scope in the state directory (``intra.json`` for the node's own GPUs,
+``inter.json`` for a cluster-mode round across nodes), replaced atomically (written to a
+temporary file in the same directory, fsynced, renamed), so a reader sees the previous round or
+the new one, never half a file. ``status.json`` says when the current round started, which is how
+the exporter's supervisor tells a hung round from a slow interval. No torch here: the exporter
+imports this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+VERSION = 1
+SCOPES = ("intra", "inter")
+STATUS = "status.json"
+# Why a round did not produce numbers; the exporter adds timeout, crash and bad_result.
+FAILURE_REASONS = ("nccl_error", "no_gpu", "init_error", "error", "skipped_busy")
+
+
+def result_path(state_dir: str, scope: str) -> str:
+    return os.path.join(state_dir, f"{scope}.json")
+
+
+def write_atomic(path: str, data: Mapping[str, Any]) -> None:
+    """Replace ``path`` with ``data`` as JSON so that readers never see a partial file."""
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=1, sort_keys=True)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@dataclass(frozen=True)
+class SizeResult:
+    bytes: int
+    skipped: bool = False  # not measured this round (GPU busy with other work)
+    median_seconds: float = 0.0
+    p99_seconds: float = 0.0
+    max_seconds: float = 0.0
+    algbw_bytes_per_second: float = 0.0
+    busbw_bytes_per_second: float = 0.0
+
+
+@dataclass(frozen=True)
+class Result:
+    scope: str
+    time: float  # Unix time the round ended
+    started: float  # Unix time the round started
+    success: bool
+    failure: str = ""  # one of FAILURE_REASONS when not success
+    error: str = ""  # one line for logs; never exported
+    backend: str = ""
+    world_size: int = 0
+    nccl_version: str = ""
+    sizes: tuple[SizeResult, ...] = ()
+    slowest_rank_lateness_ratio: float | None = None
+    net: str = ""  # the network NCCL chose (IB, Socket, plugin name)
+    transports: tuple[str, ...] = ()  # P2P, SHM, NET, COLLNET
+    net_transports: tuple[str, ...] = ()  # IB, Socket, ... of the NET channels
+    gdr: bool | None = None  # None: no NET channel
+    problems: tuple[str, ...] = ()
+    skipped_busy: bool = False  # sizes were skipped because a GPU was busy with other work
+
+
+class BadResult(ValueError):
+    """A result file that is not what the runner writes; the text says what is wrong."""
+
+
+def _num(d: Mapping[str, Any], key: str, where: str, *, allow_none: bool = False) -> Any:
+    v = d.get(key)
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise BadResult(f"{where}: {key!r} must be a non-negative number, got {v!r}")
+    return v
+
+
+def _strs(d: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
+    v = d.get(key, [])
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise BadResult(f"{where}: {key!r} must be a list of strings")
+    return tuple(v)
+
+
+def parse(data: Any, where: str = "result") -> Result:
+    """Validate a decoded result file; raises BadResult naming the first problem."""
+    if not isinstance(data, dict):
+        raise BadResult(f"{where}: expected a JSON object")
+    if data.get("version") != VERSION:
+        raise BadResult(f"{where}: version {data.get('version')!r}, expected {VERSION}")
+    scope = data.get("scope")
+    if scope not in SCOPES:
+        raise BadResult(f"{where}: scope {scope!r}, expected one of {', '.join(SCOPES)}")
+    success = data.get("success")
+    if not isinstance(success, bool):
+        raise BadResult(f"{where}: 'success' must be true or false")
+    failure = data.get("failure") or ""
+    if not success and failure not in FAILURE_REASONS:
+        raise BadResult(f"{where}: failure {failure!r}, expected one of "
+                        f"{', '.join(FAILURE_REASONS)}")
+    sizes = []
+    raw_sizes = data.get("sizes", [])
+    if not isinstance(raw_sizes, list):
+        raise BadResult(f"{where}: 'sizes' must be a list")
+    for i, s in enumerate(raw_sizes):
+        w = f"{where}: sizes[{i}]"
+        if not isinstance(s, dict):
+            raise BadResult(f"{w}: expected an object")
+        if not isinstance(s.get("skipped", False), bool):
+            raise BadResult(f"{w}: 'skipped' must be true or false")
+        n = _num(s, "bytes", w)
+        if not isinstance(n, int) or n <= 0:
+            raise BadResult(f"{w}: 'bytes' must be a positive integer")
+        if s.get("skipped", False):
+            sizes.append(SizeResult(n, True))
+            continue
+        sizes.append(SizeResult(n, False, *(float(_num(s, k, w)) for k in (
+            "median_seconds", "p99_seconds", "max_seconds", "algbw_bytes_per_second",
+            "busbw_bytes_per_second"))))
+    gdr = data.get("gdr")
+    if gdr is not None and not isinstance(gdr, bool):
+        raise BadResult(f"{where}: 'gdr' must be true, false or null")
+    world = _num(data, "world_size", where) if "world_size" in data else 0
+    lateness = _num(data, "slowest_rank_lateness_ratio", where, allow_none=True)
+    return Result(
+        scope=scope, time=float(_num(data, "time", where)),
+        started=float(_num(data, "started", where)), success=success, failure=failure,
+        error=str(data.get("error", ""))[:500], backend=str(data.get("backend", "")),
+        world_size=int(world), nccl_version=str(data.get("nccl_version", ""))[:32],
+        sizes=tuple(sizes),
+        slowest_rank_lateness_ratio=None if lateness is None else float(lateness),
+        net=str(data.get("net", ""))[:64], transports=_strs(data, "transports", where),
+        net_transports=_strs(data, "net_transports", where), gdr=gdr,
+        problems=_strs(data, "problems", where),
+        skipped_busy=data.get("skipped_busy") is True)
+
+
+def read(path: str) -> Result:
+    """Read and validate a result file; raises OSError or BadResult."""
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        text = fh.read(1 << 20)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadResult(f"{path}: not JSON: {exc.msg} at line {exc.lineno}") from None
+    return parse(data, path)

@@ -1,0 +1,356 @@
+"""The probe: runner arithmetic, result files, two real gloo ranks through the real runner
+(intra-node and under torchrun), and the collector supervising it (timeouts, crashes, garbage)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as hs
+
+from collectors.probe import REASONS, ProbeCollector
+from exporter.probe import results, runner
+
+import sysfs_tree as st
+from conftest import REPO, Samples, free_port, make_collector, parse, samples_of, series, value
+
+GLOO = {"backend": "gloo", "nprocs": 2, "sizes": [4096, 65536], "warmup": 1, "iterations": 5,
+        "interval_seconds": 1, "timeout_seconds": 60}
+
+
+def probe(*args: str, env: dict[str, str] | None = None,
+          timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "exporter.probe.cli", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+# -- arithmetic ------------------------------------------------------------------------------
+
+
+def test_bus_bandwidth_is_nccl_tests_formula() -> None:
+    assert runner.bus_bandwidth(100.0, 2) == 100.0
+    assert runner.bus_bandwidth(100.0, 8) == 175.0  # 2 * 7 / 8
+    assert runner.bus_bandwidth(100.0, 1) == 100.0
+
+
+def test_summarize_times_takes_the_slowest_rank_per_iteration() -> None:
+    matrix = [[1.0, 2.0, 3.0, 4.0], [2.0, 1.0, 5.0, 1.0]]  # rows: ranks
+    stats, medians = runner.summarize_times(matrix, 1000, 2)
+    assert stats.median_seconds == 3.0  # of 2, 2, 5, 4
+    assert stats.max_seconds == 5.0 and stats.p99_seconds == 5.0
+    assert stats.algbw_bytes_per_second == 1000 / 3.0
+    assert medians == [2.5, 1.5]
+
+
+def test_lateness_of_the_slowest_rank() -> None:
+    assert runner.lateness([1.0, 1.0, 1.0, 2.0]) == 1.0
+    assert runner.lateness([1.0, 1.1]) == pytest.approx((1.1 - 1.05) / 1.05)
+    assert runner.lateness([1.0]) is None
+
+
+def test_percentile_nearest_rank() -> None:
+    values = list(range(1, 101))
+    assert runner.percentile(values, 99) == 99
+    assert runner.percentile(values, 50) == 50
+    assert runner.percentile([3.0], 99) == 3.0
+
+
+def test_sizes_parse_with_units_and_reject_bad_ones() -> None:
+    assert runner.parse_sizes("8KiB,1MiB,64MiB") == [8192, 1 << 20, 64 << 20]
+    assert runner.parse_sizes("65536, 8k") == [8192, 65536]
+    for bad in ("", "8KB", "-1", "3", "1.5MiB"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"size|multiples"):
+            runner.parse_sizes(bad)
+
+
+def test_cluster_environment() -> None:
+    c = runner.cluster_from_env({"RANK": "3", "WORLD_SIZE": "16", "LOCAL_RANK": "3"})
+    assert c == runner.Cluster(3, 16, 3, "torchrun")
+    c = runner.cluster_from_env({"SLURM_PROCID": "9", "SLURM_NTASKS": "16",
+                                 "SLURM_LOCALID": "1", "MASTER_ADDR": "node01"})
+    assert c == runner.Cluster(9, 16, 1, "srun")
+    assert runner.cluster_from_env({"SLURM_PROCID": "9", "SLURM_NTASKS": "16"}) is None
+    assert runner.cluster_from_env({}) is None
+
+
+# -- result files ----------------------------------------------------------------------------
+
+
+def good_result(**over: Any) -> dict[str, Any]:
+    now = time.time()
+    data: dict[str, Any] = {
+        "version": 1, "scope": "intra", "started": now - 0.2, "time": now, "success": True,
+        "backend": "nccl", "world_size": 2, "nccl_version": "2.28.9",
+        "sizes": [{"bytes": 8192, "skipped": False, "median_seconds": 2e-5, "p99_seconds": 3e-5,
+                   "max_seconds": 4e-5, "algbw_bytes_per_second": 4.1e8,
+                   "busbw_bytes_per_second": 4.1e8},
+                  {"bytes": 67108864, "skipped": True}],
+        "slowest_rank_lateness_ratio": 0.02, "net": "Socket", "transports": ["P2P"],
+        "net_transports": [], "gdr": None, "problems": []}
+    data.update(over)
+    return data
+
+
+def test_result_round_trip(tmp_path: Path) -> None:
+    path = str(tmp_path / "intra.json")
+    results.write_atomic(path, good_result())
+    r = results.read(path)
+    assert r.success and r.world_size == 2 and r.sizes[0].busbw_bytes_per_second == 4.1e8
+    assert r.sizes[1].skipped and r.sizes[1].median_seconds == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["intra.json"]  # no temporary left
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"version": 2}, "version"), ({"scope": "cluster"}, "scope"), ({"success": "yes"}, "success"),
+    ({"success": False, "failure": "gremlins"}, "failure"), ({"time": -1}, "'time'"),
+    ({"sizes": [{"bytes": 0}]}, "bytes"), ({"sizes": {}}, "sizes"),
+    ({"sizes": [{"bytes": 8, "median_seconds": float("nan")}]}, "median_seconds"),
+    ({"gdr": "on"}, "gdr"), ({"transports": "P2P"}, "transports"),
+])
+def test_bad_results_are_named(tmp_path: Path, change: dict[str, Any], message: str) -> None:
+    path = tmp_path / "intra.json"
+    path.write_text(json.dumps(good_result(**change)))
+    with pytest.raises(results.BadResult, match=message):
+        results.read(str(path))
+
+
+@given(hs.binary(max_size=300))
+def test_garbage_only_ever_raises_bad_result(data: bytes) -> None:
+    with contextlib.suppress(results.BadResult, json.JSONDecodeError):
+        results.parse(json.loads(data.decode("utf-8", "replace")))
+
+
+# -- the real runner: two gloo ranks on CPU ---------------------------------------------------
+
+
+def test_two_gloo_ranks_intra_node(tmp_path: Path) -> None:
+    r = probe("run", "--backend", "gloo", "--nprocs", "2", "--sizes", "4KiB,256KiB",
+              "--warmup", "1", "--iterations", "8", "--rounds", "2", "--interval", "0.2",
+              "--state-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    res = results.read(str(tmp_path / "intra.json"))
+    assert res.success and res.scope == "intra" and res.world_size == 2
+    assert [s.bytes for s in res.sizes] == [4096, 262144]
+    for s in res.sizes:
+        assert 0 < s.median_seconds <= s.p99_seconds <= s.max_seconds
+        assert s.algbw_bytes_per_second == pytest.approx(s.bytes / s.median_seconds)
+        assert s.busbw_bytes_per_second == pytest.approx(s.algbw_bytes_per_second)  # n = 2
+    assert res.slowest_rank_lateness_ratio is not None and res.slowest_rank_lateness_ratio >= 0
+    assert res.backend == "gloo" and res.transports == () and res.gdr is None
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["round"] == 1 and status["round_started"] == res.started  # the second round
+
+
+def test_two_gloo_ranks_under_torchrun_cluster_mode(tmp_path: Path) -> None:
+    """Cluster mode: torchrun starts the ranks; the node's local rank 0 writes inter.json."""
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "exporter.probe.cli", "run", "--backend", "gloo", "--sizes", "4KiB",
+         "--warmup", "1", "--iterations", "4", "--rounds", "1", "--state-dir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = results.read(str(tmp_path / "inter.json"))
+    assert res.success and res.scope == "inter" and res.world_size == 2
+    assert not (tmp_path / "intra.json").exists()
+
+
+def test_nccl_without_gpu_says_no_gpu(tmp_path: Path) -> None:
+    r = probe("run", "--backend", "nccl", "--state-dir", str(tmp_path), "--rounds", "1",
+              env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == runner.EXIT_NO_GPU
+    assert "no CUDA device visible" in r.stderr and "Traceback" not in r.stderr
+    res = results.read(str(tmp_path / "intra.json"))
+    assert not res.success and res.failure == "no_gpu"
+
+
+def test_bad_arguments_one_line_exit_2(tmp_path: Path) -> None:
+    r = probe("run", "--state-dir", str(tmp_path), "--sizes", "8KB")
+    assert r.returncode == 2 and "8KB" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- the collector ---------------------------------------------------------------------------
+
+
+class Probe:
+    def __init__(self, sysfs: Path, state: Path, config: dict[str, Any]) -> None:
+        self.c = make_collector(ProbeCollector, sysfs, {"state_dir": str(state), **config})
+
+    def scrape(self) -> Samples:
+        return samples_of(list(self.c.collect()))
+
+    def wait(self, name: str, timeout: float = 60, **labels: str) -> Samples:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.scrape()
+            if value(s, name, **labels):
+                return s
+            assert time.monotonic() < deadline, f"no {name}{labels} within {timeout}s"
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def sysfs(tmp_path: Path) -> Path:
+    return st.build_dgx_h100(tmp_path / "tree")
+
+
+@pytest.fixture
+def collector(request: pytest.FixtureRequest, sysfs: Path, tmp_path: Path) -> Iterator[Probe]:
+    p = Probe(sysfs, tmp_path / "state", request.param)
+    yield p
+    p.c.close()
+
+
+@pytest.mark.parametrize("collector", [GLOO], indirect=True)
+def test_collector_runs_the_real_runner(collector: Probe) -> None:
+    s = collector.wait("gpunet_probe_success", scope="intra")
+    assert value(s, "gpunet_probe_runner_running") == 1
+    assert value(s, "gpunet_probe_world_size", scope="intra") == 2
+    for size in ("4096", "65536"):
+        for stat in ("median", "p99", "max"):
+            assert (value(s, "gpunet_probe_allreduce_seconds", scope="intra", size=size,
+                          stat=stat) or 0) > 0
+        assert (value(s, "gpunet_probe_allreduce_bus_bandwidth_bytes_per_second",
+                      scope="intra", size=size) or 0) > 0
+    assert value(s, "gpunet_probe_info", scope="intra", backend="gloo", nccl_version="") == 1
+    assert {dict(lbl)["reason"] for lbl in series(s, "gpunet_probe_failures_total")} == set(
+        REASONS)
+    assert not series(s, "gpunet_probe_transport_info")  # gloo: no NCCL log
+    first = value(s, "gpunet_probe_last_round_timestamp_seconds", scope="intra")
+    # The runner stays up and keeps going: a later round, same process.
+    pid = collector.c._proc.pid  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 30
+    while value(collector.scrape(), "gpunet_probe_last_round_timestamp_seconds",
+                scope="intra") == first:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert collector.c._proc.pid == pid  # type: ignore[attr-defined]
+
+
+HANG = """import json, os, sys, time
+d = sys.argv[sys.argv.index("--state-dir") + 1]
+os.makedirs(d, exist_ok=True)
+json.dump({"round_started": time.time(), "round": 0}, open(os.path.join(d, "status.json"), "w"))
+child = os.fork()
+time.sleep(1000)
+"""
+
+
+@pytest.mark.parametrize("collector", [{
+    "command": [sys.executable, "-c", HANG], "timeout_seconds": 1}], indirect=True)
+def test_hung_round_is_killed_with_its_process_group(collector: Probe) -> None:
+    s = collector.wait("gpunet_probe_failures_total", scope="intra", reason="timeout")
+    assert value(s, "gpunet_probe_success", scope="intra") is None  # no round ever finished
+    # The whole group went: no process of the stand-in (nor its forked child) is left.
+    time.sleep(0.5)
+    out = subprocess.run(["pgrep", "-f", "time.sleep\\(1000\\)"], capture_output=True, text=True)
+    pids = [p for p in out.stdout.split() if collector.c._proc is None  # type: ignore[attr-defined]
+            or int(p) != collector.c._proc.pid]  # type: ignore[attr-defined]
+    assert not pids, f"left behind: {pids}"
+
+
+@pytest.mark.parametrize("collector", [{
+    "command": [sys.executable, "-c", "import sys; sys.exit(7)"]}], indirect=True)
+def test_crashing_runner_counts_crash_and_is_restarted(collector: Probe) -> None:
+    s = collector.wait("gpunet_probe_failures_total", scope="intra", reason="crash")
+    assert value(s, "gpunet_probe_failures_total", scope="intra", reason="timeout") == 0
+    assert collector.c._restarts >= 1  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("collector", [{"runner": "none"}], indirect=True)
+def test_results_from_files_and_garbage(collector: Probe, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    results.write_atomic(str(state / "intra.json"), good_result())
+    s = collector.wait("gpunet_probe_success", scope="intra")
+    assert value(s, "gpunet_probe_size_skipped", scope="intra", size="67108864") == 1
+    assert value(s, "gpunet_probe_runner_running") is None  # runner: none starts nothing
+    (state / "intra.json").write_text("{not json")
+    s = collector.wait("gpunet_probe_failures_total", scope="intra", reason="bad_result")
+    assert value(s, "gpunet_probe_success", scope="intra") == 1  # last good values stay
+    assert value(s, "gpunet_probe_allreduce_seconds", scope="intra", size="8192",
+                 stat="median") == 2e-5
+    results.write_atomic(str(state / "intra.json"), good_result(
+        success=False, failure="nccl_error", error="NCCL WARN ..."))
+    s = collector.wait("gpunet_probe_failures_total", scope="intra", reason="nccl_error")
+    assert value(s, "gpunet_probe_success", scope="intra") == 0
+    assert value(s, "gpunet_probe_last_success_timestamp_seconds", scope="intra") is not None
+
+
+@pytest.mark.parametrize("collector", [{"runner": "none"}], indirect=True)
+def test_socket_fallback_and_transports(collector: Probe, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    # Inter-node over NET/Socket while this node has ACTIVE RDMA ports: fallback.
+    results.write_atomic(str(state / "inter.json"), good_result(
+        scope="inter", transports=["NET", "P2P"], net_transports=["Socket"], gdr=False,
+        problems=["gdr_disabled", "socket_fallback"]))
+    # Intra-node on P2P only: no fallback.
+    results.write_atomic(str(state / "intra.json"), good_result())
+    s = collector.wait("gpunet_probe_success", scope="inter")
+    assert value(s, "gpunet_probe_socket_fallback", scope="inter") == 1
+    assert value(s, "gpunet_probe_socket_fallback", scope="intra") == 0
+    assert value(s, "gpunet_probe_transport_info", scope="inter", transport="NET",
+                 net="Socket") == 1
+    assert value(s, "gpunet_probe_transport_info", scope="inter", transport="P2P", net="") == 1
+    assert value(s, "gpunet_probe_gdr_active", scope="inter") == 0
+    assert value(s, "gpunet_probe_gdr_active", scope="intra") is None
+    assert value(s, "gpunet_probe_nccl_problem", scope="inter", problem="socket_fallback") == 1
+
+
+def test_socket_fallback_needs_an_active_rdma_port(tmp_path: Path) -> None:
+    empty = tmp_path / "empty-sys"
+    empty.mkdir()
+    state = tmp_path / "state"
+    state.mkdir()
+    results.write_atomic(str(state / "inter.json"), good_result(
+        scope="inter", transports=["NET"], net_transports=["Socket"]))
+    p = Probe(empty, state, {"runner": "none"})
+    try:
+        s = p.wait("gpunet_probe_success", scope="inter")
+        assert value(s, "gpunet_probe_socket_fallback", scope="inter") == 0
+    finally:
+        p.c.close()
+
+
+def test_sizes_not_multiple_of_4_rejected(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yml"
+    cfg.write_text("probe:\n  sizes: [8190]\n")
+    proc = subprocess.run(["gpunet-exporter", f"--config.file={cfg}", "--collector.probe",
+                           f"--web.listen-address=127.0.0.1:{free_port()}"], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    assert "probe.sizes[0]" in proc.stderr and "multiple of 4" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_end_to_end_exporter_with_gloo_probe(run_exporter: Any, sysfs: Path,
+                                             tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yml"
+    cfg.write_text("probe:\n" + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in GLOO.items())
+                   + f"  state_dir: {json.dumps(str(tmp_path / 'state'))}\n")
+    e = run_exporter(f"--path.sysfs={sysfs}", f"--config.file={cfg}", "--collector.probe")
+    deadline = time.monotonic() + 90
+    while True:
+        s = parse(e.metrics())
+        if value(s, "gpunet_probe_success", scope="intra") == 1:
+            break
+        assert time.monotonic() < deadline, "no probe round through the installed exporter"
+        time.sleep(0.5)
+    assert value(s, "gpunet_scrape_collector_success", collector="probe") == 1
+    # Stopping the exporter stops the runner and its ranks.
+    e.stop()
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", f"--state-dir {tmp_path / 'state'}"],
+                          capture_output=True, text=True).stdout.split()
+    assert not left, f"runner processes left after the exporter stopped: {left}"
