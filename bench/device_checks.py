@@ -1,6 +1,7 @@
 """Checks that need real NVIDIA GPUs, run on the device machine (docs/gpu.md has the results).
 
     python3 bench/device_checks.py gpu [--scrapes 300] [--out DIR]
+    python3 bench/device_checks.py probe [--rounds 3] [--out DIR]     (2 GPUs)
 
 gpu: installs this checkout into a temporary directory, starts the exporter with the gpu and
 topology collectors on the machine's real /sys and NVML, puts load on GPU 0 with PyTorch (so
@@ -10,6 +11,11 @@ per-scrape collection in-process (real NVML, per GPU), the background counter ro
 calls that decide what runs per scrape, and, side by side in the same loop, a peer:
 ``nvidia-smi --query-gpu`` run as a subprocess the way nvidia-smi-based exporters do on every
 scrape. Exit status 1 when a check fails.
+
+probe: the exporter with the probe collector (NCCL, intra-node runner, a round every 4 s) three
+ways: default (P2P), NCCL_P2P_DISABLE=1 (SHM) and with NCCL_SHM_DISABLE=1 too (NET/Socket); checks
+the transports, the socket-fallback gauge and the bandwidths, and times every scrape during and
+between rounds; then bench/probe_bench.py under torch.distributed.run for accuracy and cost.
 
 Needs: python3 with nvidia-ml-py, prometheus_client, PyYAML and (for the load) torch, which the
 device image has. On machines with several GPUs keep NCCL_NVLS_ENABLE=0 and friends set; this
@@ -353,6 +359,141 @@ def gpu(args: argparse.Namespace) -> int:
     return 1 if checks.failed else 0
 
 
+PROBE_MODES = (
+    ("p2p", {}),
+    ("shm", {"NCCL_P2P_DISABLE": "1"}),
+    ("socket", {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}),
+)
+
+
+def _in_round(state: Path) -> bool:
+    try:
+        status = json.loads((state / "status.json").read_text())
+        result = json.loads((state / "intra.json").read_text())
+    except (OSError, ValueError):
+        return (state / "status.json").exists()
+    return float(status["round_started"]) > float(result.get("started", 0))
+
+
+def probe_mode(site: Path, tmp: Path, mode: str, env_extra: dict[str, str], rounds: int,
+               checks: Checks) -> dict[str, Any]:
+    """The exporter with the probe collector, NCCL steered by env_extra; scrapes until
+    `rounds` rounds ended, timing every scrape."""
+    state = tmp / f"state-{mode}"
+    cfg = tmp / f"probe-{mode}.yml"
+    cfg.write_text(f"probe:\n  state_dir: {json.dumps(str(state))}\n  interval_seconds: 4\n")
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(site), **env_extra}
+    exp = subprocess.Popen(
+        [sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}",
+         "--collector.disable-defaults", "--collector.probe", "--collector.infiniband",
+         f"--config.file={cfg}"], env=env, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/metrics"
+    during, idle, seen = [], [], []
+    deadline = time.monotonic() + 240
+    s: dict[Any, float] = {}
+    try:
+        while time.monotonic() < deadline:
+            t0 = time.perf_counter()
+            try:
+                s = scrape(url)
+            except OSError:
+                time.sleep(0.2)
+                continue
+            dt = time.perf_counter() - t0
+            (during if _in_round(state) else idle).append(dt)
+            last = pick(s, "gpunet_probe_last_round_timestamp_seconds", scope="intra")
+            if last is not None and last not in seen:
+                seen.append(last)
+                if len(seen) >= rounds:
+                    break
+            time.sleep(0.05)
+    finally:
+        exp.terminate()
+        _, err = exp.communicate(timeout=20)
+    print(f"\n== probe, {mode} ({' '.join(f'{k}={v}' for k, v in env_extra.items()) or 'default'})")
+    transports = sorted((dict(lbl)["transport"], dict(lbl)["net"]) for (n, lbl) in s
+                        if n == "gpunet_probe_transport_info")
+    busbw = {int(dict(lbl)["size"]): v for (n, lbl), v in s.items()
+             if n == "gpunet_probe_allreduce_bus_bandwidth_bytes_per_second"}
+    lat = {int(dict(lbl)["size"]): v for (n, lbl), v in s.items()
+           if n == "gpunet_probe_allreduce_seconds" and dict(lbl)["stat"] == "median"}
+    out = {
+        "success": pick(s, "gpunet_probe_success", scope="intra"),
+        "rounds_seen": len(seen), "transports": transports,
+        "busbw_GBps": {k: v / 1e9 for k, v in sorted(busbw.items())},
+        "median_us": {k: v * 1e6 for k, v in sorted(lat.items())},
+        "socket_fallback": pick(s, "gpunet_probe_socket_fallback", scope="intra"),
+        "gdr_active": pick(s, "gpunet_probe_gdr_active", scope="intra"),
+        "lateness": pick(s, "gpunet_probe_slowest_rank_lateness_ratio", scope="intra"),
+        "round_seconds": pick(s, "gpunet_probe_duration_seconds", scope="intra"),
+        "failures": {dict(lbl)["reason"]: v for (n, lbl), v in s.items()
+                     if n == "gpunet_probe_failures_total" and v},
+        "problems": sorted(dict(lbl)["problem"] for (n, lbl) in s
+                           if n == "gpunet_probe_nccl_problem"),
+        "scrape_ms_median_during_rounds": statistics.median(during) * 1e3 if during else None,
+        "scrape_ms_median_between_rounds": statistics.median(idle) * 1e3 if idle else None,
+        "scrapes_during_rounds": len(during), "scrapes_between_rounds": len(idle),
+        "exporter_log_tail": err.splitlines()[-10:],
+    }
+    print(json.dumps({k: v for k, v in out.items() if k != "exporter_log_tail"}, indent=1))
+    checks.eq(f"{mode}: probe success", out["success"], 1.0)
+    kinds = {t for t, _ in transports}
+    big = busbw.get(max(busbw), 0.0) if busbw else 0.0
+    if mode == "p2p":
+        checks.eq("p2p: transports", transports, [("P2P", "")])
+        checks.eq("p2p: 64 MiB bus bandwidth above 100 GB/s", round(big / 1e9, 1), ">100",
+                  big > 100e9)
+    elif mode == "shm":
+        checks.eq("shm: transports", transports, [("SHM", "")])
+    else:
+        checks.eq("socket: NET/Socket carries the traffic", transports, [("NET", "Socket")],
+                  ("NET", "Socket") in transports and "P2P" not in kinds)
+        checks.eq("socket: socket_fallback gauge", out["socket_fallback"], 1.0)
+    checks.eq(f"{mode}: socket_fallback is 1 only for socket", out["socket_fallback"],
+              1.0 if mode == "socket" else 0.0)
+    out["busbw_64MiB"] = big
+    return out
+
+
+def probe(args: argparse.Namespace) -> int:
+    checks = Checks()
+    out: dict[str, Any] = {"nvidia_smi": sh("nvidia-smi", "-L")}
+    print(out["nvidia_smi"])
+    with tempfile.TemporaryDirectory() as tmp_:
+        tmp = Path(tmp_)
+        site = install(tmp)
+        for mode, env_extra in PROBE_MODES:
+            out[mode] = probe_mode(site, tmp, mode, env_extra, args.rounds, checks)
+        p2p, sock = out["p2p"]["busbw_64MiB"], out["socket"]["busbw_64MiB"]
+        checks.eq("socket bus bandwidth at 64 MiB at least 10x below p2p (ratio)",
+                  round(p2p / sock, 1) if sock else None, ">=10", bool(sock) and p2p / sock >= 10)
+        bench = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             str(args.nprocs), str(REPO / "bench" / "probe_bench.py")],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "PYTHONPATH": str(site)})
+        print("\n== bench/probe_bench.py")
+        print(bench.stdout[-4000:], bench.stderr[-2000:] if bench.returncode else "")
+        try:
+            out["bench"] = json.loads(bench.stdout[bench.stdout.index("{"):])
+            acc = out["bench"]["accuracy_256MiB"]["probe_over_tight"]
+            checks.eq("accuracy: probe busbw within 10% of a tight loop at 256 MiB",
+                      round(acc, 3), "0.9..1.1", 0.9 <= acc <= 1.1)
+            cost = out["bench"]["default_round"]
+            checks.eq("cost: default round under 100 ms of GPU time",
+                      round(cost["gpu_time_ms_max_rank"], 1), "<100",
+                      cost["gpu_time_ms_max_rank"] < 100)
+        except (ValueError, KeyError) as exc:
+            checks.eq("bench/probe_bench.py output", str(exc), "JSON", False)
+    out["checks"] = checks.rows
+    print(f"\n{len(checks.rows) - checks.failed}/{len(checks.rows)} checks passed")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "probe_check.json").write_text(json.dumps(out, indent=1, default=str))
+    return 1 if checks.failed else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -360,8 +501,12 @@ def main() -> int:
     g.add_argument("--scrapes", type=int, default=300)
     g.add_argument("--load-seconds", type=float, default=60)
     g.add_argument("--out", help="directory for gpu_check.json")
+    pr = sub.add_parser("probe", help="the probe three ways (P2P, SHM, Socket), accuracy, cost")
+    pr.add_argument("--rounds", type=int, default=3, help="rounds to watch per mode")
+    pr.add_argument("--nprocs", type=int, default=2, help="GPUs for bench/probe_bench.py")
+    pr.add_argument("--out", help="directory for probe_check.json")
     args = p.parse_args()
-    return gpu(args)
+    return gpu(args) if args.cmd == "gpu" else probe(args)
 
 
 if __name__ == "__main__":

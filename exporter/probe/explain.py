@@ -18,7 +18,14 @@ import sys
 from collections.abc import Iterable
 from typing import Any, TextIO
 
-from exporter.probe.ncclog import MAX_WARNINGS, PROBLEMS, LogParser, RankReport, summarize
+from exporter.probe.ncclog import (
+    MAX_WARNINGS,
+    PROBLEMS,
+    LogParser,
+    RankReport,
+    read_lines,
+    summarize,
+)
 
 PROG = "gpunet-probe explain-log"
 NOT_NCCL = "not an NCCL log (no 'NCCL INFO' or 'NCCL WARN' lines)"
@@ -34,10 +41,10 @@ def _read(path: str) -> tuple[list[RankReport], bool]:
             parser.feed(line)
 
     if path == "-":
-        feed(io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace"))
+        feed(read_lines(io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace")))
     else:
         with open(path, encoding="utf-8", errors="replace") as fh:
-            feed(fh)
+            feed(read_lines(fh))
     return (parser.finish(), True) if parser.nccl_lines else ([], False)
 
 
@@ -78,7 +85,7 @@ def describe(report: RankReport) -> list[str]:
              f"  transports: {', '.join(kinds) or 'none seen'}",
              f"  GDR: {gdr}",
              f"  HCAs: {', '.join(r.hcas) or 'none'}",
-             f"  environment: {env or 'no NCCL settings'}"]
+             f"  environment: {env or 'none'}"]
     if r.problems:
         lines.append("  problems:")
         lines += [f"    {problem_line(code, r)}" for code in _by_severity(r.problems)]

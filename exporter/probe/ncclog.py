@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, TextIO
 
 MAX_WARNINGS = 20
 # NCCL formats a log line into a 1024-byte buffer (src/debug.cc); anything much longer is not one
@@ -152,6 +152,9 @@ class _Rank:
             if _COMPLETION.search(msg):
                 self.completion_error = True
             return
+        if "Got completion from peer" in msg and _COMPLETION.search(msg):
+            self.completion_error = True
+            return
         if msg.startswith(("Channel ", "Ring ")):
             m = _CHANNEL.match(msg)
             if m:
@@ -187,9 +190,6 @@ class _Rank:
         if m:
             value = m.group(2).strip()
             r.env[m.group(1)] = value[:-1] if value.endswith(".") else value
-            return
-        if "Got completion from peer" in msg and _COMPLETION.search(msg):
-            self.completion_error = True
             return
         if "rank " in msg:
             m = _RANK.search(msg)
@@ -335,10 +335,23 @@ def parse_lines(lines: Iterable[str]) -> list[RankReport]:
     return parser.finish()
 
 
+def read_lines(fh: TextIO) -> Iterator[str]:
+    """The lines of a text file, each cut to MAX_LINE characters, so that a file without
+    newlines (a binary, a core dump) is read in constant memory."""
+    rest_of_long_line = False
+    while True:
+        piece = fh.readline(MAX_LINE)
+        if not piece:
+            return
+        if not rest_of_long_line:
+            yield piece
+        rest_of_long_line = not piece.endswith("\n")
+
+
 def parse_file(path: str | os.PathLike[str]) -> list[RankReport]:
     """Parse one log file (UTF-8, undecodable bytes replaced); raises OSError."""
     with open(path, encoding="utf-8", errors="replace") as fh:
-        return parse_lines(fh)
+        return parse_lines(read_lines(fh))
 
 
 def looks_like_nccl_log(lines: Iterable[str]) -> bool:

@@ -35,14 +35,13 @@ import tempfile
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from exporter.probe import results
 
 EXIT_ROUND_FAILED = 4
 EXIT_NO_GPU = 3
-_SET_FIELDS = ("transports", "net_transports")  # RankReport fields that are sets
 
 
 @dataclass(frozen=True)
@@ -441,11 +440,8 @@ class _Probe:
             if name.endswith(f".{os.getpid()}.log"):
                 with contextlib.suppress(OSError):
                     mine += ncclog.parse_file(os.path.join(logdir, name))
-        rows = [{k: sorted(v) if isinstance(v, set) else v for k, v in asdict(r).items()}
-                for r in mine]
-        reports = [ncclog.RankReport(**{k: set(v) if k in _SET_FIELDS else v
-                                        for k, v in row.items()})
-                   for per_rank in self._gather_json(rows) for row in per_rank]
+        gathered = self._gather_json([r.to_dict() for r in mine])
+        reports = [ncclog.RankReport.from_dict(row) for per_rank in gathered for row in per_rank]
         s = ncclog.summarize(reports)
         return {"net": s.get("net", ""), "transports": sorted(s.get("transports", [])),
                 "net_transports": sorted(s.get("net_transports", [])), "gdr": s.get("gdr"),
