@@ -321,6 +321,8 @@ class ProbeCollector(Collector):
                 st.last = res
                 if res.success:
                     st.good = res
+                    if scope == "intra":
+                        self._restarts = 0  # the backoff starts over after a good round
                     if res.skipped_busy:
                         st.failures["skipped_busy"] += 1
                 else:
