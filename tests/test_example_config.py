@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collectors.gpu import GpuCollector
 from collectors.pfc import PfcCollector
+from collectors.probe import ProbeCollector
 from exporter.cli import config_schema
 from exporter.config import Field, load_file, validate
 from exporter.registry import discover
@@ -14,7 +15,7 @@ from conftest import REPO
 def test_example_config_loads() -> None:
     cfg = load_file(str(REPO / "examples" / "gpunet.yml"), config_schema(discover()))
     assert cfg["collectors"] == {"infiniband": True, "link": True, "pfc": True, "gpu": True,
-                                 "topology": True}
+                                 "topology": True, "probe": False}
     assert cfg["infiniband"]["device_include"].search("mlx5_3")
     assert [r["gbps"] for r in cfg["infiniband"]["expected_rate"]] == [400, 400]
     assert cfg["link"]["expected_mtu"][0] == {"link_layer": "Ethernet", "mtu": 9000,
@@ -26,3 +27,6 @@ def test_example_config_loads() -> None:
     gpu_defaults = validate({}, Field("map", fields=dict(GpuCollector.config_fields)), "gpu")
     assert cfg["gpu"] == gpu_defaults
     assert gpu_defaults["counters_interval_seconds"] == 15
+    probe_defaults = validate({}, Field("map", fields=dict(ProbeCollector.config_fields)),
+                              "probe")
+    assert cfg["probe"] == probe_defaults
