@@ -217,13 +217,13 @@ class ProbeCollector(Collector):
             self._on_exit(rc)
             self._restarts += 1
             return now + min(RESTART_BACKOFF_MAX, 2.0 ** min(self._restarts, 6))
-        started = self._round_started()
-        deadline = float(self.ctx.config["timeout_seconds"])
-        since = started if started is not None else self._proc_started_wall
-        if time.time() - since > deadline:
-            what = "round" if started is not None else "start"
+        timeout = float(self.ctx.config["timeout_seconds"])
+        state, since = self._round_state()
+        if state == "between":  # the next round is due one interval after this one started
+            timeout += float(self.ctx.config["interval_seconds"])
+        if time.time() - since > timeout:
             self._count("intra", "timeout")
-            self._kill(f"probe {what} exceeded {deadline:g}s")
+            self._kill(f"probe {state} exceeded {timeout:g}s")
             return now + min(RESTART_BACKOFF_MAX, 2.0 ** min(self._restarts, 6))
         return next_start
 
@@ -250,20 +250,21 @@ class ProbeCollector(Collector):
         self._proc_started_wall = time.time()
         self.ctx.logger.info("probe runner started: %s", " ".join(self.command()))
 
-    def _round_started(self) -> float | None:
-        """Start time of the round in progress; None when no round is in progress."""
+    def _round_state(self) -> tuple[str, float]:
+        """("start", when the runner started) before its first round; ("round", when it
+        started) while a round runs; ("between", when the last round started) between rounds."""
         try:
             with open(os.path.join(self.state_dir, results.STATUS), encoding="utf-8") as fh:
                 status = json.load(fh)
             started = float(status["round_started"])
         except (OSError, ValueError, KeyError, TypeError):
-            return None
-        if started < self._proc_started_wall:
-            return None  # a previous runner's status
+            started = 0.0
+        if started < self._proc_started_wall:  # none yet, or a previous runner's
+            return "start", self._proc_started_wall
         last = self._scopes["intra"].last
         if last is not None and last.started >= started:
-            return None  # that round has finished: between rounds
-        return started
+            return "between", started
+        return "round", started
 
     def _on_exit(self, rc: int) -> None:
         last = self._scopes["intra"].last

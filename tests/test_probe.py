@@ -259,6 +259,33 @@ def test_hung_round_is_killed_with_its_process_group(collector: Probe) -> None:
     assert not pids, f"left behind: {pids}"
 
 
+IDLE = """import json, os, sys, time
+d = sys.argv[sys.argv.index("--state-dir") + 1]
+os.makedirs(d, exist_ok=True)
+now = time.time()
+json.dump({"round_started": now, "round": 0}, open(os.path.join(d, "status.json"), "w"))
+json.dump({"version": 1, "scope": "intra", "started": now, "time": now + 0.01,
+           "success": True, "backend": "gloo", "world_size": 2, "sizes": []},
+          open(os.path.join(d, "intra.json"), "w"))
+time.sleep(1000)
+"""
+
+
+@pytest.mark.parametrize("collector", [{
+    "command": [sys.executable, "-c", IDLE], "timeout_seconds": 1, "interval_seconds": 3}],
+    indirect=True)
+def test_runner_between_rounds_is_not_a_hang(collector: Probe) -> None:
+    """A runner that finished its round and waits for the next one is left alone until the
+    next round is overdue (interval + timeout after the last one started)."""
+    collector.wait("gpunet_probe_success", scope="intra")
+    time.sleep(2.0)  # past the timeout, within interval + timeout
+    s = collector.scrape()
+    assert value(s, "gpunet_probe_failures_total", scope="intra", reason="timeout") == 0
+    assert value(s, "gpunet_probe_runner_running") == 1
+    s = collector.wait("gpunet_probe_failures_total", scope="intra", reason="timeout")
+    assert value(s, "gpunet_probe_success", scope="intra") == 1  # the last round stands
+
+
 @pytest.mark.parametrize("collector", [{
     "command": [sys.executable, "-c", "import sys; sys.exit(7)"]}], indirect=True)
 def test_crashing_runner_counts_crash_and_is_restarted(collector: Probe) -> None:
