@@ -242,7 +242,7 @@ def worker(args: argparse.Namespace, cluster: Cluster | None = None) -> int:
     writer = cluster.local_rank == 0  # rank 0 of the node writes the node's result
     logdir = os.environ.get("GPUNET_PROBE_LOG_DIR") or tempfile.mkdtemp(prefix="gpunet-probe-")
     if args.backend == "nccl":
-        os.environ.setdefault("NCCL_DEBUG", "INFO")
+        os.environ["NCCL_DEBUG"] = "INFO"  # into the private directory, whatever the exporter has
         os.environ["NCCL_DEBUG_FILE"] = os.path.join(logdir, "nccl.%h.%p.log")
     warnings.filterwarnings("ignore", message=".*NumPy.*")
     started = time.time()
