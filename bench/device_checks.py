@@ -307,6 +307,16 @@ def time_calls(n: int) -> dict[str, Any]:
     return res
 
 
+def finish(out: dict[str, Any], checks: Checks, directory: str | None, name: str) -> int:
+    """Print the tally, write everything to directory/name; exit status 1 if a check failed."""
+    out["checks"] = checks.rows
+    print(f"\n{len(checks.rows) - checks.failed}/{len(checks.rows)} checks passed")
+    if directory:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / name).write_text(json.dumps(out, indent=1, default=str))
+    return 1 if checks.failed else 0
+
+
 def gpu(args: argparse.Namespace) -> int:
     checks = Checks()
     out: dict[str, Any] = {"nvidia_smi": sh("nvidia-smi", "-L")}
@@ -351,12 +361,7 @@ def gpu(args: argparse.Namespace) -> int:
             load.terminate()
             load.wait(timeout=30)
     out["timing"] = time_calls(args.scrapes)
-    out["checks"] = checks.rows
-    print(f"\n{len(checks.rows) - checks.failed}/{len(checks.rows)} checks passed")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gpu_check.json").write_text(json.dumps(out, indent=1, default=str))
-    return 1 if checks.failed else 0
+    return finish(out, checks, args.out, "gpu_check.json")
 
 
 PROBE_MODES = (
@@ -486,12 +491,7 @@ def probe(args: argparse.Namespace) -> int:
                       cost["gpu_time_ms_max_rank"] < 100)
         except (ValueError, KeyError) as exc:
             checks.eq("bench/probe_bench.py output", str(exc), "JSON", False)
-    out["checks"] = checks.rows
-    print(f"\n{len(checks.rows) - checks.failed}/{len(checks.rows)} checks passed")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "probe_check.json").write_text(json.dumps(out, indent=1, default=str))
-    return 1 if checks.failed else 0
+    return finish(out, checks, args.out, "probe_check.json")
 
 
 def main() -> int:
