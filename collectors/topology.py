@@ -129,8 +129,9 @@ NCCL_ENV_FINDINGS = MetricSpec(
     ("variable", "issue"), "processes", "/proc/<pid>/environ of NVML's compute processes")
 NCCL_ENV_PROCESSES = MetricSpec(
     "gpunet_topology_nccl_env_processes", "gauge",
-    "GPU compute processes whose environment was inspected or could not be read (needs root or "
-    "CAP_SYS_PTRACE, and the host PID namespace)", ("result",), "processes",
+    "GPU compute processes whose environment was inspected or could not be read (other users' "
+    "processes need root or CAP_SYS_PTRACE with CAP_DAC_READ_SEARCH, and the host PID "
+    "namespace)", ("result",), "processes",
     "NVML compute processes, /proc/<pid>/environ")
 
 

@@ -11,6 +11,7 @@ command -v prometheus-node-exporter >/dev/null || need_apt+=(prometheus-node-exp
 command -v prometheus-alertmanager >/dev/null || need_apt+=(prometheus-alertmanager)
 command -v ip >/dev/null || need_apt+=(iproute2)          # network namespaces (pfc tests)
 command -v ethtool >/dev/null || need_apt+=(ethtool)      # ioctl results checked against it
+command -v systemd-analyze >/dev/null || need_apt+=(systemd)  # verify/security of the unit
 python3 -c 'import ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
