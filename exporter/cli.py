@@ -22,8 +22,10 @@ from exporter.collector import Collector, CollectorContext, LogOnce, collector_l
 from exporter.config import ConfigError, Field, load_file, validate
 from exporter.http import make_app, parse_listen_address, serve
 from exporter.logs import LEVELS, setup
+from exporter.privileges import root_warning
 from exporter.registry import Scraper, discover
 from exporter.sysfs import Root
+from exporter.webconfig import WebConfig, load_web_config, wrap
 
 PROG = "gpunet-exporter"
 log = logging.getLogger("gpunet.exporter")
@@ -62,6 +64,9 @@ def build_parser(classes: dict[str, type[Collector]]) -> argparse.ArgumentParser
                    metavar="ADDR", help=f"address to listen on (default :{DEFAULT_PORT})")
     p.add_argument("--web.telemetry-path", dest="telemetry_path", default="/metrics",
                    metavar="PATH", help="path under which to expose metrics (default /metrics)")
+    p.add_argument("--web.config.file", dest="web_config_file", metavar="FILE",
+                   help="configuration file for TLS and basic authentication, in the "
+                        "Prometheus exporter-toolkit format (docs/security.md)")
     p.add_argument("--path.sysfs", dest="sysfs", default="/sys", metavar="DIR",
                    help="sysfs mount point (default /sys)")
     p.add_argument("--path.procfs", dest="procfs", default="/proc", metavar="DIR",
@@ -149,6 +154,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             config = load_file(args.config_file, config_schema(classes))
         except ConfigError as exc:
             _fail(str(exc))
+    web = WebConfig()
+    if args.web_config_file:
+        try:
+            web = load_web_config(args.web_config_file)
+        except ConfigError as exc:
+            _fail(str(exc))
     enabled, sections = resolve(args, classes, config, parser)
 
     sysfs, procfs = Root(args.sysfs), Root(args.procfs)
@@ -165,14 +176,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     scraper = Scraper(collectors, args.scrape_timeout)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(scraper)
-    app = make_app(scraper, registry, args.telemetry_path)
+    app = wrap(make_app(scraper, registry, args.telemetry_path), web)
     try:
-        httpd, _ = serve(app, host, port)
+        httpd, _ = serve(app, host, port, web.ssl_context)
     except OSError as exc:
         _fail(f"cannot listen on {args.listen_address}: {exc.strerror or exc}", code=1)
 
-    log.info("gpunet-exporter %s listening on %s%s, collectors: %s", __version__,
-             args.listen_address, args.telemetry_path, ", ".join(collectors) or "none")
+    log.info("gpunet-exporter %s listening on %s%s (%s), collectors: %s", __version__,
+             args.listen_address, args.telemetry_path, web.describe(),
+             ", ".join(collectors) or "none")
+    warning = root_warning(collectors, sections)  # once started: a failed start says one line
+    if warning:
+        log.warning("%s", warning)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

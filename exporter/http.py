@@ -1,5 +1,6 @@
 """HTTP serving: /metrics through prometheus_client (gzip and OpenMetrics negotiation), a landing
-page at / listing the collectors and their last status, and /-/healthy."""
+page at / listing the collectors and their last status, and /-/healthy; over TLS when
+``--web.config.file`` asks for it (exporter/webconfig.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import contextlib
 import functools
 import gzip
 import html
+import logging
 import re
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -25,6 +28,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from exporter import __version__
 from exporter.registry import Scraper
 
+log = logging.getLogger("gpunet.exporter.http")
 _LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 StartResponse = Callable[..., Any]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
@@ -128,8 +132,42 @@ def make_app(scraper: Scraper, registry: CollectorRegistry, telemetry_path: str)
     return app
 
 
+HANDSHAKE_TIMEOUT = 10.0  # seconds a client has to complete the TLS handshake
+_NOT_TLS = (b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n"
+            b"Client sent an HTTP request to an HTTPS server.\n")
+
+
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
+    ssl_context: ssl.SSLContext | None = None
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        """Runs in the connection's own thread; with TLS, the handshake happens here rather than
+        in accept(), so a slow, silent or plain-HTTP client holds only its own thread."""
+        if self.ssl_context is None:
+            super().finish_request(request, client_address)
+            return
+        try:
+            request.settimeout(HANDSHAKE_TIMEOUT)
+            first = request.recv(1, socket.MSG_PEEK)
+            if first and first != b"\x16":  # not a TLS handshake record: plain HTTP, or noise
+                if first.isalpha():
+                    request.sendall(_NOT_TLS)
+                    request.shutdown(socket.SHUT_WR)
+                    request.settimeout(1)
+                    for _ in range(16):  # read what it sent, so that close() sends no RST
+                        if not request.recv(4096):  # that could discard the answer
+                            break
+                log.debug("non-TLS connection from %s refused", client_address[0])
+                return
+            tls = self.ssl_context.wrap_socket(request, server_side=True)
+        except (OSError, ValueError) as exc:  # handshake failed, timed out, or client left
+            log.debug("TLS handshake with %s failed: %s", client_address[0], exc)
+            return
+        try:
+            super().finish_request(tls, client_address)
+        finally:
+            self.shutdown_request(tls)
 
 
 class _Server6(_Server):
@@ -159,6 +197,12 @@ class _QuietHandler(WSGIRequestHandler):
         # body back until the client's delayed ACK of the headers (40 ms) on a kept-alive socket.
         with contextlib.suppress(OSError):
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def get_environ(self) -> dict[str, Any]:
+        env: dict[str, Any] = super().get_environ()
+        if isinstance(self.connection, ssl.SSLSocket):
+            env["HTTPS"] = "on"  # wsgi.url_scheme https
+        return env
 
     def handle(self) -> None:
         self.close_connection = True
@@ -203,8 +247,10 @@ def parse_listen_address(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def serve(app: WSGIApp, host: str, port: int) -> tuple[WSGIServer, threading.Thread]:
-    """Bind and start serving in a thread. Raises OSError when the address cannot be bound."""
+def serve(app: WSGIApp, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+          ) -> tuple[WSGIServer, threading.Thread]:
+    """Bind and start serving in a thread, over TLS with ``ssl_context``. Raises OSError when the
+    address cannot be bound."""
     if host in ("", "::") or ":" in host:
         cls: type[_Server] = _Server6
         host = host or "::"
@@ -220,6 +266,7 @@ def serve(app: WSGIApp, host: str, port: int) -> tuple[WSGIServer, threading.Thr
                                 handler_class=_QuietHandler)
         else:
             raise
+    httpd.ssl_context = ssl_context
     thread = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
     thread.start()
     return httpd, thread

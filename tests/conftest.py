@@ -87,9 +87,16 @@ def exporter_binary() -> str:
 
 
 class Exporter:
-    def __init__(self, args: list[str], env: Mapping[str, str] | None = None) -> None:
+    """The installed exporter on a free port. ``scheme``, ``verify``, ``auth`` and ``cert`` are
+    what requests needs to reach it when --web.config.file asks for TLS or basic auth."""
+
+    def __init__(self, args: list[str], env: Mapping[str, str] | None = None,
+                 scheme: str = "http", verify: str | bool = True,
+                 auth: tuple[str, str] | None = None,
+                 cert: str | tuple[str, str] | None = None) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.requests_kw: dict[str, Any] = {"verify": verify, "auth": auth, "cert": cert}
         self.proc = subprocess.Popen(
             [exporter_binary(), f"--web.listen-address=127.0.0.1:{self.port}", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -100,7 +107,8 @@ class Exporter:
                 raise AssertionError(f"exporter exited {self.proc.returncode}: "
                                      f"{self.proc.stderr.read() if self.proc.stderr else ''}")
             try:
-                if requests.get(f"{self.url}/-/healthy", timeout=1).status_code == 200:
+                if requests.get(f"{self.url}/-/healthy", timeout=1,
+                                **self.requests_kw).status_code == 200:
                     break
             except requests.ConnectionError:
                 pass
@@ -109,7 +117,7 @@ class Exporter:
             time.sleep(0.05)
 
     def metrics(self, **kw: Any) -> str:
-        r = requests.get(f"{self.url}/metrics", **{"timeout": 30, **kw})
+        r = requests.get(f"{self.url}/metrics", **{"timeout": 30, **self.requests_kw, **kw})
         r.raise_for_status()
         return r.text
 
@@ -127,8 +135,8 @@ class Exporter:
 def run_exporter() -> Iterator[Any]:
     started: list[Exporter] = []
 
-    def start(*args: str, env: Mapping[str, str] | None = None) -> Exporter:
-        e = Exporter(list(args), env)
+    def start(*args: str, env: Mapping[str, str] | None = None, **kw: Any) -> Exporter:
+        e = Exporter(list(args), env, **kw)
         started.append(e)
         return e
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -151,3 +153,13 @@ def test_sigterm_exits_cleanly(run_exporter) -> None:  # type: ignore[no-untyped
     assert e.proc.returncode == 0
     assert '"msg": "received SIGTERM, shutting down"' in err
     assert free_port()  # nothing to assert about the port beyond a clean exit
+
+
+def test_root_warning_once_started(run_exporter: Any) -> None:
+    """As root, a started exporter says once that it need not be (tests/run.sh runs as root)."""
+    e = run_exporter(f"--path.sysfs={SYSFS}")
+    err = e.stop()
+    warned = [ln for ln in err.splitlines() if "running as root" in ln]
+    assert len(warned) == (1 if os.geteuid() == 0 else 0), err
+    if warned:
+        assert "CAP_SYS_ADMIN" in warned[0] and "level=warn" in warned[0]

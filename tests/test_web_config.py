@@ -1,0 +1,298 @@
+"""--web.config.file: TLS, mutual TLS and basic auth, end to end with real TLS clients, and the
+one-line start-up errors of a bad file."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import socket
+import ssl
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import bcrypt
+import pytest
+import requests
+
+from exporter.webconfig import BasicAuth, WebConfig, wrap
+
+from conftest import UPSTREAM, exporter_binary, free_port
+
+SYSFS = f"--path.sysfs={UPSTREAM / 'node_exporter-sysfs-infiniband' / 'tree' / 'sys'}"
+PASSWORD = "s3cret pass"
+HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _ca(d: Path, name: str) -> None:
+    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+            "-nodes", "-days", "2", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
+            "-out", f"{name}.crt", "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
+
+
+def _leaf(d: Path, name: str, ca: str, ext: str) -> None:
+    (d / f"{name}.ext").write_text(ext + "\n")
+    openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
+    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
+            "-CAcreateserial", "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.crt",
+            cwd=d)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA with a server and a client certificate, and a rogue CA with its own client."""
+    d = tmp_path_factory.mktemp("pki")
+    _ca(d, "ca")
+    _ca(d, "rogue-ca")
+    _leaf(d, "server", "ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                             "extendedKeyUsage=serverAuth")
+    _leaf(d, "client", "ca", "extendedKeyUsage=clientAuth")
+    _leaf(d, "rogue", "rogue-ca", "extendedKeyUsage=clientAuth")
+    return d
+
+
+def web_config(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "web.yml"
+    p.write_text(text)
+    return str(p)
+
+
+def tls_section(pki: Path, extra: str = "") -> str:
+    return (f"tls_server_config:\n  cert_file: {pki / 'server.crt'}\n"
+            f"  key_file: {pki / 'server.key'}\n{extra}")
+
+
+def client_context(pki: Path, cert: str | None = None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+    if cert:
+        ctx.load_cert_chain(str(pki / f"{cert}.crt"), str(pki / f"{cert}.key"))
+    return ctx
+
+
+def test_tls_and_basic_auth(tmp_path: Path, pki: Path, run_exporter: Any) -> None:
+    cfg = web_config(tmp_path, tls_section(pki) + f"basic_auth_users:\n  alice: '{HASH}'\n"
+                     "http_server_config:\n  headers:\n    X-Content-Type-Options: nosniff\n")
+    ca = str(pki / "ca.crt")
+    e = run_exporter(SYSFS, f"--web.config.file={cfg}", scheme="https", verify=ca,
+                     auth=("alice", PASSWORD))
+    assert "gpunet_scrape_collector_success" in e.metrics()
+    for path in ("/metrics", "/", "/-/healthy", "/nope"):  # every path is protected
+        for auth in (None, ("alice", "wrong"), ("bob", PASSWORD), ("alice", PASSWORD + "x")):
+            r = requests.get(f"{e.url}{path}", verify=ca, auth=auth, timeout=10)
+            assert r.status_code == 401, (path, auth)
+            assert r.headers["WWW-Authenticate"] == "Basic"
+            assert r.headers["X-Content-Type-Options"] == "nosniff"
+        r = requests.get(f"{e.url}{path}", verify=ca, auth=("alice", PASSWORD), timeout=10)
+        assert r.status_code == (404 if path == "/nope" else 200)
+        assert r.headers["X-Content-Type-Options"] == "nosniff"
+    # Keep-alive over TLS, as Prometheus scrapes: one connection for several requests.
+    conn = http.client.HTTPSConnection("127.0.0.1", e.port, timeout=10,
+                                       context=client_context(pki))
+    token = base64.b64encode(f"alice:{PASSWORD}".encode()).decode()
+    conn.connect()
+    sock = conn.sock
+    for _ in range(3):
+        conn.request("GET", "/metrics", headers={"Authorization": f"Basic {token}"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.version == 11 and resp.read()
+        assert conn.sock is sock
+    conn.close()
+    assert "Traceback" not in e.stop()
+
+
+def test_mutual_tls(tmp_path: Path, pki: Path, run_exporter: Any) -> None:
+    cfg = web_config(tmp_path, tls_section(pki, "  client_auth_type: RequireAndVerifyClientCert\n"
+                                                f"  client_ca_file: {pki / 'ca.crt'}\n"
+                                                "  min_version: TLS13\n"))
+    ca, good = str(pki / "ca.crt"), (str(pki / "client.crt"), str(pki / "client.key"))
+    e = run_exporter(SYSFS, f"--web.config.file={cfg}", scheme="https", verify=ca, cert=good)
+    assert "gpunet_scrape_collector_success" in e.metrics()
+    rogue = (str(pki / "rogue.crt"), str(pki / "rogue.key"))
+    for cert in (None, rogue):
+        with pytest.raises(requests.exceptions.ConnectionError):  # SSLError is one
+            requests.get(f"{e.url}/metrics", verify=ca, cert=cert, timeout=10)
+    # The same with a bare ssl socket: the server's alert arrives at the first read (TLS 1.3).
+    for cert_name in (None, "rogue"):
+        ctx = client_context(pki, cert_name)
+        with socket.create_connection(("127.0.0.1", e.port), timeout=10) as raw, \
+                pytest.raises((ssl.SSLError, ConnectionError)), \
+                ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+            s.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n")
+            if not s.recv(1024):
+                raise ConnectionError("closed without an answer")
+    # A TLS 1.2 client is below min_version.
+    ctx12 = client_context(pki, "client")
+    ctx12.maximum_version = ssl.TLSVersion.TLSv1_2
+    with socket.create_connection(("127.0.0.1", e.port), timeout=10) as raw, \
+            pytest.raises(ssl.SSLError):
+        ctx12.wrap_socket(raw, server_hostname="127.0.0.1")
+    assert "gpunet_scrape_collector_success" in e.metrics()  # still serving
+    assert "Traceback" not in e.stop()
+
+
+def test_plain_http_and_silent_clients_do_not_hurt(tmp_path: Path, pki: Path,
+                                                   run_exporter: Any) -> None:
+    cfg = web_config(tmp_path, tls_section(pki))
+    ca = str(pki / "ca.crt")
+    e = run_exporter(SYSFS, f"--web.config.file={cfg}", scheme="https", verify=ca)
+    plain = f"http://127.0.0.1:{e.port}/metrics"
+    t0 = time.monotonic()
+    r = requests.get(plain, timeout=10)
+    assert r.status_code == 400 and "HTTPS" in r.text
+    assert time.monotonic() - t0 < 5
+    # Silent clients (connected, never speaking) and garbage hold only their own threads.
+    silent = [socket.create_connection(("127.0.0.1", e.port), timeout=10) for _ in range(5)]
+    with socket.create_connection(("127.0.0.1", e.port), timeout=10) as junk:
+        junk.sendall(b"\x00\x01\x02 not tls")
+        assert junk.recv(100) == b""  # closed, no answer
+    t0 = time.monotonic()
+    for _ in range(3):
+        assert requests.get(f"{e.url}/-/healthy", verify=ca, timeout=5).status_code == 200
+        with pytest.raises(requests.exceptions.SSLError):  # a client that does not trust us
+            requests.get(f"{e.url}/-/healthy", verify=str(pki / "rogue-ca.crt"), timeout=5)
+    assert time.monotonic() - t0 < 5
+    for s in silent:
+        s.close()
+    assert "gpunet_scrape_collector_success" in e.metrics()
+    assert "Traceback" not in e.stop()
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    listen = f"--web.listen-address=127.0.0.1:{free_port()}"
+    return subprocess.run([exporter_binary(), SYSFS, listen, *args], capture_output=True,
+                          text=True, timeout=30, stdin=subprocess.DEVNULL)
+
+
+def test_config_errors(tmp_path: Path, pki: Path) -> None:
+    (tmp_path / "garbage.pem").write_text("not a certificate\n")
+    cases: list[tuple[str, list[str]]] = [
+        ("tls_server_config: [\n", ["invalid YAML at line 2"]),
+        ("tls_server_config:\n  cert_fil: x\n",
+         ["key 'tls_server_config.cert_fil': unknown key", "cert_file"]),
+        ("basic_auth: {}\n", ["key 'basic_auth': unknown key"]),
+        ("tls_server_config:\n  cert_file: nope.crt\n  key_file: nope.key\n",
+         ["key 'tls_server_config.cert_file': cannot read", "nope.crt", "No such file"]),
+        ("tls_server_config:\n  key_file: x\n",
+         ["key 'tls_server_config.cert_file': missing, it is required"]),
+        (f"tls_server_config:\n  cert_file: garbage.pem\n  key_file: {pki / 'server.key'}\n",
+         ["key 'tls_server_config.cert_file'", "no valid PEM certificate"]),
+        (f"tls_server_config:\n  cert_file: {pki / 'server.crt'}\n  key_file: garbage.pem\n",
+         ["key 'tls_server_config.key_file'", "no valid PEM private key"]),
+        (f"tls_server_config:\n  cert_file: {pki / 'server.crt'}\n"
+         f"  key_file: {pki / 'client.key'}\n",
+         ["key 'tls_server_config.key_file'", "does not match the certificate"]),
+        ("basic_auth_users:\n  alice: secret\n",
+         ["key 'basic_auth_users.alice': not a bcrypt hash"]),
+        ("basic_auth_users:\n  alice: '$2y$10$short'\n",
+         ["key 'basic_auth_users.alice': not a bcrypt hash"]),
+        ("basic_auth_users:\n  123: x\n", ["key 'basic_auth_users.123'", "must be a string"]),
+        (tls_section(pki, "  client_auth_type: RequireClientCert\n"),
+         ["key 'tls_server_config.client_auth_type': expected one of NoClientCert"]),
+        (tls_section(pki, "  client_auth_type: RequireAnyClientCert\n"),
+         ["key 'tls_server_config.client_auth_type'", "RequireAnyClientCert is not supported"]),
+        (tls_section(pki, "  client_auth_type: RequireAndVerifyClientCert\n"),
+         ["key 'tls_server_config.client_auth_type'", "needs client_ca_file"]),
+        (tls_section(pki, f"  client_ca_file: {pki / 'ca.crt'}\n"),
+         ["key 'tls_server_config.client_ca_file'", "does not verify"]),
+        (tls_section(pki, "  min_version: TLS11\n"),
+         ["key 'tls_server_config.min_version'", "TLS11 is not supported"]),
+        (tls_section(pki, "  min_version: TLS13\n  max_version: TLS12\n"),
+         ["key 'tls_server_config.min_version'", "above max_version"]),
+        (tls_section(pki, "  cipher_suites: [TLS_AES_128_GCM_SHA256]\n"),
+         ["key 'tls_server_config.cipher_suites': not supported"]),
+        (tls_section(pki, "  client_allowed_sans: [a]\n"),
+         ["key 'tls_server_config.client_allowed_sans': not supported"]),
+        ("rate_limit:\n  burst: 20\n", ["key 'rate_limit': not supported"]),
+        ("http_server_config:\n  http2: true\n", ["key 'http_server_config.http2': not sup"]),
+        ("http_server_config:\n  headers:\n    X-Frame-Options: always\n",
+         ["key 'http_server_config.headers.X-Frame-Options': expected one of deny"]),
+        ("- a list\n", ["top level: expected a mapping"]),
+    ]
+    for text, needles in cases:
+        path = web_config(tmp_path, text)
+        res = run(f"--web.config.file={path}")
+        assert res.returncode == 2, (text, res.stderr)
+        assert "Traceback" not in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+        for n in (f"web config file {path!r}", *needles):
+            assert n in res.stderr, (text, res.stderr)
+    res = run(f"--web.config.file={tmp_path / 'absent.yml'}")
+    assert res.returncode == 2 and "absent.yml" in res.stderr and "cannot read" in res.stderr
+
+
+def test_relative_paths_and_empty_file(tmp_path: Path, pki: Path, run_exporter: Any) -> None:
+    for name in ("server.crt", "server.key"):
+        (tmp_path / name).write_bytes((pki / name).read_bytes())
+    cfg = web_config(tmp_path, "tls_server_config:\n  cert_file: server.crt\n"
+                               "  key_file: server.key\n")  # relative to the file, as upstream
+    e = run_exporter(SYSFS, f"--web.config.file={cfg}", scheme="https", verify=str(pki / "ca.crt"))
+    assert "gpunet_scrape_collector_success" in e.metrics()
+    empty = tmp_path / "empty.yml"
+    empty.write_text("# nothing configured\nbasic_auth_users:\n")
+    e2 = run_exporter(SYSFS, f"--web.config.file={empty}")  # plain HTTP, no auth
+    assert "gpunet_scrape_collector_success" in e2.metrics()
+
+
+def test_basic_auth_unit() -> None:
+    y_hash = HASH.replace("$2b$", "$2y$", 1)  # what htpasswd -B writes
+    auth = BasicAuth({"alice": HASH, "carol": y_hash})
+
+    def header(user: str, password: str | bytes) -> str:
+        raw = password if isinstance(password, bytes) else password.encode()
+        return "Basic " + base64.b64encode(user.encode() + b":" + raw).decode()
+
+    assert auth.check(header("alice", PASSWORD)) and auth.check(header("carol", PASSWORD))
+    assert auth.check("basic  " + header("alice", PASSWORD)[6:])  # scheme is case-insensitive
+    assert len(auth.cache) == 2
+    assert auth.check(header("alice", PASSWORD))  # from the cache
+    for bad in ("", "Bearer x", "Basic !!!", "Basic " + base64.b64encode(b"nocolon").decode(),
+                header("alice", "wrong"), header("alice", b"x" * 100), header("dave", PASSWORD),
+                header("alice", PASSWORD.upper())):
+        assert not auth.check(bad), bad
+    assert len(auth.cache) == 2  # failures are not cached
+
+
+def test_wrap_without_users_or_headers_is_identity() -> None:
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        start_response("200 OK", [])
+        return [b"ok"]
+
+    assert wrap(app, WebConfig()) is app
+    seen: list[Any] = []
+    wrapped = wrap(app, WebConfig(headers={"X-Frame-Options": "deny"}))
+    assert wrapped({}, lambda status, headers: seen.append((status, headers))) == [b"ok"]
+    assert seen == [("200 OK", [("X-Frame-Options", "deny")])]
+
+
+def test_handshake_timeout_frees_the_thread(pki: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from exporter import http as exporter_http
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        start_response("200 OK", [("Content-Length", "2")])
+        return [b"ok"]
+
+    monkeypatch.setattr(exporter_http, "HANDSHAKE_TIMEOUT", 0.5)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(str(pki / "server.crt"), str(pki / "server.key"))
+    httpd, thread = exporter_http.serve(app, "127.0.0.1", free_port(), ctx)
+    try:
+        port = httpd.server_address[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as silent:
+            t0 = time.monotonic()
+            assert silent.recv(10) == b""  # closed by the server once the handshake times out
+            assert 0.3 < time.monotonic() - t0 < 5
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+                client_context(pki).wrap_socket(raw, server_hostname="127.0.0.1") as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(1024).startswith(b"HTTP/1.1 200")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(5)
