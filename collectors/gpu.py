@@ -345,6 +345,7 @@ class GpuCollector(Collector):
         self._counters_lock = threading.Lock()
         self._refresher: Refresher[None] | None = None
         self._first_round = threading.Event()
+        self._hotplug = ""  # why NVML must be initialised again, from a hot-plug event
 
     # -- NVML plumbing -------------------------------------------------------------------------
 
@@ -444,6 +445,9 @@ class GpuCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         fams = Families()
         session = self.session
+        hotplug, self._hotplug = self._hotplug, ""
+        if hotplug:
+            session.invalidate(hotplug, logging.INFO)
         gpus = session.gpus()
         if gpus is not None and session.device_count_changed():
             session.invalidate("the number of GPUs changed")
@@ -627,6 +631,20 @@ class GpuCollector(Collector):
                 when, code_ = last[g.uuid]
                 fams.add(XID_LAST, [gpu], when)
                 fams.add(XID_LAST_CODE, [gpu], code_)
+
+    def device_event(self, subsystem: str, action: str, properties: Mapping[str, str]) -> None:
+        """An NVIDIA PCI function (vendor 0x10de: a GPU or NVSwitch) was added, removed, or
+        bound to or unbound from its driver: NVML's enumeration is stale, so drop it and let the
+        next scrape initialise again. The per-scrape GPU-count check catches a changed count
+        anyway; this also catches a GPU replaced, or rebound, at the same count. Other vendors'
+        functions (NICs and their SR-IOV VFs) are ignored. The re-initialisation itself happens
+        at the start of the next scrape, not on the hot-plug thread."""
+        if subsystem != "pci" or action not in ("add", "remove", "bind", "unbind"):
+            return
+        vendor = properties.get("PCI_ID", "").partition(":")[0]  # "10DE:2335": vendor:device
+        if vendor.lower() == "10de":
+            slot = properties.get("PCI_SLOT_NAME", "") or properties.get("DEVPATH", "?")
+            self._hotplug = f"PCI device {slot} {action} (hot-plug)"
 
     def close(self) -> None:
         if self._refresher is not None:

@@ -260,6 +260,13 @@ class LinkCollector(Collector):
         mtu = parse_int(values.get("mtu", ""))
         return mtu if mtu is not None and mtu > 0 else None
 
+    def device_event(self, subsystem: str, action: str, properties: Mapping[str, str]) -> None:
+        """An RDMA device came, went or was renamed: run ibv_devinfo now rather than at the end
+        of its interval (a re-added port's active MTU, a removed one's dropped). Netdevs need
+        nothing: their files are read on every scrape."""
+        if subsystem == "infiniband" and action in ("add", "remove", "move") and self._ibv:
+            self._ibv.wake()
+
     def close(self) -> None:
         if self._ibv is not None:
             self._ibv.stop()

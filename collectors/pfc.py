@@ -488,6 +488,32 @@ class PfcCollector(Collector):
         for prio, buf in sorted(cfg.prio_buffer.items()):
             fams.add(PRIORITY_BUFFER, [ifname, str(prio)], buf)
 
+    def device_event(self, subsystem: str, action: str, properties: Mapping[str, str]) -> None:
+        """A netdev or RDMA device came, went or was renamed: when that changes the interfaces
+        this collector reports, forget what it knew of the ones gone (a NIC whose driver is
+        reloaded comes back under the same name, often with its QoS reset: its old PFC
+        configuration must not be served as current) and refresh the configuration now. Events
+        of other interfaces (container veths) cost one listing of the RDMA ports."""
+        if (subsystem not in ("net", "infiniband") or action not in ("add", "remove", "move")
+                or self._refresher is None):
+            return
+        known, now = set(self._states), set(self.interfaces())
+        gone = known - now
+        if subsystem == "net" and action in ("remove", "move"):
+            # A remove arrives before sysfs drops the device; a move names the old name.
+            old = (properties.get("INTERFACE", "") if action == "remove"
+                   else properties.get("DEVPATH_OLD", "").rpartition("/")[2])
+            if old in known:
+                gone.add(old)
+        for ifname in gone:
+            self._states.pop(ifname, None)
+            self._plans.pop(ifname, None)
+        if gone or now - known:
+            self.ctx.logger.debug("%s %s: interfaces gone %s, new %s; refreshing the QoS "
+                                  "configuration now", subsystem, action, sorted(gone),
+                                  sorted(now - known))
+            self._refresher.wake()
+
     def close(self) -> None:
         if self._refresher is not None:
             self._refresher.stop()

@@ -55,6 +55,8 @@ class Refresher(Generic[T]):
     """Calls ``fn`` now and then every ``interval`` seconds in a daemon thread.
 
     ``value`` keeps the last good result; a failed refresh keeps it and sets ``ok`` False.
+    :meth:`wake` makes the thread run the next round now instead of at the end of the interval
+    (a device appeared or went away); wakes during a round coalesce into one more round.
     """
 
     def __init__(self, name: str, interval: float, fn: Callable[[], T],
@@ -67,6 +69,7 @@ class Refresher(Generic[T]):
         self.ok: bool | None = None
         self.last_success = 0.0  # time.time() of the last good refresh
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by wake() and stop(): ends the wait early
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -88,11 +91,17 @@ class Refresher(Generic[T]):
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()  # a wake during the round below asks for one more round
             self.refresh()
-            self._stop.wait(self.interval)
+            self._wake.wait(self.interval)
 
     def age(self) -> float | None:
         return time.time() - self.last_success if self.last_success else None
 
+    def wake(self) -> None:
+        """Run the next round now (a no-op before start() and after stop())."""
+        self._wake.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()

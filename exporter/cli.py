@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from exporter import DEFAULT_PORT, __version__
 from exporter.collector import Collector, CollectorContext, LogOnce, collector_logger
 from exporter.config import ConfigError, Field, load_file, validate
+from exporter.hotplug import Hotplug
 from exporter.http import make_app, parse_listen_address, serve
 from exporter.logs import LEVELS, setup
 from exporter.privileges import root_warning
@@ -81,6 +82,10 @@ def build_parser(classes: dict[str, type[Collector]]) -> argparse.ArgumentParser
                    default=8.0, metavar="SECONDS",
                    help="per-scrape deadline for every collector; a collector that has not "
                         "answered by then reports success 0 (default 8)")
+    p.add_argument("--hotplug", action=argparse.BooleanOptionalAction, default=True,
+                   help="watch udev/kernel device events (InfiniBand, net, PCI) so background "
+                        "values catch up at once when a device comes or goes (default on; "
+                        "without it devices are still re-listed on every scrape)")
     p.add_argument("--log.level", dest="log_level", choices=LEVELS, default="info")
     p.add_argument("--log.format", dest="log_format", choices=("logfmt", "json"),
                    default="logfmt")
@@ -173,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         except Exception as exc:  # one broken collector must not stop the others
             log.error("collector %s could not start: %s", name, exc)
 
-    scraper = Scraper(collectors, args.scrape_timeout)
+    hotplug = Hotplug(collectors)
+    scraper = Scraper(collectors, args.scrape_timeout, hotplug)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(scraper)
     app = wrap(make_app(scraper, registry, args.telemetry_path), web)
@@ -188,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     warning = root_warning(collectors, sections)  # once started: a failed start says one line
     if warning:
         log.warning("%s", warning)
+    if args.hotplug:
+        hotplug.start()
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -198,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     signal.signal(signal.SIGINT, on_signal)
     stop.wait()
     httpd.shutdown()
+    hotplug.stop()
     scraper.close()
 
 

@@ -124,6 +124,19 @@ class Collector(abc.ABC):
     def collect(self) -> Iterable[Metric]:
         """Yield freshly built metric families. May raise: the core isolates the failure."""
 
+    def device_event(self, subsystem: str, action: str,  # noqa: B027 - optional hook
+                     properties: Mapping[str, str]) -> None:
+        """A device appeared, went away or changed (exporter/hotplug.py); does nothing by default.
+
+        ``subsystem`` is ``infiniband``, ``net`` or ``pci``; ``action`` is ``add``, ``remove``,
+        ``bind``, ``unbind``, ``change`` or ``move``; ``properties`` are the uevent's
+        (``INTERFACE``, ``PCI_ID``, ``DEVPATH``, ``DEVPATH_OLD`` for a rename, ...). Called from
+        the hot-plug thread, not the scrape: keep it quick (forget a cache, wake a background
+        refresh) and thread-safe. An exception is logged and costs only this call. Without
+        hot-plug events (no udev, ``--no-hotplug``) it is never called, so ``collect()`` must not
+        depend on it.
+        """
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop background work, if any."""
 

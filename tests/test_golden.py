@@ -122,7 +122,7 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
     config.write_text(CONFIG.replace("ETHTOOL", str(ethtool)))
     exporter = Exporter(
         [f"--path.sysfs={sysfs}", f"--path.procfs={procfs}", f"--config.file={config}",
-         "--nvml.module=fake_nvml"],
+         "--nvml.module=fake_nvml", "--no-hotplug"],  # host device events stay out
         env={"PYTHONPATH": str(REPO / "tests"), "GPUNET_FAKE_NVML": str(root / "nvml.json"),
              "GPUNET_FAKE_NVML_EVENTS": str(root / "xid-events")})
     try:
