@@ -113,20 +113,29 @@ def validate(value: Any, spec: Field, key: str) -> Any:
     return out
 
 
-def load_file(path: str, schema: Field) -> dict[str, Any]:
-    """Read and validate a YAML config file. Raises ConfigError with the file name in the text."""
+def read_yaml(path: str) -> Any:
+    """A YAML file's content; raises ConfigError saying what is wrong (without the file name,
+    which the caller puts in front)."""
     try:
         with open(path, encoding="utf-8") as fh:
-            raw = yaml.safe_load(fh)
+            return yaml.safe_load(fh)
     except OSError as exc:
-        raise ConfigError(f"config file {path!r}: cannot read: {exc.strerror or exc}") from None
+        raise ConfigError(f"cannot read: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"config file {path!r}: invalid YAML{at}: {problem}") from None
+        raise ConfigError(f"invalid YAML{at}: {problem}") from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {path!r}: not UTF-8 text: {exc.reason}") from None
+        raise ConfigError(f"not UTF-8 text: {exc.reason}") from None
+
+
+def load_file(path: str, schema: Field) -> dict[str, Any]:
+    """Read and validate a YAML config file. Raises ConfigError with the file name in the text."""
+    try:
+        raw = read_yaml(path)
+    except ConfigError as exc:
+        raise ConfigError(f"config file {path!r}: {exc}") from None
     if raw is None:
         raw = {}
     try:

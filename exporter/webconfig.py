@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import bcrypt
-import yaml
 
-from exporter.config import ConfigError, Field, validate
+from exporter.config import ConfigError, Field, read_yaml, validate
 from exporter.http import StartResponse, WSGIApp
 
 log = logging.getLogger("gpunet.exporter")
@@ -101,21 +100,6 @@ class WebConfig:
             n = len(self.users)
             parts.append(f"basic auth for {n} user{'' if n == 1 else 's'}")
         return ", ".join(parts)
-
-
-def _read_yaml(path: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return yaml.safe_load(fh)
-    except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"invalid YAML{at}: {problem}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"not UTF-8 text: {exc.reason}") from None
 
 
 def _check_unsupported(raw: Any) -> None:
@@ -215,7 +199,7 @@ def _ssl_context(tls: dict[str, Any], base: str) -> tuple[ssl.SSLContext, str]:
 def load_web_config(path: str) -> WebConfig:
     """Read and check a web configuration file. Raises ConfigError naming the file and key."""
     try:
-        raw = _read_yaml(path)
+        raw = read_yaml(path)
         if raw is None:
             raw = {}
         _check_unsupported(raw)
