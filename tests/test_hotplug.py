@@ -410,7 +410,8 @@ def test_installed_exporter_counts_veth_events(netns: str, tmp_path: Path) -> No
         return str(json.loads(res.stdout)["text"])
 
     try:
-        first = metrics(20, "gpunet_hotplug_monitoring")
+        # The monitor starts just after the server binds: wait for it rather than race it.
+        first = metrics(20, "gpunet_hotplug_monitoring 1")
         assert value(parse(first), "gpunet_hotplug_monitoring") == 1, first
         ip = ["ip", "-n", netns, "link"]
         subprocess.run([*ip, "add", "hpx0", "type", "veth", "peer", "name", "hpy0"], check=True)
