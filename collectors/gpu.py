@@ -205,6 +205,17 @@ class _Failed(Exception):
 Sample = tuple[MetricSpec, tuple[str, ...], float]
 
 
+def _raise_if_fatal(exc: BaseException, fn: str) -> str:
+    """The error's name, unless it ends the GPU's collection (_Lost) or the whole scrape
+    (_SessionGone), which it raises instead."""
+    name = error_name(exc)
+    if name == "NVMLError_GpuIsLost":
+        raise _Lost from None
+    if name in nvml.SESSION_ERRORS:
+        raise _SessionGone(f"{fn}: {exc}") from None
+    return name
+
+
 @dataclass
 class _GpuState:
     """What is known of one GPU within one NVML initialisation."""
@@ -375,11 +386,7 @@ class GpuCollector(Collector):
         try:
             return call(st.gpu.handle, *args, **kwargs)
         except nv.NVMLError as exc:
-            name = error_name(exc)
-            if name == "NVMLError_GpuIsLost":
-                raise _Lost from None
-            if name in nvml.SESSION_ERRORS:
-                raise _SessionGone(f"{fn}: {exc}") from None
+            name = _raise_if_fatal(exc, fn)
             if name in UNSUPPORTED:
                 st.unsupported.add(key)
                 self.ctx.log_once(logging.INFO, "GPU %d: %s not supported (%s); skipped",
@@ -427,11 +434,7 @@ class GpuCollector(Collector):
                 try:
                     nv.nvmlDeviceGetNvLinkState(st.gpu.handle, link)
                 except nv.NVMLError as exc:
-                    name = error_name(exc)
-                    if name == "NVMLError_GpuIsLost":
-                        raise _Lost from None
-                    if name in nvml.SESSION_ERRORS:
-                        raise _SessionGone(f"nvmlDeviceGetNvLinkState: {exc}") from None
+                    name = _raise_if_fatal(exc, "nvmlDeviceGetNvLinkState")
                     if name not in UNSUPPORTED and name != "NVMLError_InvalidArgument":
                         self.ctx.skip(f"GPU {st.gpu.index} NVLink {link} state", exc)
                         return 0  # try again next scrape
@@ -457,7 +460,7 @@ class GpuCollector(Collector):
                 fams.add(NVML_UP, [], 0)
             yield from fams
             return
-        self._start_background()
+        self._start_background(gpus)
         fams.add(NVML_UP, [], 1)
         lost: set[int] = set()
         try:
@@ -530,11 +533,9 @@ class GpuCollector(Collector):
 
     # -- background counters and XID events ----------------------------------------------------
 
-    def _start_background(self) -> None:
+    def _start_background(self, gpus: list[Gpu]) -> None:
         if self.ctx.config["xid_events"]:
-            gpus = self.session.gpus()
-            if gpus is not None:
-                self.xid.ensure(self.session, gpus)
+            self.xid.ensure(self.session, gpus)
         if self._refresher is None:
             self._refresher = Refresher("gpu-counters",
                                         float(self.ctx.config["counters_interval_seconds"]),

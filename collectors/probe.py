@@ -216,7 +216,7 @@ class ProbeCollector(Collector):
             self._proc = None
             self._on_exit(rc)
             self._restarts += 1
-            return now + min(RESTART_BACKOFF_MAX, 2.0 ** min(self._restarts, 6))
+            return now + self._backoff()
         timeout = float(self.ctx.config["timeout_seconds"])
         state, since = self._round_state()
         if state == "between":  # the next round is due one interval after this one started
@@ -224,8 +224,12 @@ class ProbeCollector(Collector):
         if time.time() - since > timeout:
             self._count("intra", "timeout")
             self._kill(f"probe {state} exceeded {timeout:g}s")
-            return now + min(RESTART_BACKOFF_MAX, 2.0 ** min(self._restarts, 6))
+            return now + self._backoff()
         return next_start
+
+    def _backoff(self) -> float:
+        """Seconds before the next start: 2, 4, 8 ... up to RESTART_BACKOFF_MAX."""
+        return min(RESTART_BACKOFF_MAX, 2.0 ** min(self._restarts, 6))
 
     def _spawn(self) -> None:
         try:
