@@ -84,8 +84,9 @@ MEM_TOTAL = MetricSpec("gpunet_gpu_memory_total_bytes", "gauge", "Device memory 
                        "bytes", "nvmlDeviceGetMemoryInfo .total")
 PROCS = MetricSpec(
     "gpunet_gpu_compute_processes", "gauge",
-    "Compute processes with a context on the GPU (tells 'idle' from 'busy but starved' when "
-    "utilization is low)", _G, "processes", "nvmlDeviceGetComputeRunningProcesses")
+    "Compute processes with a context on the GPU, other than the exporter's own probe workers "
+    "(tells 'idle' from 'busy but starved' when utilization is low)", _G, "processes",
+    "nvmlDeviceGetComputeRunningProcesses, /proc/<pid>/stat session")
 PCIE_GEN = MetricSpec(
     "gpunet_gpu_pcie_link_generation", "gauge", "Current PCIe link generation (GPUs drop to a "
     "lower generation while idle to save power)", _G, "generation",
@@ -397,6 +398,22 @@ class GpuCollector(Collector):
                 self.ctx.skip(f"GPU {st.gpu.index} {key}", exc)
             return None
 
+    def _foreign(self, procs: list[Any]) -> int:
+        """How many of ``procs`` are not the exporter's own probe workers (by session ID, field 6
+        of /proc/<pid>/stat; a process whose stat cannot be read counts as foreign)."""
+        own = nvml.own_sessions()
+        if not own:
+            return len(procs)
+        n = 0
+        for p in procs:
+            try:
+                stat = self.ctx.procfs.read(f"{int(p.pid)}/stat")
+                sid = int(stat[stat.rindex(")") + 2:].split()[3])
+            except (OSError, ValueError, IndexError):
+                sid = -1
+            n += sid not in own
+        return n
+
     def _info(self, st: _GpuState) -> tuple[str, ...]:
         if not st.info:
             g, nv = st.gpu, self.session.nv
@@ -516,14 +533,15 @@ class GpuCollector(Collector):
             fams.add(MEM_TOTAL, [gpu], mem.total)
             if hasattr(mem, "reserved"):
                 fams.add(MEM_RESERVED, [gpu], mem.reserved)
+        foreign = self._foreign(procs) if procs is not None else 0
         if procs is not None:
-            fams.add(PROCS, [gpu], len(procs))
+            fams.add(PROCS, [gpu], foreign)
         for spec, v in ((PCIE_GEN, gen), (PCIE_GEN_MAX, gen_max), (PCIE_WIDTH, width),
                         (PCIE_WIDTH_MAX, width_max)):
             if v is not None:
                 fams.add(spec, [gpu], v)
         if None not in (gen, gen_max, width, width_max):
-            busy = (util is not None and util.gpu > 0) or bool(procs)
+            busy = (util is not None and util.gpu > 0) or foreign > 0
             degraded = width < width_max or (busy and gen < gen_max)
             fams.add(PCIE_DEGRADED, [gpu], int(degraded))
         for link, state in links:

@@ -29,7 +29,7 @@ from typing import IO, ClassVar
 
 from prometheus_client.core import Metric
 
-from exporter import rdma
+from exporter import nvml, rdma
 from exporter.collector import Collector, CollectorContext, Families, MetricSpec
 from exporter.config import Field
 from exporter.probe import results
@@ -214,6 +214,7 @@ class ProbeCollector(Collector):
         rc = proc.poll()
         if rc is not None:
             self._proc = None
+            nvml.own_session(proc.pid, started=False)
             self._on_exit(rc)
             self._restarts += 1
             return now + self._backoff()
@@ -244,6 +245,7 @@ class ProbeCollector(Collector):
             self._proc = subprocess.Popen(
                 self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                 start_new_session=True)  # its own process group, killed as a whole
+            nvml.own_session(self._proc.pid, started=True)
         except OSError as exc:
             self.ctx.log_once(logging.ERROR, "probe: cannot start the runner: %s", exc)
             self._count("intra", "crash")
@@ -291,7 +293,10 @@ class ProbeCollector(Collector):
 
     def _kill(self, why: str) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
+            return
+        nvml.own_session(proc.pid, started=False)
+        if proc.poll() is not None:
             return
         self.ctx.log_once(logging.WARNING, "probe runner killed: %s", why)
         try:

@@ -44,6 +44,9 @@ _EXPECTED = {
 }
 
 
+_EXPONENT = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
 def _describe(value: Any) -> str:
     text = repr(value)
     if len(text) > 60:
@@ -65,6 +68,8 @@ def validate(value: Any, spec: Field, key: str) -> Any:
         if not isinstance(value, bool):
             raise wrong()
         return value
+    if spec.kind == "number" and isinstance(value, str) and _EXPONENT.match(value):
+        value = float(value)  # YAML 1.2 reads 1e11 as a number; PyYAML (YAML 1.1) as a string
     if spec.kind in ("int", "number"):
         ok_types: tuple[type, ...] = (int,) if spec.kind == "int" else (int, float)
         if isinstance(value, bool) or not isinstance(value, ok_types):

@@ -27,6 +27,26 @@ from typing import Any, Literal
 log = logging.getLogger("gpunet.nvml")
 
 RETRY_SECONDS = 10.0
+
+# Sessions (setsid leaders' PIDs) of GPU processes this exporter started itself: the probe runner
+# and its workers. The gpu collector leaves them out of gpunet_gpu_compute_processes, so an idle
+# node whose only GPU processes are the probe's does not look "busy but starved".
+_own_sessions: set[int] = set()
+_own_lock = threading.Lock()
+
+
+def own_session(sid: int, started: bool) -> None:
+    """Record that the exporter started (or ended) a process session holding GPU contexts."""
+    with _own_lock:
+        if started:
+            _own_sessions.add(sid)
+        else:
+            _own_sessions.discard(sid)
+
+
+def own_sessions() -> frozenset[int]:
+    with _own_lock:
+        return frozenset(_own_sessions)
 State = Literal["absent", "up", "down"]
 _BUS_ID = re.compile(r"^([0-9a-f]{1,8}):([0-9a-f]{2}:[0-9a-f]{2}\.[0-7])$")
 

@@ -46,9 +46,10 @@ def sysfs(tmp_path: Path) -> Path:
 class Gpu:
     """A collector kept across scrapes (the background thread and XID watcher live on)."""
 
-    def __init__(self, sysfs: Path, config: dict[str, Any] | None = None) -> None:
+    def __init__(self, sysfs: Path, config: dict[str, Any] | None = None,
+                 procfs: Path | str = "/proc") -> None:
         self.c = make_collector(GpuCollector, sysfs, {**NO_BACKGROUND, **(config or {})},
-                                nvml_module="fake_nvml")
+                                procfs=procfs, nvml_module="fake_nvml")
 
     def scrape(self) -> Samples:
         self.c.ctx.unreadable = 0
@@ -399,6 +400,38 @@ def test_unsupported_fields_are_not_asked_again(gpu: Gpu) -> None:
     assert value(s, "gpunet_gpu_pcie_errors_total", gpu="1", type="lane") == 0
     assert value(s, "gpunet_gpu_counters_refresh_success", gpu="0") == 1
     assert "field/NVML_FI_DEV_PCIE_COUNT_LANE_ERROR" in c._states[0].unsupported
+
+
+def test_probe_workers_are_not_counted_as_compute_processes(sysfs: Path, tmp_path: Path) -> None:
+    """The exporter's own probe workers (a session it started) hold CUDA contexts on every GPU;
+    they are left out of the process count and do not make an idle GPU 'busy', so neither the
+    starved-GPU alert nor the PCIe degraded gauge fires on an idle node that runs the probe."""
+    proc = tmp_path / "proc"
+    for pid, sid in ((101, 500), (102, 500), (103, 777)):
+        (proc / str(pid)).mkdir(parents=True)
+        # comm with a space and a parenthesis: the session is the 4th field after the last ')'
+        (proc / str(pid) / "stat").write_text(
+            f"{pid} (pt main) thread) S 500 {sid} {sid} 0 -1 4194560 0 0 0 0\n")
+    dev = fake_nvml.device(0)
+    dev["processes"] = [101, 102]
+    dev["nvmlDeviceGetCurrPcieLinkGeneration"] = {"ok": 1}  # idle power saving
+    dev["nvmlDeviceGetUtilizationRates"] = {"ok": {"gpu": 0, "memory": 0}}
+    g = Gpu(sysfs, procfs=proc)
+    try:
+        s = g.scrape()  # no session registered: every process counts
+        assert value(s, "gpunet_gpu_compute_processes", gpu="0") == 2
+        assert value(s, "gpunet_gpu_pcie_link_degraded", gpu="0") == 1
+        nvml.own_session(500, started=True)
+        s = g.scrape()
+        assert value(s, "gpunet_gpu_compute_processes", gpu="0") == 0
+        assert value(s, "gpunet_gpu_pcie_link_degraded", gpu="0") == 0
+        dev["processes"] = [101, 103, 104]  # 103: another session; 104: no /proc entry
+        assert value(g.scrape(), "gpunet_gpu_compute_processes", gpu="0") == 2
+        nvml.own_session(500, started=False)
+        assert value(g.scrape(), "gpunet_gpu_compute_processes", gpu="0") == 3
+    finally:
+        nvml.own_session(500, started=False)
+        g.close()
 
 
 def test_end_to_end_installed_exporter(run_exporter: Any, sysfs: Path, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as hs
 
 from collectors.probe import REASONS, ProbeCollector
+from exporter import nvml
 from exporter.probe import results, runner
 
 import sysfs_tree as st
@@ -235,6 +236,10 @@ def test_collector_runs_the_real_runner(collector: Probe) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.2)
     assert collector.c._proc.pid == pid  # type: ignore[attr-defined]
+    # Its session is the exporter's own: the gpu collector leaves its workers out.
+    assert pid in nvml.own_sessions()
+    workers = subprocess.run(["pgrep", "-s", str(pid)], capture_output=True, text=True)
+    assert len(workers.stdout.split()) >= 3  # the launcher and its two gloo ranks share it
 
 
 HANG = """import json, os, sys, time
@@ -257,6 +262,8 @@ def test_hung_round_is_killed_with_its_process_group(collector: Probe) -> None:
     pids = [p for p in out.stdout.split() if collector.c._proc is None  # type: ignore[attr-defined]
             or int(p) != collector.c._proc.pid]  # type: ignore[attr-defined]
     assert not pids, f"left behind: {pids}"
+    current = collector.c._proc  # type: ignore[attr-defined]  # restarted after the kill?
+    assert nvml.own_sessions() <= ({current.pid} if current else set())  # killed: forgotten
 
 
 IDLE = """import json, os, sys, time

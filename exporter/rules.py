@@ -1,0 +1,456 @@
+"""Prometheus alerting and recording rules, generated from the thresholds (exporter.thresholds).
+
+``gpunet-rules`` (or ``python -m exporter.rules``) prints the rule file; ``--thresholds FILE``
+applies an operator's overrides, ``--check FILE`` exits 1 when FILE differs from what would be
+generated. alerts/gpunet.rules.yml is this output for the defaults (tests/test_alerts.py fails when
+it is stale). Each alert carries ``severity`` (critical pages, warning tickets, info) and
+``class`` (the problem class of the fleet dashboard's health matrix), a static summary, a
+templated description that names the node, the device and the value, and a runbook link.
+
+Exit codes: 0 written (or up to date), 1 stale (--check), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from exporter.config import ConfigError
+from exporter.thresholds import load
+
+T = dict[str, Any]
+CLASSES = ("link", "congestion", "transport", "topology", "gpu", "collective", "exporter")
+SEVERITIES = ("critical", "warning", "info")
+
+# Label sets used to join series of one node, port or interface.
+_ACTIVE_RDMA_PORT = "count by (instance) (gpunet_infiniband_port_state_id == 4) > 0"
+_ROCE_INTERFACE = 'gpunet_link_info{link_layer="Ethernet"}'
+FLEET_MEDIAN_BUSBW = "scope_size:gpunet_probe_allreduce_bus_bandwidth_bytes_per_second:median"
+ALERTS_FIRING = "instance_class:gpunet_alerts_firing:count"
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    cls: str
+    severity: str
+    for_: str
+    expr: Callable[[T], str]
+    summary: str
+    description: str
+
+    def __post_init__(self) -> None:
+        assert self.cls in CLASSES and self.severity in SEVERITIES, self.name
+
+
+def _g(v: float) -> str:
+    """A number as PromQL and humans read it (no exponent for ordinary sizes)."""
+    return f"{v:.15g}" if abs(v) < 1e15 else repr(float(v))
+
+
+def _port_with_interface(expr: str) -> str:
+    """``expr`` (labels instance, device, port) with the port's netdev as ``interface``, so
+    Alertmanager can inhibit the interface's alerts too; unchanged where there is no info."""
+    info = ('label_replace(gpunet_infiniband_port_info, "interface", "$1", "netdev", "(.+)")')
+    return (f"(\n  {expr}\n) * on (instance, device, port) group_left (interface) {info}\n"
+            f"or on (instance, device, port)\n(\n  {expr}\n)")
+
+
+def _busbw_low(t: T) -> str:
+    p = t["probe"]
+    ratio = _g(p["bus_bandwidth_ratio"])
+    metric = ('gpunet_probe_allreduce_bus_bandwidth_bytes_per_second'
+              f'{{size="{p["bandwidth_size_bytes"]}"')
+    parts = []
+    expected = p["expected_bus_bandwidth_bytes_per_second"]
+    fleet = []
+    for scope in ("intra", "inter"):
+        if expected[scope] > 0:
+            parts.append(f'{metric}, scope="{scope}"}} < {ratio} * {_g(expected[scope])}')
+        else:
+            fleet.append(scope)
+    if fleet:
+        sel = f'{metric}, scope=~"{"|".join(fleet)}"}}'
+        parts.append(f"{sel}\n  < on (scope, size) group_left {ratio} * {FLEET_MEDIAN_BUSBW}")
+    return "\nor\n".join(parts)
+
+
+def _xid(t: T, critical: bool) -> str:
+    """XID counts that rose in the last 10 minutes. A (GPU, XID) series appears with its first
+    event, already at 1, where increase() sees nothing; so a series absent 10 minutes ago counts
+    too, when the GPU's last XID is that recent (not after a Prometheus restart)."""
+    codes = "|".join(str(c) for c in sorted(set(t["gpu"]["critical_xids"])))
+    sel = f'gpunet_gpu_xid_errors_total{{xid{"=~" if critical else "!~"}"{codes}"}}'
+    return (f"(\n  increase({sel}[10m]) > 0\n  or\n  ({sel} unless {sel} offset 10m)\n)\n"
+            "and on (instance, gpu) (time() - gpunet_gpu_xid_last_timestamp_seconds < 600)")
+
+
+_NODE = "on {{ $labels.instance }}"
+_PORT = "{{ $labels.device }} port {{ $labels.port }} " + _NODE
+_IF = "{{ $labels.interface }} " + _NODE
+_GPU = "GPU {{ $labels.gpu }} " + _NODE
+_SCOPE = "({{ $labels.scope }}-node probe) " + _NODE
+
+ALERTS: tuple[Alert, ...] = (
+    # --- link: port state, rate, errors, MTU --------------------------------------------------
+    Alert("GpunetPortDown", "link", "critical", "2m",
+          lambda t: _port_with_interface(
+              "gpunet_infiniband_port_state_id\n  and on (instance, device, port)\n  "
+              "(gpunet_infiniband_port_state_id != 4 or gpunet_infiniband_port_phys_state_id "
+              "!= 5)"),
+          "RDMA port not ACTIVE or not LinkUp",
+          f"RDMA port {_PORT} is not ACTIVE/LinkUp (logical state {{{{ $value }}}}; 4 is "
+          "ACTIVE). Its traffic moves to the node's other ports or fails."),
+    Alert("GpunetPortRateBelowExpected", "link", "critical", "5m",
+          lambda t: ("gpunet_infiniband_port_rate_bytes_per_second * 8 / 1e9\n"
+                     "  and on (instance, device, port) gpunet_infiniband_port_rate_degraded == 1"),
+          "RDMA port trained below its expected rate",
+          f"RDMA port {_PORT} runs at {{{{ $value }}}} Gb/s, below the rate expected for it "
+          "(gpunet_infiniband_port_rate_expected_bytes_per_second)."),
+    Alert("GpunetPortFlapping", "link", "warning", "0m",
+          lambda t: ("increase(gpunet_infiniband_port_link_downed_total"
+                     f"[{t['infiniband']['link_downed_window']}]) >= "
+                     f"{t['infiniband']['link_downed_count']}"),
+          "RDMA port flapping",
+          f"RDMA port {_PORT} went down {{{{ $value | printf \"%.0f\" }}}} times recently "
+          "(gpunet_infiniband_port_link_downed_total)."),
+    Alert("GpunetInterfaceFlapping", "link", "warning", "0m",
+          lambda t: ("increase(gpunet_link_carrier_changes_total"
+                     f"[{t['infiniband']['carrier_changes_window']}]) >= "
+                     f"{t['infiniband']['carrier_changes_count']}"),
+          "Network interface carrier flapping",
+          f"Interface {_IF} changed carrier {{{{ $value | printf \"%.0f\" }}}} times recently "
+          "(gpunet_link_carrier_changes_total)."),
+    Alert("GpunetPortSymbolErrors", "link", "warning", "0m",
+          lambda t: ("increase(gpunet_infiniband_port_symbol_errors_total[1h]) > "
+                     f"{_g(t['infiniband']['symbol_errors_per_hour'])}"),
+          "RDMA port above the symbol-error budget",
+          f"RDMA port {_PORT} counted {{{{ $value | printf \"%.0f\" }}}} symbol errors in the "
+          "last hour, above the bit-error-rate budget."),
+    Alert("GpunetPortLinkErrorRecoveries", "link", "warning", "0m",
+          lambda t: ("rate(gpunet_infiniband_port_link_error_recoveries_total[5m]) * 60 > "
+                     f"{_g(t['infiniband']['link_error_recoveries_per_minute'])}"),
+          "RDMA port retraining its link",
+          f"RDMA port {_PORT} retrains its link {{{{ $value | humanize }}}} times per "
+          "minute."),
+    Alert("GpunetPortReceiveErrors", "link", "warning", "10m",
+          lambda t: ("rate(gpunet_infiniband_port_receive_errors_total[5m]) > "
+                     f"{_g(t['infiniband']['receive_errors_per_second'])}"),
+          "RDMA port receiving packets with errors",
+          f"RDMA port {_PORT} receives {{{{ $value | humanize }}}} packets with errors per "
+          "second."),
+    Alert("GpunetPortTransmitDiscards", "link", "warning", "10m",
+          lambda t: ("rate(gpunet_infiniband_port_transmit_discards_total[5m]) > "
+                     f"{_g(t['infiniband']['transmit_discards_per_second'])}"),
+          "RDMA port discarding packets on transmit",
+          f"RDMA port {_PORT} discards {{{{ $value | humanize }}}} packets per second on "
+          "transmit."),
+    Alert("GpunetPortCounterSaturated", "link", "warning", "1h",
+          lambda t: "gpunet_infiniband_port_pma_saturated == 1",
+          "RDMA port error counter stuck at its maximum",
+          f"Counter {{{{ $labels.counter }}}} of RDMA port {_PORT} sits at its maximum, so its "
+          "rate reads 0 and its alert cannot fire."),
+    Alert("GpunetRoceMtuTooSmall", "link", "warning", "10m",
+          lambda t: (f"gpunet_link_mtu_bytes < {t['link']['roce_min_mtu_bytes']}\n"
+                     f"  and on (instance, interface) {_ROCE_INTERFACE}"),
+          "RoCE interface MTU too small for 4096-byte RDMA frames",
+          f"RoCE interface {_IF} has MTU {{{{ $value }}}}, so RDMA runs with a smaller path MTU "
+          "than 4096."),
+    Alert("GpunetInterfaceMtuNotExpected", "link", "warning", "10m",
+          lambda t: ("gpunet_link_mtu_bytes\n"
+                     "  and on (instance, interface) gpunet_link_mtu_mismatch == 1"),
+          "Interface MTU is not the expected one",
+          f"Interface {_IF} has MTU {{{{ $value }}}}, not the one configured as expected "
+          "(gpunet_link_mtu_expected_bytes)."),
+    Alert("GpunetRdmaMtuNotExpected", "link", "warning", "10m",
+          lambda t: ("gpunet_link_rdma_active_mtu_bytes\n"
+                     "  and on (instance, device, port) gpunet_link_rdma_mtu_mismatch == 1"),
+          "RDMA active MTU is not the expected one",
+          f"RDMA port {_PORT} has active MTU {{{{ $value }}}}, not the one configured as "
+          "expected (gpunet_link_rdma_mtu_expected_bytes)."),
+    # --- congestion: PFC, pause, ECN ---------------------------------------------------------
+    Alert("GpunetPfcDisabledOnRocePriority", "congestion", "critical", "5m",
+          lambda t: (f'gpunet_pfc_enabled{{priority="{t["pfc"]["roce_priority"]}"}} == 0\n'
+                     f"  and on (instance, interface) {_ROCE_INTERFACE}"),
+          "PFC off on the RoCE priority",
+          f"PFC is off on priority {{{{ $labels.priority }}}} of RoCE interface {_IF}: RoCE "
+          "traffic there is not lossless."),
+    Alert("GpunetPfcTrustNotExpected", "congestion", "warning", "10m",
+          lambda t: f'gpunet_pfc_config_info{{trust!="", trust!="{t["pfc"]["trust"]}"}}',
+          "Priority trust mode is not the expected one",
+          f"Interface {_IF} trusts {{{{ $labels.trust }}}} to classify traffic, so RoCE packets "
+          "may land on a priority without PFC."),
+    Alert("GpunetPauseWithoutPfc", "congestion", "warning", "5m",
+          lambda t: ("increase(gpunet_pfc_pause_frames_total[10m]) > 0\n"
+                     "  and on (instance, interface, priority) gpunet_pfc_enabled == 0"),
+          "Pause frames on a priority without PFC",
+          f"Interface {_IF} counted {{{{ $value | printf \"%.0f\" }}}} pause frames "
+          "({{ $labels.direction }}) in 10 minutes on priority {{ $labels.priority }}, where "
+          "PFC is off."),
+    Alert("GpunetPauseStorm", "congestion", "critical", "0m",
+          lambda t: ("increase(gpunet_pfc_pause_storm_error_events_total[10m]) > 0\n"
+                     "or\nincrease(gpunet_pfc_pause_storm_warning_events_total[10m]) > 0"),
+          "PFC pause storm",
+          f"Interface {_IF} detected a PFC pause storm in the last 10 minutes: the NIC kept "
+          "pausing its peer for too long."),
+    Alert("GpunetPauseDurationHigh", "congestion", "warning", "10m",
+          lambda t: ("rate(gpunet_pfc_pause_duration_seconds_total[5m]) > "
+                     f"{_g(t['pfc']['pause_ratio'])}"),
+          "Interface paused for a large share of time",
+          f"Interface {_IF} spends {{{{ $value | humanizePercentage }}}} of the time paused "
+          "({{ $labels.direction }}) on priority {{ $labels.priority }}."),
+    Alert("GpunetEcnMarksHigh", "congestion", "warning", "15m",
+          lambda t: ("rate(gpunet_infiniband_port_hw_np_ecn_marked_roce_packets_total[5m]) > "
+                     f"{_g(t['pfc']['ecn_marked_packets_per_second'])}"),
+          "Many ECN-marked RoCE packets",
+          f"RDMA port {_PORT} receives {{{{ $value | humanize }}}} ECN-marked RoCE packets per "
+          "second: the fabric is congested on the way to this node."),
+    Alert("GpunetCnpsHigh", "congestion", "warning", "15m",
+          lambda t: ("rate(gpunet_infiniband_port_hw_rp_cnp_handled_total[5m]) > "
+                     f"{_g(t['pfc']['cnp_handled_per_second'])}"),
+          "Many congestion notifications received",
+          f"RDMA port {_PORT} slows its senders on {{{{ $value | humanize }}}} CNPs per "
+          "second: its traffic meets congestion."),
+    Alert("GpunetCnpsIgnored", "congestion", "warning", "10m",
+          lambda t: "increase(gpunet_infiniband_port_hw_rp_cnp_ignored_total[10m]) > 0",
+          "Congestion notifications ignored",
+          f"RDMA port {_PORT} ignored {{{{ $value | printf \"%.0f\" }}}} CNPs in 10 minutes: "
+          "congestion control (DCQCN) is off on the priority they arrive on."),
+    # --- transport: what NCCL really uses ----------------------------------------------------
+    Alert("GpunetNcclSocketFallback", "transport", "critical", "0m",
+          lambda t: "gpunet_probe_socket_fallback == 1",
+          "NCCL fell back to TCP sockets",
+          f"NCCL runs over TCP sockets {_SCOPE} although RDMA should carry it."),
+    Alert("GpunetGdrInactive", "transport", "critical", "0m",
+          lambda t: f"gpunet_probe_gdr_active == 0\n  and on (instance) {_ACTIVE_RDMA_PORT}",
+          "NCCL network traffic without GPUDirect RDMA",
+          f"NCCL's network channels do not use GPUDirect RDMA {_SCOPE} while RDMA ports are "
+          "up: data is staged through host memory."),
+    Alert("GpunetGdrNotReady", "transport", "critical", "5m",
+          lambda t: f"gpunet_topology_gdr_ready == 0\n  and on (instance) {_ACTIVE_RDMA_PORT}",
+          "nvidia_peermem not loaded and no DMA-BUF",
+          f"GPUDirect RDMA cannot work {_NODE}: no peer-memory module (nvidia_peermem) is "
+          "loaded and the driver or kernel cannot use DMA-BUF."),
+    Alert("GpunetNcclEnvDisablesFastPath", "transport", "warning", "10m",
+          lambda t: "gpunet_topology_nccl_env_findings > 0",
+          "GPU processes run NCCL with a fast path turned off",
+          f"{{{{ $value }}}} GPU processes {_NODE} set {{{{ $labels.variable }}}} "
+          "({{ $labels.issue }})."),
+    # --- topology -----------------------------------------------------------------------------
+    Alert("GpunetGpuNicNumaMismatch", "topology", "warning", "10m",
+          lambda t: "gpunet_topology_gpu_nearest_nic_numa_mismatch == 1",
+          "GPU's nearest NIC on another NUMA node",
+          f"{_GPU} has no RDMA NIC on its own NUMA node: its network traffic crosses the "
+          "inter-socket link."),
+    Alert("GpunetGpuNicAcsRedirect", "topology", "warning", "10m",
+          lambda t: "gpunet_topology_gpu_nic_acs_redirect_bridges > 0",
+          "ACS redirects GPU-NIC peer traffic",
+          f"{{{{ $value }}}} PCIe bridges between {_GPU} and {{{{ $labels.device }}}} redirect "
+          "peer-to-peer traffic to the root complex (ACS), slowing GPUDirect RDMA."),
+    # --- gpu ----------------------------------------------------------------------------------
+    Alert("GpunetGpuPcieLinkDegraded", "gpu", "warning", "10m",
+          lambda t: "gpunet_gpu_pcie_link_degraded == 1",
+          "GPU PCIe link below its maximum",
+          f"{_GPU} runs its PCIe link below its maximum generation or width while busy."),
+    Alert("GpunetGpuPcieReplays", "gpu", "warning", "10m",
+          lambda t: ("rate(gpunet_gpu_pcie_replays_total[5m]) * 60 > "
+                     f"{_g(t['gpu']['pcie_replays_per_minute'])}"),
+          "GPU PCIe link replaying packets",
+          f"{_GPU} replays {{{{ $value | humanize }}}} PCIe packets per minute: the link is "
+          "unreliable."),
+    Alert("GpunetGpuXidErrors", "gpu", "warning", "0m",
+          lambda t: _xid(t, critical=False),
+          "GPU reported XID errors",
+          f"{_GPU} reported XID {{{{ $labels.xid }}}} in the last 10 minutes ({{{{ $value | "
+          "printf \"%.0f\" }} in that time or since the exporter started)."),
+    Alert("GpunetGpuXidCritical", "gpu", "critical", "0m",
+          lambda t: _xid(t, critical=True),
+          "GPU reported a critical XID error",
+          f"{_GPU} reported XID {{{{ $labels.xid }}}} in the last 10 minutes ({{{{ $value | "
+          "printf \"%.0f\" }} in that time or since the exporter started); it needs a reset or "
+          "the node a drain."),
+    Alert("GpunetGpuLost", "gpu", "critical", "0m",
+          lambda t: "gpunet_gpu_lost == 1",
+          "GPU lost",
+          f"{_GPU} has fallen off the bus (NVML: GPU is lost)."),
+    Alert("GpunetGpuMissing", "gpu", "critical", "5m",
+          lambda t: "gpunet_gpu_missing > 0",
+          "GPUs no longer enumerated",
+          f"{{{{ $value }}}} GPUs that NVML enumerated earlier {_NODE} are gone."),
+    Alert("GpunetGpuStarved", "gpu", "warning", "30m",
+          lambda t: ("avg_over_time(gpunet_gpu_utilization_ratio[10m]) < "
+                     f"{_g(t['gpu']['busy_utilization_ratio'])}\n"
+                     "  and on (instance, gpu) gpunet_gpu_compute_processes > 0"),
+          "GPU under-utilized while compute processes run",
+          f"{_GPU} is busy only {{{{ $value | humanizePercentage }}}} of the time while "
+          "compute processes run on it: it is waiting, often on the network."),
+    Alert("GpunetNvmlDown", "gpu", "warning", "5m",
+          lambda t: "gpunet_gpu_nvml_up == 0",
+          "NVML not answering",
+          f"NVML fails {_NODE}: no GPU metrics (driver reloading, failing or mismatched)."),
+    # --- collective: probe results ------------------------------------------------------------
+    Alert("GpunetAllreduceLatencyHigh", "collective", "warning", "10m",
+          lambda t: ("gpunet_probe_allreduce_seconds"
+                     f'{{size="{t["probe"]["latency_size_bytes"]}", stat="median"}} > '
+                     f"{_g(t['probe']['latency_seconds'])}"),
+          "Small all-reduce too slow",
+          f"The {{{{ $labels.size }}}}-byte all-reduce takes {{{{ $value | humanizeDuration }}}}"
+          f" {_SCOPE}."),
+    Alert("GpunetBusBandwidthLow", "collective", "warning", "10m", _busbw_low,
+          "All-reduce bus bandwidth below the expected",
+          f"The {{{{ $labels.size }}}}-byte all-reduce reaches {{{{ $value | humanize }}}}B/s "
+          f"bus bandwidth {_SCOPE}, below the expected."),
+    Alert("GpunetStragglerRank", "collective", "warning", "10m",
+          lambda t: ("gpunet_probe_slowest_rank_lateness_ratio > "
+                     f"{_g(t['probe']['straggler_lateness_ratio'])}"),
+          "A straggler rank slows the collective",
+          f"The slowest rank {_SCOPE} takes {{{{ $value | humanizePercentage }}}} longer than "
+          "the median rank."),
+    Alert("GpunetProbeTimeVariance", "collective", "warning", "15m",
+          lambda t: (lambda w, sel: (
+              f"stddev_over_time({sel}[{w}])\n  / avg_over_time({sel}[{w}]) > "
+              f"{_g(t['probe']['variation_ratio'])}"))(
+                  t["probe"]["variation_window"],
+                  "gpunet_probe_allreduce_seconds"
+                  f'{{size="{t["probe"]["bandwidth_size_bytes"]}", stat="median"}}'),
+          "All-reduce time varies from round to round",
+          f"The {{{{ $labels.size }}}}-byte all-reduce time varies by {{{{ $value | "
+          f"humanizePercentage }}}} from round to round {_SCOPE}."),
+    Alert("GpunetProbeStale", "collective", "warning", "0m",
+          lambda t: ("time() - gpunet_probe_last_success_timestamp_seconds > "
+                     f"{_g(t['probe']['stale_seconds'])}"),
+          "No recent successful probe round",
+          f"The last successful probe round {_SCOPE} ended {{{{ $value | humanizeDuration }}}}"
+          " ago."),
+    Alert("GpunetProbeFailing", "collective", "warning", "15m",
+          lambda t: "gpunet_probe_success == 0",
+          "Probe rounds failing",
+          f"Probe rounds {_SCOPE} fail (gpunet_probe_failures_total says why)."),
+    # --- exporter -----------------------------------------------------------------------------
+    Alert("GpunetCollectorFailing", "exporter", "warning", "10m",
+          lambda t: "gpunet_scrape_collector_success == 0",
+          "Exporter collector failing",
+          f"Collector {{{{ $labels.collector }}}} fails {_NODE}: its metrics are missing."),
+    Alert("GpunetExporterDown", "exporter", "warning", "5m",
+          lambda t: f'up{{job="{t["job"]}"}} == 0',
+          "gpunet-exporter target down",
+          f"Prometheus cannot scrape gpunet-exporter {_NODE}: no network or GPU health data "
+          "from this node."),
+)
+
+ALERT_NAMES = tuple(a.name for a in ALERTS)
+
+
+def _anchor(name: str) -> str:
+    return name.lower()
+
+
+def rule_groups(t: T) -> dict[str, Any]:
+    """The rule file's content for thresholds ``t``."""
+    alerts = []
+    for a in ALERTS:
+        alerts.append({
+            "alert": a.name,
+            "expr": a.expr(t),
+            "for": t["for"].get(a.name, a.for_),
+            "labels": {"severity": a.severity, "class": a.cls},
+            "annotations": {
+                "summary": a.summary,
+                "description": a.description,
+                "runbook_url": f"{t['runbook_url']}#{_anchor(a.name)}",
+            },
+        })
+    job = t["job"]
+    recording: list[dict[str, Any]] = [{
+        "record": FLEET_MEDIAN_BUSBW,
+        "expr": ("quantile by (scope, size) (0.5, "
+                 "gpunet_probe_allreduce_bus_bandwidth_bytes_per_second)"),
+    }]
+    health = [{
+        "record": ALERTS_FIRING,
+        "expr": (f'count by (instance) (ALERTS{{alertstate="firing", alertname=~"Gpunet.+", '
+                 f'class="{c}"}})\nor on (instance)\n'
+                 f'0 * group by (instance) (up{{job="{job}"}})'),
+        "labels": {"class": c},
+    } for c in CLASSES]
+    return {"groups": [
+        {"name": "gpunet-recording", "rules": recording},
+        {"name": "gpunet-alerts", "rules": alerts},
+        {"name": "gpunet-health", "rules": health},
+    ]}
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+HEADER = """\
+# Prometheus rules for gpunet-exporter: generated by `gpunet-rules` from the thresholds in
+# exporter/thresholds.py; do not edit by hand. To change a threshold or a `for:` duration, write a
+# thresholds file with only what differs and run `gpunet-rules --thresholds FILE > rules.yml`.
+# Each alert's runbook: docs/runbooks.md. Load with `rule_files:` in prometheus.yml.
+"""
+
+
+def render(t: T) -> str:
+    body = yaml.dump(rule_groups(t), Dumper=_Dumper, sort_keys=False, width=100,
+                     default_flow_style=False, allow_unicode=True)
+    return HEADER + body
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="gpunet-rules", description="Print gpunet-exporter's Prometheus rules.")
+    p.add_argument("--thresholds", metavar="FILE",
+                   help="YAML file overriding thresholds and `for:` durations")
+    p.add_argument("--output", "-o", metavar="FILE", help="write here instead of stdout")
+    p.add_argument("--check", metavar="FILE",
+                   help="exit 1 when FILE differs from what would be generated")
+    args = p.parse_args(argv)
+    try:
+        text = render(load(args.thresholds, ALERT_NAMES))
+    except ConfigError as exc:
+        print(f"gpunet-rules: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        try:
+            with open(args.check, encoding="utf-8") as fh:
+                current = fh.read()
+        except OSError as exc:
+            print(f"gpunet-rules: cannot read {args.check}: {exc.strerror}", file=sys.stderr)
+            return 2
+        if current != text:
+            print(f"gpunet-rules: {args.check} is stale; regenerate it with gpunet-rules",
+                  file=sys.stderr)
+            return 1
+        return 0
+    if args.output:
+        try:
+            with open(args.output, "w", encoding="utf-8") as fh:
+                fh.write(text)
+        except OSError as exc:
+            print(f"gpunet-rules: cannot write {args.output}: {exc.strerror}", file=sys.stderr)
+            return 2
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

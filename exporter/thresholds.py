@@ -1,0 +1,144 @@
+"""The thresholds behind the alert rules: one definition, shared by the rule generator
+(``gpunet-rules``, ``exporter.rules``) and the node health check.
+
+Every value has a default here, with the source that documented it in docs/runbooks.md. An
+operator changes thresholds in one YAML file that names only what differs, for example::
+
+    pfc: {roce_priority: 5}
+    probe: {expected_bus_bandwidth_bytes_per_second: {inter: 3.2e11}}
+    for: {GpunetPortRateBelowExpected: 15m}
+
+and regenerates the rules with ``gpunet-rules --thresholds FILE``. Unknown keys, wrong types and
+bad durations are refused with one line naming the key.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from exporter.config import ConfigError, Field, read_yaml, validate
+
+# Prometheus duration syntax, as `for:` and range selectors take it (one or more unit groups).
+_DURATION = re.compile(r"^(?:\d+(?:ms|s|m|h|d|w|y))+$")
+
+
+def _num(help: str, default: float, minimum: float = 0) -> Field:
+    return Field("number", help, default=default, minimum=minimum)
+
+
+def _int(help: str, default: int, minimum: int = 0) -> Field:
+    return Field("int", help, default=default, minimum=minimum)
+
+
+SCHEMA_FIELDS: dict[str, Field] = {
+    "job": Field("str", "the scrape job of the exporters (`up{job=...}`)", default="gpunet"),
+    "runbook_url": Field(
+        "str", "base address of the runbooks; each alert links to its section",
+        default="https://github.com/gpunet-exporter/gpunet-exporter/blob/main/docs/runbooks.md"),
+    "infiniband": Field("map", "port state, rate and error counters", default={}, fields={
+        "symbol_errors_per_hour": _num(
+            "symbol errors per hour above which a link is out of its BER budget", 120),
+        "link_downed_count": _int(
+            "link-downed events within link_downed_window from which a port is flapping", 2,
+            minimum=1),
+        "link_downed_window": Field("str", "window of link_downed_count", default="24h"),
+        "carrier_changes_count": _int(
+            "netdev carrier changes within carrier_changes_window from which an interface is "
+            "flapping (one flap is two changes: down, then up)", 4, minimum=1),
+        "carrier_changes_window": Field("str", "window of carrier_changes_count", default="6h"),
+        "link_error_recoveries_per_minute": _num("link retrains per minute", 5),
+        "receive_errors_per_second": _num("received packets with errors, per second", 10),
+        "transmit_discards_per_second": _num("packets discarded on transmit, per second", 100),
+    }),
+    "link": Field("map", "MTU of the RoCE netdevs", default={}, fields={
+        "roce_min_mtu_bytes": _int(
+            "smallest netdev MTU that carries a 4096-byte RDMA MTU with RoCE headers", 4200),
+    }),
+    "pfc": Field("map", "PFC, pause and ECN on RoCE interfaces", default={}, fields={
+        "roce_priority": _int("the 802.1p priority RoCE traffic uses (lossless)", 3),
+        "trust": Field("str", "the expected priority trust mode", default="dscp",
+                       choices=("dscp", "pcp")),
+        "pause_ratio": _num(
+            "fraction of time an interface may be paused (or pausing its peer) on one "
+            "priority before it alerts", 0.1),
+        "ecn_marked_packets_per_second": _num(
+            "ECN-marked RoCE packets received per second (notification point) above which "
+            "congestion alerts", 100000),
+        "cnp_handled_per_second": _num(
+            "CNPs acted on per second (reaction point) above which congestion alerts", 100000),
+    }),
+    "gpu": Field("map", "NVML", default={}, fields={
+        "pcie_replays_per_minute": _num("PCIe replays per minute", 8),
+        "busy_utilization_ratio": _num(
+            "utilization under which a GPU with compute processes counts as starved", 0.5),
+        "critical_xids": Field(
+            "list", "XID codes that page (the GPU needs a reset or the node a drain)",
+            item=Field("int", minimum=1),
+            default=[48, 56, 57, 58, 62, 63, 64, 65, 68, 69, 73, 74, 79, 80, 81, 92, 119, 120]),
+    }),
+    "probe": Field("map", "all-reduce probes", default={}, fields={
+        "latency_size_bytes": _int("message size whose median time is checked", 8192),
+        "latency_seconds": _num("median all-reduce time above which latency alerts", 0.002),
+        "bandwidth_size_bytes": _int("message size whose bus bandwidth is checked", 64 << 20),
+        "bus_bandwidth_ratio": _num(
+            "fraction of the expected bus bandwidth under which bandwidth alerts", 0.8),
+        "expected_bus_bandwidth_bytes_per_second": Field(
+            "map", "expected bus bandwidth per scope; 0 (the default) compares with the "
+            "fleet's median of the same scope and size instead", default={}, fields={
+                "intra": _num("intra-node", 0),
+                "inter": _num("across nodes", 0),
+            }),
+        "straggler_lateness_ratio": _num(
+            "how much longer than the median rank the slowest rank may be (1: twice as long)",
+            1.0),
+        "variation_ratio": _num(
+            "coefficient of variation of the per-round median time over the window", 0.1),
+        "variation_window": Field("str", "window of the round-to-round variation",
+                                  default="30m"),
+        "stale_seconds": _num("age of the last successful round that counts as stale", 900),
+    }),
+}
+
+
+def schema(alert_names: tuple[str, ...] = ()) -> Field:
+    """The thresholds schema; ``alert_names`` are the keys allowed under ``for``."""
+    fields = dict(SCHEMA_FIELDS)
+    fields["for"] = Field("map", "`for:` duration per alert name, replacing the built-in one",
+                          default={}, fields={n: Field("str") for n in alert_names})
+    return Field("map", fields=fields)
+
+
+def _check_durations(value: Any, key: str) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_durations(v, f"{key}.{k}" if key else k)
+    elif (key.startswith("for.") or key.endswith("_window")) and not _DURATION.match(value):
+        raise ConfigError(f"key {key!r}: expected a Prometheus duration such as 5m or "
+                              f"1h30m, got {value!r}")
+
+
+def load(path: str | None, alert_names: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The defaults, overridden by the YAML file at ``path`` (when given); ConfigError names the
+    file and the key that is wrong."""
+    raw: Any = {}
+    where = "defaults"
+    if path is not None:
+        where = f"thresholds file {path!r}"
+        try:
+            raw = read_yaml(path)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        if raw is None:
+            raw = {}
+    try:
+        result: dict[str, Any] = validate(raw, schema(alert_names), "")
+        _check_durations(result, "")
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    result.setdefault("for", {})
+    return result
+
+
+def defaults(alert_names: tuple[str, ...] = ()) -> dict[str, Any]:
+    return load(None, alert_names)

@@ -1,0 +1,357 @@
+"""alerts/: the generated rule file, its promtool unit tests, the thresholds that drive it, the
+Alertmanager example and the runbooks. The end-to-end run with a real Prometheus and
+Alertmanager is tests/test_alerts_e2e.py."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from exporter import rules, thresholds
+
+from conftest import REPO
+
+ALERTS_DIR = REPO / "alerts"
+RULES = ALERTS_DIR / "gpunet.rules.yml"
+RULE_TESTS = ALERTS_DIR / "gpunet.rules.test.yml"
+AM_CONFIG = ALERTS_DIR / "alertmanager.yml"
+RUNBOOKS = REPO / "docs" / "runbooks.md"
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} is required (Debian's prometheus / prometheus-alertmanager packages)"
+    return path
+
+
+def run_rules(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "exporter.rules", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def documented_metrics() -> set[str]:
+    text = (REPO / "docs" / "metrics.md").read_text()
+    return set(re.findall(r"^\| `(gpunet_[a-z0-9_]+)` \|", text, re.M))
+
+
+def rule_list(path: Path = RULES) -> list[dict[str, Any]]:
+    doc = yaml.safe_load(path.read_text())
+    return [r for g in doc["groups"] for r in g["rules"]]
+
+
+def promtool_test(tmp_path: Path, rules_text: str, tests: list[dict[str, Any]]) -> str:
+    """Run `promtool test rules` on ``tests`` against ``rules_text``; returns its output, and
+    raises AssertionError when it fails."""
+    (tmp_path / "r.yml").write_text(rules_text)
+    (tmp_path / "t.yml").write_text(yaml.safe_dump(
+        {"rule_files": ["r.yml"], "evaluation_interval": "1m", "tests": tests}))
+    out = subprocess.run([tool("promtool"), "test", "rules", "t.yml"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+# -- the rule file --------------------------------------------------------------------------
+
+
+def test_rule_file_is_generated_from_the_defaults() -> None:
+    out = run_rules("--check", str(RULES))
+    assert out.returncode == 0, (
+        f"{out.stderr}alerts/gpunet.rules.yml is stale: run "
+        "`python -m exporter.rules -o alerts/gpunet.rules.yml`")
+    assert RULES.read_text() == rules.render(thresholds.defaults(rules.ALERT_NAMES))
+
+
+def test_check_detects_a_stale_file(tmp_path: Path) -> None:
+    stale = tmp_path / "rules.yml"
+    stale.write_text(RULES.read_text().replace("> 120", "> 121"))
+    out = run_rules("--check", str(stale))
+    assert out.returncode == 1 and "stale" in out.stderr
+
+
+def test_promtool_check_rules() -> None:
+    out = subprocess.run([tool("promtool"), "check", "rules", str(RULES)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"SUCCESS: {len(rule_list())} rules found" in out.stdout
+
+
+def test_promtool_unit_tests_pass() -> None:
+    out = subprocess.run([tool("promtool"), "test", "rules", RULE_TESTS.name], cwd=ALERTS_DIR,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_alert_has_a_firing_and_a_silent_unit_test() -> None:
+    doc = yaml.safe_load(RULE_TESTS.read_text())
+    firing: set[str] = set()
+    silent: set[str] = set()
+    for t in doc["tests"]:
+        for a in t.get("alert_rule_test", []):
+            (firing if a["exp_alerts"] else silent).add(a["alertname"])
+            for exp in a["exp_alerts"]:  # each expectation spells out the whole notification
+                assert set(exp["exp_annotations"]) == {"summary", "description", "runbook_url"}
+    names = set(rules.ALERT_NAMES)
+    assert names - firing == set(), "alerts without a firing test"
+    assert names - silent == set(), "alerts without a not-firing test"
+    assert (firing | silent) <= names
+
+
+def test_unit_tests_bite_when_a_threshold_moves(tmp_path: Path) -> None:
+    """The shipped unit tests fail against rules generated with another threshold: they check
+    the numbers, not just that something fires."""
+    (tmp_path / "t.yml").write_text("infiniband: {symbol_errors_per_hour: 200}\n")
+    moved = rules.render(thresholds.load(str(tmp_path / "t.yml"), rules.ALERT_NAMES))
+    (tmp_path / "gpunet.rules.yml").write_text(moved)
+    shutil.copy(RULE_TESTS, tmp_path / RULE_TESTS.name)
+    out = subprocess.run([tool("promtool"), "test", "rules", RULE_TESTS.name], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "GpunetPortSymbolErrors: fires" in out.stdout + out.stderr
+
+
+def test_alerts_are_well_formed() -> None:
+    """Names, severities, classes, `for:`, a static summary, a templated description naming
+    the node, and a runbook section for every alert."""
+    runbook = RUNBOOKS.read_text()
+    anchors = {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-")
+               for h in re.findall(r"^#+ (.+)$", runbook, re.M)}
+    alerts = [r for r in rule_list() if "alert" in r]
+    assert len(alerts) == len(rules.ALERTS) == len(set(rules.ALERT_NAMES))
+    for r in alerts:
+        name = r["alert"]
+        assert re.fullmatch(r"Gpunet[A-Z][A-Za-z]+", name)
+        assert r["labels"]["severity"] in ("critical", "warning", "info")
+        assert r["labels"]["class"] in rules.CLASSES
+        assert re.fullmatch(r"\d+[smh]", r["for"])
+        ann = r["annotations"]
+        assert "{{" not in ann["summary"], name
+        assert "{{ $labels.instance }}" in ann["description"], name
+        assert "$value" in ann["description"] or name in (
+            "GpunetPortCounterSaturated", "GpunetNcclSocketFallback", "GpunetGdrInactive",
+            "GpunetGdrNotReady", "GpunetGpuNicNumaMismatch", "GpunetGpuPcieLinkDegraded",
+            "GpunetGpuLost", "GpunetNvmlDown", "GpunetProbeFailing", "GpunetCollectorFailing",
+            "GpunetExporterDown", "GpunetPauseStorm", "GpunetPfcDisabledOnRocePriority",
+            "GpunetPfcTrustNotExpected"), f"{name}: the description should show the value"
+        url = ann["runbook_url"]
+        assert url.startswith(thresholds.defaults()["runbook_url"] + "#")
+        assert url.split("#")[1] in anchors, f"{name}: no section in docs/runbooks.md"
+    assert {r["labels"]["severity"] for r in alerts} >= {"critical", "warning"}
+
+
+def test_recording_rules_follow_level_metric_operations() -> None:
+    for r in rule_list():
+        if "record" in r:
+            assert re.fullmatch(r"[a-z_]+:[a-z_]+:[a-z0-9_]+", r["record"]), r["record"]
+
+
+def test_rules_use_only_metrics_the_exporter_exposes() -> None:
+    known = documented_metrics()
+    assert len(known) > 200
+    recorded = {r["record"] for r in rule_list() if "record" in r}
+    used: set[str] = set()
+    for r in rule_list():
+        expr = re.sub(r'"[^"]*"', '""', r["expr"])  # label values and label_replace arguments
+        used.update(re.findall(r"\b(gpunet_[a-z0-9_]+|[a-z_]+:[a-z_]+:[a-z0-9_]+)\b", expr))
+    unknown = {n for n in used if n not in known and n not in recorded}
+    assert not unknown, f"rules use metrics the exporter does not expose: {sorted(unknown)}"
+    assert len(used - recorded) > 40
+
+
+def test_metric_check_catches_a_misspelt_name() -> None:
+    known = documented_metrics()
+    assert "gpunet_infiniband_port_state_id" in known
+    assert "gpunet_infiniband_port_state" not in known
+
+
+# -- thresholds -----------------------------------------------------------------------------
+
+
+def test_thresholds_override_one_place(tmp_path: Path) -> None:
+    f = tmp_path / "thresholds.yml"
+    f.write_text("pfc: {roce_priority: 5, trust: pcp}\njob: gpu-nodes\n"
+                 "for: {GpunetPortRateBelowExpected: 15m}\n"
+                 "probe: {expected_bus_bandwidth_bytes_per_second: {inter: 3.2e11}}\n")
+    out = run_rules("--thresholds", str(f))
+    assert out.returncode == 0, out.stderr
+    by_name = {r.get("alert") or r["record"]: r for r in
+               (r for g in yaml.safe_load(out.stdout)["groups"] for r in g["rules"])}
+    assert 'priority="5"' in by_name["GpunetPfcDisabledOnRocePriority"]["expr"]
+    assert 'trust!="pcp"' in by_name["GpunetPfcTrustNotExpected"]["expr"]
+    assert by_name["GpunetPortRateBelowExpected"]["for"] == "15m"
+    assert by_name["GpunetPortDown"]["for"] == "2m"  # the rest keep theirs
+    assert 'up{job="gpu-nodes"}' in by_name["GpunetExporterDown"]["expr"]
+    busbw = by_name["GpunetBusBandwidthLow"]["expr"]
+    assert 'scope="inter"} < 0.8 * 320000000000' in busbw
+    assert 'scope=~"intra"' in busbw  # intra still compares with the fleet median
+    # Unchanged values stay the defaults.
+    assert "> 120" in by_name["GpunetPortSymbolErrors"]["expr"]
+
+
+def test_configured_expected_bandwidth_fires_below_80_percent(tmp_path: Path) -> None:
+    f = tmp_path / "thresholds.yml"
+    f.write_text("probe: {expected_bus_bandwidth_bytes_per_second: {inter: 1.0e11}}\n")
+    text = rules.render(thresholds.load(str(f), rules.ALERT_NAMES))
+    bw = ('gpunet_probe_allreduce_bus_bandwidth_bytes_per_second{instance="%s", job="gpunet", '
+          'scope="inter", size="67108864"}')
+    promtool_test(tmp_path, text, [{
+        "interval": "1m",
+        "input_series": [{"series": bw % "slow", "values": "70000000000x20"},
+                         {"series": bw % "fine", "values": "90000000000x20"}],
+        "alert_rule_test": [{"eval_time": "15m", "alertname": "GpunetBusBandwidthLow",
+                             "exp_alerts": [{"exp_labels": {
+                                 "severity": "warning", "class": "collective", "scope": "inter",
+                                 "size": "67108864", "instance": "slow", "job": "gpunet"},
+                                 "exp_annotations": {
+                                     "summary": "All-reduce bus bandwidth below the expected",
+                                     "description": "The 67108864-byte all-reduce reaches 70GB/s"
+                                     " bus bandwidth (inter-node probe) on slow, below the "
+                                     "expected.",
+                                     "runbook_url": thresholds.defaults()["runbook_url"]
+                                     + "#gpunetbusbandwidthlow"}}]}]}])
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("pfc: {roce_prio: 3}\n", "key 'pfc.roce_prio': unknown key"),
+    ("pfc: {roce_priority: three}\n", "key 'pfc.roce_priority': expected an integer"),
+    ("for: {GpunetPortDown: soon}\n", "key 'for.GpunetPortDown': expected a Prometheus duration"),
+    ("for: {GpunetNoSuchAlert: 5m}\n", "key 'for.GpunetNoSuchAlert': unknown key"),
+    ("probe: {variation_window: 30}\n", "key 'probe.variation_window': expected a string"),
+    ("pfc: [\n", "invalid YAML at line"),
+    ("pfc: {trust: vlan}\n", "expected one of dscp, pcp"),
+])
+def test_bad_thresholds_file_one_line_exit_2(tmp_path: Path, content: str, message: str) -> None:
+    f = tmp_path / "t.yml"
+    f.write_text(content)
+    out = run_rules("--thresholds", str(f))
+    assert out.returncode == 2
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr
+    assert lines[0].startswith(f"gpunet-rules: thresholds file '{f}': ")
+    assert message in lines[0]
+
+
+def test_missing_thresholds_file(tmp_path: Path) -> None:
+    out = run_rules("--thresholds", str(tmp_path / "nope.yml"))
+    assert out.returncode == 2 and "cannot read" in out.stderr
+
+
+def test_output_file(tmp_path: Path) -> None:
+    out = run_rules("-o", str(tmp_path / "r.yml"))
+    assert out.returncode == 0 and out.stdout == ""
+    assert (tmp_path / "r.yml").read_text() == RULES.read_text()
+
+
+def test_every_threshold_is_documented_in_the_runbooks() -> None:
+    """docs/runbooks.md has the thresholds table with every key and its default."""
+    text = RUNBOOKS.read_text()
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+            return
+        if prefix in ("for", "runbook_url", "job"):
+            return
+        assert f"`{prefix}`" in text, f"threshold {prefix} is not in docs/runbooks.md"
+
+    walk("", {k: v for k, v in thresholds.defaults().items() if k != "for"})
+
+
+# -- Alertmanager example ---------------------------------------------------------------------
+
+
+def test_amtool_checks_the_example() -> None:
+    out = subprocess.run([tool("amtool"), "check-config", str(AM_CONFIG)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "5 inhibit rules" in out.stdout
+
+
+@pytest.mark.parametrize(("labels", "receiver"), [
+    (["severity=critical", "alertname=GpunetGdrNotReady"], "pager"),
+    (["severity=warning", "alertname=GpunetPortSymbolErrors"], "ticket"),
+    (["severity=info"], "none"),
+    (["alertname=Unlabelled"], "ticket"),
+])
+def test_routing_tree(labels: list[str], receiver: str) -> None:
+    out = subprocess.run([tool("amtool"), "config", "routes", "test",
+                          f"--config.file={AM_CONFIG}", *labels],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == receiver, out.stdout + out.stderr
+
+
+def test_inhibition_rules_name_real_alerts() -> None:
+    """Every alert-name matcher of the inhibition rules matches alerts that exist, and each
+    alternative of a regex names one (a renamed alert would otherwise silently stop being
+    inhibited)."""
+    am = yaml.safe_load(AM_CONFIG.read_text())
+    names = set(rules.ALERT_NAMES)
+    severities = {a.name: a.severity for a in rules.ALERTS}
+    for rule in am["inhibit_rules"]:
+        for key in ("source_matchers", "target_matchers"):
+            for m in rule[key]:
+                label, op, value = re.fullmatch(r'(\w+)(=~|=)"(.*)"', m).groups()  # type: ignore[union-attr]
+                assert label == "alertname"
+                pattern = re.compile(value if op == "=~" else re.escape(value))
+                matched = {n for n in names if pattern.fullmatch(n)}
+                assert matched, f"{m} matches no alert"
+                if op == "=~":
+                    for alt in _alternatives(value):
+                        assert any(re.fullmatch(alt, n) for n in names), f"{alt} in {m}"
+        # Inhibition only ever silences alerts that are at most as severe as their cause.
+        sources = [n for n in names if any(re.fullmatch(_regex(m), n)
+                                           for m in rule["source_matchers"])]
+        assert all(severities[s] == "critical" for s in sources)
+
+
+def _regex(matcher: str) -> str:
+    op_value = re.fullmatch(r'alertname(=~|=)"(.*)"', matcher)
+    assert op_value
+    op, value = op_value.groups()
+    return value if op == "=~" else re.escape(value)
+
+
+def _alternatives(regex: str) -> list[str]:
+    """Top-level alternatives of a regex (splitting on | outside parentheses)."""
+    parts, depth, cur = [], 0, ""
+    for ch in regex:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch == "|" and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [*parts, cur]
+
+
+def test_exponent_numbers_read_as_numbers(tmp_path: Path) -> None:
+    """PyYAML reads 1.0e11 (no exponent sign) as a string; a number field takes it as YAML 1.2
+    would, while other strings are still refused."""
+    f = tmp_path / "t.yml"
+    f.write_text("probe: {expected_bus_bandwidth_bytes_per_second: {inter: 1.0e11, intra: 4e11}}\n")
+    t = thresholds.load(str(f))
+    assert t["probe"]["expected_bus_bandwidth_bytes_per_second"] == {"inter": 1e11, "intra": 4e11}
+    f.write_text("probe: {latency_seconds: 2ms}\n")
+    with pytest.raises(thresholds.ConfigError, match="expected a number, got '2ms'"):
+        thresholds.load(str(f))
+
+
+def test_runbook_index_matches_the_rules() -> None:
+    """The alert index at the top of docs/runbooks.md lists every alert with its class,
+    severity and `for:` as the rules have them."""
+    rows = re.findall(r"^\| \[(Gpunet\w+)\]\(#\w+\) \| (\w+) \| (\w+) \| (\w+) \|$",
+                      RUNBOOKS.read_text(), re.M)
+    index = {name: (cls, sev, for_) for name, cls, sev, for_ in rows}
+    assert index == {a.name: (a.cls, a.severity, a.for_) for a in rules.ALERTS}

@@ -1,0 +1,624 @@
+"""The Grafana dashboards in grafana/: committed JSON equals what grafana/generate.py makes, the
+structure Grafana 10 needs and our conventions (stable uids, tag, datasource variable, units,
+$__rate_interval, instance filters, no overlapping panels), every metric a query names exists
+in docs/metrics.md, and every query is valid PromQL to promtool. Each checker is also fed a
+deliberately broken input, so that a check that silently accepts everything fails here."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+GRAFANA = REPO / "grafana"
+
+
+def _load_generator() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpunet_grafana_generate",
+                                                  GRAFANA / "generate.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = _load_generator()
+Json = dict[str, Any]
+DASHBOARDS: dict[str, Json] = gen.dashboards()
+
+EXPECTED_UIDS = {"gpunet-fleet.json": "gpunet-fleet", "gpunet-node.json": "gpunet-node",
+                 "gpunet-collectives.json": "gpunet-collectives"}
+DS_REF = {"type": "prometheus", "uid": "${datasource}"}
+PANEL_TYPES = {"row", "timeseries", "stat", "table", "state-timeline", "status-history",
+               "bargauge", "gauge"}
+# Grafana unit ids the dashboards use; add a new one here only after checking Grafana has it.
+KNOWN_UNITS = {"short", "none", "s", "Bps", "bytes", "percentunit", "pps", "cps", "cpm"}
+# Built-in Grafana variables a query or title may use besides the dashboard's own.
+BUILTIN_VARIABLES = {"__rate_interval", "__interval", "__interval_ms", "__range", "__range_s",
+                     "__range_ms"}
+
+# Names a query may use that are not in docs/metrics.md: Prometheus' own series, and recording
+# rules of alerts/gpunet.rules.yml (level:metric:operations).
+PROMETHEUS_SERIES = {"up", "ALERTS"}
+RECORDING_RULES = {"instance_class:gpunet_alerts_firing:count"}
+RECORDING_RULE_NAME = re.compile(r"^[a-z_]+:[a-z_]+:[a-z_0-9]+$")
+
+
+def every(check: Callable[[Json], list[str]]) -> list[str]:
+    return [f"{name}: {p}" for name, dash in DASHBOARDS.items() for p in check(dash)]
+
+
+def all_queries(dash: Json) -> list[tuple[str, str]]:
+    return [*gen.queries(dash), *gen.annotation_queries(dash)]
+
+
+# ---------------------------------------------------------------------------------------------
+# PromQL tokenizer: which names in an expression are metric names
+
+
+TOKEN = re.compile(r"""
+    (?P<ws>\s+)
+  | (?P<string>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|`[^`]*`)
+  | (?P<var>\$\{[^}]*\}|\$\w+|\[\[\w+(?::\w+)?\]\])
+  | (?P<number>(?:0[xX][0-9a-fA-F]+|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)[a-zA-Z0-9_]*)
+  | (?P<ident>[a-zA-Z_:][a-zA-Z0-9_:]*)
+  | (?P<op>=~|!~|!=|==|<=|>=|[-+*/%^<>=,(){}\[\]@:])
+""", re.X)
+AGGREGATIONS = {"sum", "min", "max", "avg", "group", "stddev", "stdvar", "count",
+                "count_values", "bottomk", "topk", "quantile", "limitk", "limit_ratio"}
+LABEL_LIST_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right"}
+KEYWORDS = LABEL_LIST_KEYWORDS | {"bool", "offset", "and", "or", "unless", "atan2"}
+NUMBER_WORDS = {"inf", "nan"}
+CLOSING = {"(": ")", "{": "}", "[": "]"}
+
+
+def tokens(expr: str) -> list[tuple[str, str, int, int]]:
+    """(kind, text, start, end) of each token, whitespace left out."""
+    out = []
+    pos = 0
+    while pos < len(expr):
+        m = TOKEN.match(expr, pos)
+        if not m:
+            raise ValueError(f"cannot tokenize {expr[pos:pos + 20]!r} in {expr!r}")
+        kind = m.lastgroup or ""
+        if kind != "ws":
+            out.append((kind, m.group(), m.start(), m.end()))
+        pos = m.end()
+    return out
+
+
+def _matching(toks: list[tuple[str, str, int, int]], i: int) -> int:
+    """Index of the bracket closing the one at toks[i]."""
+    opening, depth = toks[i][1], 0
+    for j in range(i, len(toks)):
+        if toks[j][0] != "op":
+            continue
+        if toks[j][1] == opening:
+            depth += 1
+        elif toks[j][1] == CLOSING[opening]:
+            depth -= 1
+            if depth == 0:
+                return j
+    raise ValueError(f"unbalanced {opening!r}")
+
+
+def selectors(expr: str) -> list[tuple[str, str]]:
+    """(metric name, matchers between braces or '') of every vector selector in expr. Function
+    and aggregation names, keywords, label names in {} and in by/without/on/ignoring/group_x
+    lists, strings, numbers, durations and ranges are skipped; a selector without a metric name
+    ({__name__=...}) comes back with name ''."""
+    toks = tokens(expr)
+    out: list[tuple[str, str]] = []
+    i = 0
+    while i < len(toks):
+        kind, text, _, _ = toks[i]
+        following = toks[i + 1][1] if i + 1 < len(toks) else ""
+        if kind == "op" and text == "[":
+            i = _matching(toks, i) + 1  # range or subquery: durations and variables only
+            continue
+        if kind == "op" and text == "{":  # a selector without a metric name
+            close = _matching(toks, i)
+            out.append(("", expr[toks[i][3]:toks[close][2]]))
+            i = close + 1
+            continue
+        if kind != "ident":
+            i += 1
+            continue
+        if text in LABEL_LIST_KEYWORDS and following == "(":
+            i = _matching(toks, i + 1) + 1
+            continue
+        if text in KEYWORDS or text in AGGREGATIONS or text.lower() in NUMBER_WORDS:
+            i += 1
+            continue
+        if following == "(":  # a function call
+            i += 1
+            continue
+        if following == "{":
+            close = _matching(toks, i + 1)
+            out.append((text, expr[toks[i + 1][3]:toks[close][2]]))
+            i = close + 1
+            continue
+        out.append((text, ""))
+        i += 1
+    return out
+
+
+def metric_names(expr: str) -> set[str]:
+    return {name for name, _ in selectors(expr)}
+
+
+def documented_metrics() -> set[str]:
+    text = (REPO / "docs" / "metrics.md").read_text()
+    names = set(re.findall(r"^\| `([a-zA-Z_:][a-zA-Z0-9_:]*)` \| (?:gauge|counter|histogram|"
+                           r"summary|info|untyped) \|", text, re.M))
+    assert len(names) > 100, "docs/metrics.md: metric table not found; did its format change?"
+    return names
+
+
+def unknown_metrics(expr: str, documented: set[str]) -> list[str]:
+    problems = []
+    for name in sorted(metric_names(expr)):
+        if name == "":
+            problems.append("a selector without a metric name")
+        elif name in RECORDING_RULES:
+            if not RECORDING_RULE_NAME.match(name):
+                problems.append(f"{name}: not a level:metric:operations name")
+        elif name not in documented and name not in PROMETHEUS_SERIES:
+            problems.append(f"{name}: not in docs/metrics.md")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkers (each returns its problems; the tests below assert none, and feed them bad input)
+
+
+def _panels(dash: Json) -> Iterator[Json]:
+    yield from gen.iter_panels(dash)
+
+
+def _overlap(a: Json, b: Json) -> bool:
+    ga, gb = a["gridPos"], b["gridPos"]
+    return (ga["x"] < gb["x"] + gb["w"] and gb["x"] < ga["x"] + ga["w"]
+            and ga["y"] < gb["y"] + gb["h"] and gb["y"] < ga["y"] + ga["h"])
+
+
+def _overlaps(group: list[Json]) -> list[str]:
+    return [f"panels {a.get('title')!r} and {b.get('title')!r} overlap"
+            for i, a in enumerate(group) for b in group[i + 1:] if _overlap(a, b)]
+
+
+def structure_problems(dash: Json) -> list[str]:
+    problems = []
+    if dash.get("uid") not in EXPECTED_UIDS.values():
+        problems.append(f"unexpected uid {dash.get('uid')!r}")
+    if "gpunet" not in dash.get("tags", []):
+        problems.append("missing tag gpunet")
+    if not 36 <= dash.get("schemaVersion", 0) <= 41:
+        problems.append(f"schemaVersion {dash.get('schemaVersion')} is not Grafana 10/11's")
+    ids = [p.get("id") for p in _panels(dash)]
+    if len(ids) != len(set(ids)) or None in ids:
+        problems.append(f"panel ids not unique: {ids}")
+    for p in _panels(dash):
+        title = p.get("title") or f"<id {p.get('id')}>"
+        grid = p.get("gridPos", {})
+        if not all(isinstance(grid.get(k), int) for k in ("x", "y", "w", "h")):
+            problems.append(f"{title}: gridPos missing or incomplete")
+            continue
+        if grid["x"] < 0 or grid["w"] < 1 or grid["x"] + grid["w"] > 24 or grid["h"] < 1:
+            problems.append(f"{title}: gridPos {grid} outside the 24-column grid")
+        if p.get("type") not in PANEL_TYPES:
+            problems.append(f"{title}: panel type {p.get('type')!r}")
+    if problems:
+        return problems
+    top = dash["panels"]
+    problems += _overlaps(top)
+    for row in top:
+        if row.get("type") == "row" and row.get("panels"):
+            if not row.get("collapsed"):
+                problems.append(f"row {row['title']!r}: panels nested in an expanded row")
+            problems += _overlaps([row, *row["panels"]])
+    return problems
+
+
+def panel_problems(dash: Json) -> list[str]:
+    """Every panel: title, description, datasource variable on it and on its targets, a unit,
+    at least one query."""
+    problems = []
+    for p in _panels(dash):
+        if p["type"] == "row":
+            continue
+        title = p.get("title", "")
+        if not title or not p.get("description"):
+            problems.append(f"panel {p.get('id')}: no title or description")
+        if p.get("datasource") != DS_REF:
+            problems.append(f"{title}: panel datasource {p.get('datasource')} is not $datasource")
+        if not p.get("targets"):
+            problems.append(f"{title}: no targets")
+        for t in p.get("targets", []):
+            if t.get("datasource") != DS_REF:
+                problems.append(f"{title}: target {t.get('refId')} datasource "
+                                f"{t.get('datasource')} is not $datasource")
+            if not t.get("expr"):
+                problems.append(f"{title}: target {t.get('refId')} has no expr")
+        unit = p.get("fieldConfig", {}).get("defaults", {}).get("unit")
+        if not unit:
+            problems.append(f"{title}: no unit (fieldConfig.defaults.unit)")
+        elif unit not in KNOWN_UNITS:
+            problems.append(f"{title}: unit {unit!r} not in KNOWN_UNITS")
+    return problems
+
+
+def variable_problems(dash: Json) -> list[str]:
+    problems = []
+    variables = {v["name"]: v for v in dash.get("templating", {}).get("list", [])}
+    ds = variables.get("datasource", {})
+    if ds.get("type") != "datasource" or ds.get("query") != "prometheus":
+        problems.append("no datasource variable of type datasource, query prometheus")
+    inst = variables.get("instance", {})
+    if inst.get("type") != "query" or not re.fullmatch(
+            r"label_values\(gpunet_exporter_build_info(\{[^}]*\})?, instance\)",
+            inst.get("query", "")):
+        problems.append("no instance variable from label_values(gpunet_exporter_build_info, "
+                        "instance)")
+    for v in variables.values():
+        if v.get("type") == "query" and v.get("datasource") != DS_REF:
+            problems.append(f"variable {v['name']}: datasource is not $datasource")
+    # Every $variable used in a query, a title or a variable query must be defined.
+    texts = [e for _, e in all_queries(dash)]
+    texts += [p.get("title", "") for p in _panels(dash)]
+    texts += [v.get("query", "") for v in variables.values() if v.get("type") == "query"]
+    for text in texts:
+        for m in gen._VARIABLE.finditer(text):
+            name = next(g for g in m.groups() if g)
+            if name not in variables and name not in BUILTIN_VARIABLES:
+                problems.append(f"${name} used in {text!r} is not a variable of the dashboard")
+    return problems
+
+
+RANGE_FUNCTION = re.compile(r"\b(rate|irate|increase)\s*\(")
+
+
+def rate_problems(expr: str) -> list[str]:
+    """rate/irate/increase read their counter over [$__rate_interval]; no other range appears."""
+    problems = []
+    for m in RANGE_FUNCTION.finditer(expr):
+        depth, end = 0, len(expr)
+        for j in range(m.end() - 1, len(expr)):
+            depth += {"(": 1, ")": -1}.get(expr[j], 0)
+            if depth == 0:
+                end = j
+                break
+        if not expr[m.end():end].rstrip().endswith("[$__rate_interval]"):
+            problems.append(f"{m.group(1)}() without [$__rate_interval]: {expr}")
+    for rng in re.findall(r"\[[^\[\]]*\]", expr):
+        if rng != "[$__rate_interval]":
+            problems.append(f"range {rng} instead of [$__rate_interval]: {expr}")
+    return problems
+
+
+INSTANCE_MATCHER = re.compile(r'(?:^|,)\s*instance\s*=~?\s*"\$(?:instance|\{instance\})"')
+
+
+def instance_problems(expr: str) -> list[str]:
+    """Every vector selector filters by the instance variable."""
+    return [f"{name or '{...}'} not filtered by instance: {expr}"
+            for name, matchers in selectors(expr) if not INSTANCE_MATCHER.search(matchers)]
+
+
+def query_problems(dash: Json, documented: set[str]) -> list[str]:
+    problems = []
+    for title, expr in all_queries(dash):
+        problems += [f"{title}: {p}" for p in rate_problems(expr)]
+        problems += [f"{title}: {p}" for p in instance_problems(expr)]
+        problems += [f"{title}: {p}" for p in unknown_metrics(expr, documented)]
+    for name, query in gen.variable_queries(dash):
+        m = re.fullmatch(r"label_values\((.+), *\w+\)", query)
+        if not m:
+            problems.append(f"variable {name}: query {query!r} is not label_values(metric, label)")
+            continue
+        problems += [f"variable {name}: {p}" for p in unknown_metrics(m.group(1), documented)]
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) generated == committed
+
+
+def test_committed_dashboards_are_fresh() -> None:
+    assert set(DASHBOARDS) == set(EXPECTED_UIDS)
+    for name, dash in DASHBOARDS.items():
+        path = GRAFANA / name
+        assert path.exists(), f"{path} missing: run `python grafana/generate.py`"
+        assert path.read_text(encoding="utf-8") == gen.render(dash), (
+            f"{path} is stale: run `python grafana/generate.py` and commit the result")
+        assert json.loads(path.read_text(encoding="utf-8")) == dash
+
+
+def test_generation_is_deterministic() -> None:
+    again = _load_generator().dashboards()
+    for name, dash in DASHBOARDS.items():
+        text = gen.render(dash)
+        assert text == gen.render(again[name])
+        assert text.endswith("}\n")
+
+
+def _copy_committed(tmp_path: Path) -> None:
+    for name in EXPECTED_UIDS:
+        shutil.copy(GRAFANA / name, tmp_path / name)
+
+
+def test_check_flag_passes_on_fresh_files(tmp_path: Path) -> None:
+    _copy_committed(tmp_path)
+    res = subprocess.run([sys.executable, str(GRAFANA / "generate.py"), "--check",
+                          "--dir", str(tmp_path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+def test_check_flag_names_the_stale_file(tmp_path: Path) -> None:
+    _copy_committed(tmp_path)
+    stale = tmp_path / "gpunet-node.json"
+    stale.write_text(stale.read_text().replace('"gpunet / Node"', '"gpunet / Node (old)"'))
+    res = subprocess.run([sys.executable, str(GRAFANA / "generate.py"), "--check",
+                          "--dir", str(tmp_path)], capture_output=True, text=True)
+    assert res.returncode == 1
+    assert "gpunet-node.json" in res.stderr
+    assert "gpunet-fleet.json" not in res.stderr
+    (tmp_path / "gpunet-fleet.json").unlink()  # a missing file is stale too
+    res = subprocess.run([sys.executable, str(GRAFANA / "generate.py"), "--check",
+                          "--dir", str(tmp_path)], capture_output=True, text=True)
+    assert res.returncode == 1 and "gpunet-fleet.json" in res.stderr
+
+
+def test_generate_writes_the_files(tmp_path: Path) -> None:
+    assert gen.main(["--dir", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(EXPECTED_UIDS)
+    assert gen.main(["--check", "--dir", str(tmp_path)]) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) structure
+
+
+def test_uids_titles_and_tags() -> None:
+    assert {name: d["uid"] for name, d in DASHBOARDS.items()} == EXPECTED_UIDS
+    assert len({d["title"] for d in DASHBOARDS.values()}) == 3
+    assert all(d["tags"] == ["gpunet"] for d in DASHBOARDS.values())
+
+
+def test_structure() -> None:
+    assert every(structure_problems) == []
+
+
+def test_panels_have_datasource_unit_and_description() -> None:
+    assert every(panel_problems) == []
+
+
+def test_variables() -> None:
+    assert every(variable_problems) == []
+    multi = {name: next(v for v in d["templating"]["list"] if v["name"] == "instance")["multi"]
+             for name, d in DASHBOARDS.items()}
+    assert multi == {"gpunet-fleet.json": True, "gpunet-node.json": False,
+                     "gpunet-collectives.json": True}
+
+
+def test_queries_use_rate_interval_instance_and_documented_metrics() -> None:
+    documented = documented_metrics()
+    assert every(lambda d: query_problems(d, documented)) == []
+
+
+def test_dashboards_have_queries() -> None:
+    for name, dash in DASHBOARDS.items():
+        assert len(gen.queries(dash)) >= 15, name
+
+
+def test_fleet_health_matrix_uses_the_recording_rule() -> None:
+    fleet = DASHBOARDS["gpunet-fleet.json"]
+    matrix = [p for p in gen.iter_panels(fleet) if any(
+        t["id"] == "groupingToMatrix" for t in p.get("transformations", []))]
+    assert len(matrix) == 1
+    (expr,) = [t["expr"] for t in matrix[0]["targets"]]
+    assert metric_names(expr) == {"instance_class:gpunet_alerts_firing:count"}
+    organize = matrix[0]["transformations"][-1]["options"]["indexByName"]
+    assert [c for c in organize if c in gen.ALERT_CLASSES] == list(gen.ALERT_CLASSES)
+
+
+def test_recording_rules_exist_in_alerts() -> None:
+    rules_file = REPO / "alerts" / "gpunet.rules.yml"
+    if not rules_file.exists():
+        pytest.skip("alerts/gpunet.rules.yml not present in this tree")
+    recorded = {r["record"] for g in yaml.safe_load(rules_file.read_text())["groups"]
+                for r in g["rules"] if "record" in r}
+    missing = RECORDING_RULES - recorded
+    assert not missing, f"recording rules the dashboards use are not in {rules_file}: {missing}"
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) the checkers catch what they should
+
+
+def _first(dash: Json, kind: str) -> Json:
+    return next(p for p in gen.iter_panels(dash) if p["type"] == kind)
+
+
+def test_structure_checker_catches_overlap_duplicate_ids_and_bad_grid() -> None:
+    dash = copy.deepcopy(DASHBOARDS["gpunet-node.json"])
+    a, b = [p for p in dash["panels"] if p["type"] == "timeseries"][:2]
+    b["gridPos"] = dict(a["gridPos"])
+    assert any("overlap" in p for p in structure_problems(dash))
+    b["id"] = a["id"]
+    assert any("not unique" in p for p in structure_problems(dash))
+    b["id"] = 9999
+    b["gridPos"] = {"x": 20, "y": 500, "w": 8, "h": 4}
+    assert any("24-column" in p for p in structure_problems(dash))
+    del b["gridPos"]
+    assert any("gridPos missing" in p for p in structure_problems(dash))
+    dash = copy.deepcopy(DASHBOARDS["gpunet-node.json"])
+    dash["uid"], dash["tags"], dash["schemaVersion"] = "node", [], 16
+    assert len(structure_problems(dash)) == 3
+
+
+def test_structure_checker_sees_nested_panels() -> None:
+    dash = copy.deepcopy(DASHBOARDS["gpunet-fleet.json"])
+    row = next(p for p in dash["panels"] if p["type"] == "row" and p["collapsed"])
+    assert row["panels"], "the test needs a collapsed row with panels"
+    row["panels"][0]["gridPos"] = dict(row["gridPos"])
+    assert any("overlap" in p for p in structure_problems(dash))
+    dash = copy.deepcopy(DASHBOARDS["gpunet-fleet.json"])
+    row = next(p for p in dash["panels"] if p["type"] == "row" and p["collapsed"])
+    del row["panels"][0]["fieldConfig"]["defaults"]["unit"]
+    assert any("no unit" in p for p in panel_problems(dash))
+
+
+def test_panel_checker_catches_datasource_and_unit() -> None:
+    dash = copy.deepcopy(DASHBOARDS["gpunet-collectives.json"])
+    p = _first(dash, "timeseries")
+    p["targets"][0]["datasource"] = {"type": "prometheus", "uid": "P1809F7CD0C75ACF3"}
+    assert any("target A datasource" in x for x in panel_problems(dash))
+    p["targets"][0]["datasource"] = DS_REF
+    p["datasource"] = None
+    assert any("panel datasource" in x for x in panel_problems(dash))
+    p["datasource"] = DS_REF
+    p["fieldConfig"]["defaults"]["unit"] = "bytes/sec"
+    assert any("KNOWN_UNITS" in x for x in panel_problems(dash))
+    del p["fieldConfig"]["defaults"]["unit"]
+    assert any("no unit" in x for x in panel_problems(dash))
+
+
+def test_variable_checker_catches_undefined_and_missing_variables() -> None:
+    dash = copy.deepcopy(DASHBOARDS["gpunet-node.json"])
+    _first(dash, "timeseries")["title"] = "Bandwidth at $size"  # node view has no size
+    assert any("$size" in x for x in variable_problems(dash))
+    dash["templating"]["list"] = [v for v in dash["templating"]["list"]
+                                  if v["name"] != "datasource"]
+    assert any("datasource variable" in x for x in variable_problems(dash))
+
+
+def test_rate_checker() -> None:
+    good = 'rate(m_total{instance=~"$instance"}[$__rate_interval])'
+    assert rate_problems(good) == []
+    assert rate_problems("sum by (x) (increase(m_total[$__rate_interval]))") == []
+    assert rate_problems("rate(m_total[5m])")
+    assert rate_problems("irate(m_total[$__interval])")
+    assert rate_problems("increase(m_total[$__range])")
+    assert rate_problems("max_over_time(m[1h])")  # any other range is flagged too
+    assert rate_problems("rate(m_total)")
+
+
+def test_instance_checker() -> None:
+    assert instance_problems('a{instance=~"$instance"} / b{job="x", instance="$instance"}') == []
+    assert instance_problems('a{instance=~"${instance}"} or vector(0)') == []
+    assert instance_problems('a{instance=~"$instance"} / b{job="x"}') == [
+        'b not filtered by instance: a{instance=~"$instance"} / b{job="x"}']
+    assert instance_problems("time() - a")
+    assert instance_problems('a{other_instance="$instance"}')
+
+
+@pytest.mark.parametrize(("expr", "names"), [
+    ('sum by (device, port) (rate(gpunet_x_total{instance=~"$instance"}[$__rate_interval]))',
+     {"gpunet_x_total"}),
+    ("a and on (instance, job) b unless ignoring (device) c", {"a", "b", "c"}),
+    ("a * on (gpu) group_left (path, numa_node) b", {"a", "b"}),
+    ("a / ignoring (stat) group_right () b", {"a", "b"}),
+    ("sum without (job) (a) by (x)", {"a"}),
+    ('count_values("value", a)', {"a"}),
+    ("topk(10, a) > bool 0", {"a"}),
+    ("a offset 5m + b @ start()", {"a", "b"}),
+    ('label_replace(a, "dst", "$1", "src", "(.*)")', {"a"}),
+    ('histogram_quantile(0.99, sum by (le) (rate(a_bucket{le!="+Inf"}[5m])))', {"a_bucket"}),
+    ("max_over_time(a[1h:5m]) - Inf + NaN * 1e3 - 0x1f", {"a"}),
+    ("time() - vector(0) + scalar(a)", {"a"}),
+    ("instance_class:gpunet_alerts_firing:count > 0",
+     {"instance_class:gpunet_alerts_firing:count"}),
+    ('{__name__="a"}', {""}),
+    ("atan2(a, b)", {"a", "b"}),
+    ("a atan2 b", {"a", "b"}),
+    ("sum(a) by (by, on)", {"a"}),
+])
+def test_tokenizer_finds_metric_names(expr: str, names: set[str]) -> None:
+    assert metric_names(expr) == names
+
+
+def test_metric_checker_catches_unknown_names() -> None:
+    documented = documented_metrics()
+    assert "gpunet_infiniband_port_state_id" in documented
+    assert "gpunet_probe_failures_total" in documented
+    ok = 'up{instance=~"$instance"} + ALERTS + instance_class:gpunet_alerts_firing:count'
+    assert unknown_metrics(ok, documented) == []
+    bad = 'sum by (device) (rate(gpunet_infiniband_port_symbol_error_total{instance=~"$instance"}' \
+          '[$__rate_interval]))'
+    assert unknown_metrics(bad, documented) == [
+        "gpunet_infiniband_port_symbol_error_total: not in docs/metrics.md"]
+    assert unknown_metrics("instance:gpunet_other:rate5m", documented)  # not allow-listed
+    assert unknown_metrics('{__name__=~"gpunet_.*"}', documented)
+    dash = copy.deepcopy(DASHBOARDS["gpunet-collectives.json"])
+    _first(dash, "timeseries")["targets"][0]["expr"] = bad
+    assert any("symbol_error_total" in p for p in query_problems(dash, documented))
+    assert all(RECORDING_RULE_NAME.match(r) for r in RECORDING_RULES)
+
+
+def test_substitute() -> None:
+    expr = 'rate(a{instance=~"$instance", job=~"${job}", s=~"${size:regex}"}[$__rate_interval])'
+    assert gen.substitute(expr, {"instance": "n1:19400|n2:19400", "job": "gpunet"}) == (
+        'rate(a{instance=~"n1:19400|n2:19400", job=~"gpunet", s=~".+"}[1m])')
+    assert gen.substitute("x[$__range] [$__interval] $__range_s", {}) == "x[1h] [15s] 3600"
+    assert gen.substitute("[[instance]]", {"instance": "a"}) == "a"
+    with pytest.raises(KeyError):
+        gen.substitute("a{x=\"$nosuchvariable\"}", {})
+    for dash in DASHBOARDS.values():
+        for _, e in all_queries(dash):
+            assert "$" not in gen.substitute(e, {"instance": "node1:19400"})
+
+
+# ---------------------------------------------------------------------------------------------
+# PromQL syntax: promtool parses every query as a recording rule
+
+
+def _promtool_check(exprs: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is not installed (tests/run.sh installs the prometheus package)"
+    rules = [{"record": f"gpunet_dashboard_check:query_{i}:check", "expr": e}
+             for i, e in enumerate(exprs)]
+    path = tmp_path / "dashboard-queries.rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
+    return subprocess.run([promtool, "check", "rules", str(path)], capture_output=True,
+                          text=True)
+
+
+def test_queries_are_valid_promql(tmp_path: Path) -> None:
+    exprs = []
+    for dash in DASHBOARDS.values():
+        exprs += [gen.substitute(e, {}) for _, e in all_queries(dash)]
+        exprs += [gen.substitute(re.fullmatch(r"label_values\((.+), *\w+\)", q).group(1), {})
+                  for _, q in gen.variable_queries(dash)]
+    res = _promtool_check(exprs, tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"SUCCESS: {len(exprs)} rules found" in res.stdout
+
+
+def test_promtool_check_catches_bad_promql(tmp_path: Path) -> None:
+    res = _promtool_check(['sum(rate(a{instance=~".+"}[1m])', "a and on (x b"], tmp_path)
+    assert res.returncode != 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The generator itself: stdlib only (ruff and mypy --strict check it in tests/run.sh).
+
+
+def test_generator_uses_only_the_standard_library() -> None:
+    source = (GRAFANA / "generate.py").read_text()
+    imported = set(re.findall(r"^(?:from|import) ([a-zA-Z_]\w*)", source, re.M))
+    assert imported <= set(sys.stdlib_module_names) | {"__future__"}, imported
+
