@@ -135,16 +135,12 @@ def read_yaml(path: str) -> Any:
         raise ConfigError(f"not UTF-8 text: {exc.reason}") from None
 
 
-def load_file(path: str, schema: Field) -> dict[str, Any]:
-    """Read and validate a YAML config file. Raises ConfigError with the file name in the text."""
+def load_file(path: str, schema: Field, what: str = "config file") -> dict[str, Any]:
+    """Read and validate a YAML file (an empty one is an empty mapping). Raises ConfigError
+    with ``what`` and the file name in the text."""
     try:
         raw = read_yaml(path)
+        result: dict[str, Any] = validate({} if raw is None else raw, schema, "")
     except ConfigError as exc:
-        raise ConfigError(f"config file {path!r}: {exc}") from None
-    if raw is None:
-        raw = {}
-    try:
-        result: dict[str, Any] = validate(raw, schema, "")
-    except ConfigError as exc:
-        raise ConfigError(f"config file {path!r}: {exc}") from None
+        raise ConfigError(f"{what} {path!r}: {exc}") from None
     return result

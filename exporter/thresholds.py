@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from exporter.config import ConfigError, Field, read_yaml, validate
+from exporter.config import ConfigError, Field, load_file, validate
 
 # Prometheus duration syntax, as `for:` and range selectors take it (one or more unit groups).
 _DURATION = re.compile(r"^(?:\d+(?:ms|s|m|h|d|w|y))+$")
@@ -121,22 +121,13 @@ def _check_durations(value: Any, key: str) -> None:
 def load(path: str | None, alert_names: tuple[str, ...] = ()) -> dict[str, Any]:
     """The defaults, overridden by the YAML file at ``path`` (when given); ConfigError names the
     file and the key that is wrong."""
-    raw: Any = {}
-    where = "defaults"
-    if path is not None:
-        where = f"thresholds file {path!r}"
-        try:
-            raw = read_yaml(path)
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
-        if raw is None:
-            raw = {}
+    spec = schema(alert_names)
+    where = "defaults" if path is None else f"thresholds file {path!r}"
+    result = validate({}, spec, "") if path is None else load_file(path, spec, "thresholds file")
     try:
-        result: dict[str, Any] = validate(raw, schema(alert_names), "")
         _check_durations(result, "")
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    result.setdefault("for", {})
     return result
 
 
