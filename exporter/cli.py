@@ -139,34 +139,19 @@ def resolve(args: argparse.Namespace, classes: dict[str, type[Collector]],
     return enabled, sections
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    setup("info", "logfmt")  # until the flags are parsed
-    classes = discover()
-    parser = build_parser(classes)
-    args = parser.parse_args(argv)
-    if not args.telemetry_path.startswith("/") or args.telemetry_path in ("/", "/-/healthy"):
-        parser.error(f"argument --web.telemetry-path: expected a path such as /metrics other "
-                     f"than / and /-/healthy, got {args.telemetry_path!r}")
-    try:
-        host, port = parse_listen_address(args.listen_address)
-    except ValueError as exc:
-        parser.error(str(exc))
-    setup(args.log_level, args.log_format)
-
+def start_collectors(args: argparse.Namespace, classes: dict[str, type[Collector]],
+                     parser: argparse.ArgumentParser
+                     ) -> tuple[dict[str, Collector], dict[str, dict[str, Any]], list[str]]:
+    """The enabled collectors that started, built from the flags and the config file, every
+    collector's settings, and the names of those enabled; exits 2 with one line on a bad config
+    file."""
     config: dict[str, Any] = {}
     if args.config_file:
         try:
             config = load_file(args.config_file, config_schema(classes))
         except ConfigError as exc:
             _fail(str(exc))
-    web = WebConfig()
-    if args.web_config_file:
-        try:
-            web = load_web_config(args.web_config_file)
-        except ConfigError as exc:
-            _fail(str(exc))
     enabled, sections = resolve(args, classes, config, parser)
-
     sysfs, procfs = Root(args.sysfs), Root(args.procfs)
     collectors: dict[str, Collector] = {}
     for name in enabled:
@@ -177,6 +162,36 @@ def main(argv: Sequence[str] | None = None) -> None:
             collectors[name] = classes[name](ctx)
         except Exception as exc:  # one broken collector must not stop the others
             log.error("collector %s could not start: %s", name, exc)
+    return collectors, sections, enabled
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["doctor"]:
+        from exporter import doctor  # only the subcommand needs it
+        raise SystemExit(doctor.main(argv[1:]))
+    setup("info", "logfmt")  # until the flags are parsed
+    classes = discover()
+    parser = build_parser(classes)
+    parser.epilog = ("`gpunet-exporter doctor --help`: check this node once with the alert "
+                     "thresholds (docs/doctor.md).")
+    args = parser.parse_args(argv)
+    if not args.telemetry_path.startswith("/") or args.telemetry_path in ("/", "/-/healthy"):
+        parser.error(f"argument --web.telemetry-path: expected a path such as /metrics other "
+                     f"than / and /-/healthy, got {args.telemetry_path!r}")
+    try:
+        host, port = parse_listen_address(args.listen_address)
+    except ValueError as exc:
+        parser.error(str(exc))
+    setup(args.log_level, args.log_format)
+
+    web = WebConfig()
+    if args.web_config_file:
+        try:
+            web = load_web_config(args.web_config_file)
+        except ConfigError as exc:
+            _fail(str(exc))
+    collectors, sections, _ = start_collectors(args, classes, parser)
 
     hotplug = Hotplug(collectors)
     scraper = Scraper(collectors, args.scrape_timeout, hotplug)

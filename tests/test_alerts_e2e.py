@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -229,6 +230,7 @@ class Bundle:
     alertmanager: str
     webhook: Webhook
     qos_netdev: str
+    nodes: dict[str, tuple[list[str], dict[str, str]]]  # instance -> exporter args, env
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -279,9 +281,11 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bundle]:
     try:
         qos_netdev = ""
         targets = []
+        nodes = {}
         for name in (HEALTHY, FAULTY):
             (tmp / name).mkdir()
             args, env, qos_netdev = build_node(tmp / name, faulty=name == FAULTY)
+            nodes[name] = (args, env)
             e = Exporter(args, env=env)
             exporters.append(e)
             targets.append({"targets": [f"127.0.0.1:{e.port}"], "labels": {"instance": name}})
@@ -320,7 +324,7 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bundle]:
                            tmp / "prometheus.log"))
         prom = f"http://127.0.0.1:{prom_port}"
         wait_until("both targets up", lambda: len(query(prom, 'up{job="gpunet"} == 1')) == 2)
-        yield Bundle(prom, f"http://127.0.0.1:{am_port}", hook, qos_netdev)
+        yield Bundle(prom, f"http://127.0.0.1:{am_port}", hook, qos_netdev, nodes)
     finally:
         for p in procs:
             stop(p)
@@ -488,3 +492,28 @@ def test_every_dashboard_query_returns_data(bundle: Bundle) -> None:
                 empty.append(f"{filename} / {title}: {promql}")
     assert checked > 40
     assert not empty, "queries without data:\n" + "\n".join(empty)
+
+
+def doctor(args: list[str], env: dict[str, str], *extra: str) -> tuple[int, dict[str, Any]]:
+    out = subprocess.run(["gpunet-exporter", "doctor", *args, "--interval", "1", "--json",
+                          *extra], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=300)
+    assert "Traceback" not in out.stderr, out.stderr
+    return out.returncode, json.loads(out.stdout)
+
+
+def test_doctor_agrees_with_prometheus(bundle: Bundle) -> None:
+    """`gpunet-exporter doctor` on each node, with the same thresholds, finds what the rules
+    fire in Prometheus for it; the one alert it cannot judge alone is the comparison with the
+    fleet's median bus bandwidth."""
+    test_caused_alerts_fire_but_are_inhibited(bundle)  # every alert has had time to fire
+    for node, (args, env) in bundle.nodes.items():
+        code, result = doctor(args, env)
+        found = {f["alert"] for f in result["findings"]}
+        firing = {r["metric"]["alertname"] for r in query(
+            bundle.prometheus, f'ALERTS{{alertstate="firing", instance="{node}"}}')}
+        assert found == firing - {"GpunetBusBandwidthLow"}, node
+        assert code == (1 if node == FAULTY else 0)
+        assert result["status"] == ("findings" if node == FAULTY else "healthy")
+        assert result["problems"] == []
+        assert all(result["checked"].values()) and "probe" in result["checked"]
