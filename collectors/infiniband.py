@@ -28,7 +28,7 @@ PHYS_STATES = {1: "Sleep", 2: "Polling", 3: "Disabled", 4: "PortConfigurationTra
                5: "LinkUp", 6: "LinkErrorRecovery", 7: "Phy Test"}
 ACTIVE = (4, 5)
 # "%d%s Gb/sec (%dX%s)": rate, lanes, optional speed name (absent on old kernels for SDR).
-_RATE = re.compile(r"^(\d+(?:\.5)?) Gb/sec \((\d+)X(?: (\w+))?\)$")
+_RATE = re.compile(r"^(\d+)(\.5)? Gb/sec \((\d+)X(?: (\w+))?\)$")
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,12 @@ class Rate:
 def parse_rate(text: str) -> Rate | None:
     """Parse a ``rate`` file, e.g. "400 Gb/sec (4X NDR)" or the old "10 Gb/sec (4X)"."""
     m = _RATE.match(text)
-    if not m or int(m.group(2)) == 0:
+    if not m:
         return None
-    return Rate(float(m.group(1)), int(m.group(2)), m.group(3) or "SDR")
+    gbps, lanes = parse_uint(m.group(1)), parse_uint(m.group(3))
+    if gbps is None or not lanes:  # numbers int() refuses or beyond 20 digits; no lanes
+        return None
+    return Rate(gbps + (0.5 if m.group(2) else 0.0), lanes, m.group(4) or "SDR")
 
 
 def parse_state(text: str) -> int | None:

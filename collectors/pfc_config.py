@@ -7,19 +7,23 @@ Every parser is written from the documented grammar (shared FORMATS.md ยง2 and ย
 python/mlnx_qos ``pretty_print`` and dcbnetlink.py; iproute2 dcb/dcb_*.c). They ignore lines and
 keys they do not know and never fail on odd whitespace, tabs turned into spaces, trailing spaces
 or older layouts; they raise ``ValueError`` only when the text is not the tool's output at all.
+A number that is garbled (a character ``int()`` refuses, more than 20 digits) costs that value
+alone: it reads as absent, and the other values of its line keep their positions.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from exporter.sysfs import Root, parse_uint
+from exporter.sysfs import MAX_DIGITS, Root, parse_uint
 
 PRIORITIES = range(8)
+_UINT_LIMIT = 10**MAX_DIGITS
 # dcb ets prints "strict", "cbs", "ets", "vendor" or "???" (dcb_ets.c).
 DCB_TSAS = frozenset(("strict", "cbs", "ets", "vendor"))
 
@@ -43,8 +47,19 @@ class QosConfig:
     prio_buffer: dict[int, int] = field(default_factory=dict)  # priority -> receive buffer
 
 
-def _ints(text: str) -> list[int]:
-    return [int(t) for t in re.findall(r"\d+", text)]
+_NUMBER = re.compile(r"\d+")
+
+
+def _ints(text: str) -> list[int | None]:
+    """Every run of digits in ``text``, in order; None for one that is not a number (non-ASCII
+    digits, more than 20 of them), so that it costs its own value and not its neighbours'
+    positions."""
+    return [parse_uint(t) for t in _NUMBER.findall(text)]
+
+
+def _finite(text: str) -> float | None:
+    value = float(text)
+    return value if math.isfinite(value) else None
 
 
 # ---- mlnx_qos --------------------------------------------------------------------------------
@@ -87,12 +102,14 @@ def parse_mlnx_qos(text: str) -> QosConfig:
         if low.startswith("receive buffer size"):
             body = line.split(":", 1)[1] if ":" in line else ""
             items = [t.strip() for t in body.split(",") if t.strip()]
-            sizes = [int(t) for t in items if t.isdigit()]
-            cfg.buffer_size = dict(enumerate(sizes))
+            sizes = [parse_uint(t) for t in items if t.isdigit()]
+            cfg.buffer_size = {i: n for i, n in enumerate(sizes) if n is not None}
             for t in items:
                 key, eq, val = t.partition("=")
-                if eq and key.strip() in ("total_size", "max_buffer_size") and val.isdigit():
-                    cfg.buffer_total = int(val)
+                if eq and key.strip() in ("total_size", "max_buffer_size"):
+                    total = parse_uint(val)
+                    if total is not None:
+                        cfg.buffer_total = total
             section = ""
             continue
         if low.startswith("pfc configuration"):
@@ -100,38 +117,43 @@ def parse_mlnx_qos(text: str) -> QosConfig:
             continue
         m = _TC.match(line)
         if m:
-            section, tc = "tc", int(m.group(1))
+            section, tc = "tc", parse_uint(m.group(1))
+            if tc is None:  # a garbled tc number: its settings and members belong to no tc
+                continue
             rate = _GBPS.match(m.group(2).strip())
-            if rate:  # "%.1f Gbps"; "unlimited" has no limit
-                cfg.tc_rate_limit[tc] = float(rate.group(1)) * 1e9 / 8
+            gbps = _finite(rate.group(1)) if rate else None
+            if gbps is not None:  # "%.1f Gbps"; "unlimited" has no limit
+                cfg.tc_rate_limit[tc] = gbps * 1e9 / 8
             tsa = m.group(3).lower()
             if tsa:
                 cfg.tc_tsa[tc] = tsa
-            if m.group(4) is not None:
-                cfg.tc_bw[tc] = float(m.group(4))
+            bw = _finite(m.group(4)) if m.group(4) is not None else None
+            if bw is not None:
+                cfg.tc_bw[tc] = bw
             continue
         if section == "pfc":
             head, _, rest = re.sub(r"\s+", " ", line).partition(" ")
             values = _ints(rest)
             if head == "enabled" and len(values) >= 8:
-                cfg.pfc = {p: values[p] != 0 for p in PRIORITIES}
+                cfg.pfc = {p: v != 0 for p in PRIORITIES if (v := values[p]) is not None}
                 seen_pfc = True
             elif head == "buffer" and len(values) >= 8:
-                cfg.prio_buffer = {p: values[p] for p in PRIORITIES}
+                cfg.prio_buffer = {p: v for p in PRIORITIES if (v := values[p]) is not None}
             continue
         if section == "tc" and tc is not None:
             m = _TC_MEMBER.match(line)
-            if m and int(m.group(1)) in PRIORITIES:
-                cfg.prio_tc[int(m.group(1))] = tc
+            member = parse_uint(m.group(1)) if m else None
+            if member is not None and member in PRIORITIES:
+                cfg.prio_tc[member] = tc
             continue  # "skprio:" lines of old builds, anything else
         if section in ("dscp", "default"):
             m = _PRIO_DSCP.match(line)
-            if not m or int(m.group(1)) not in PRIORITIES:
+            prio = parse_uint(m.group(1)) if m else None
+            if m is None or prio is None or prio not in PRIORITIES:
                 continue
-            prio = int(m.group(1))
             if m.group(2) is not None:
                 for dscp in _ints(m.group(2)):
-                    if dscp < 64:
+                    if dscp is not None and dscp < 64:
                         cfg.dscp_prio[dscp] = prio
             elif section == "default":
                 cfg.default_prio = prio
@@ -145,7 +167,7 @@ def parse_mlnx_qos(text: str) -> QosConfig:
 def _json(text: str, what: str) -> dict[str, Any]:
     try:
         data = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # also: digits beyond int()'s limit, deep nesting
         raise ValueError(f"{what}: not JSON ({exc})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{what}: expected a JSON object, got {type(data).__name__}")
@@ -168,9 +190,10 @@ def _per_priority(value: object) -> dict[int, int]:
 
 
 def _uint(value: object) -> int | None:
+    """A non-negative integer, as JSON or as a string, of at most 20 digits (as parse_uint)."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, int) and value >= 0:
+    if isinstance(value, int) and 0 <= value < _UINT_LIMIT:
         return value
     if isinstance(value, str):
         return parse_uint(value.strip())
@@ -203,7 +226,7 @@ def parse_dcb(pfc: str, ets: str | None = None, app: str | None = None,
                 cfg.tc_bw[tc] = float(bw)
     if app:
         a = _json(app, "dcb app show")
-        for entry in a.get("dscp_prio") or []:
+        for entry in _indexed(a.get("dscp_prio")).values():  # a list; anything else: none
             pair = _pair(entry)
             if pair is not None and pair[0] < 64 and pair[1] in PRIORITIES:
                 cfg.dscp_prio[pair[0]] = pair[1]
@@ -243,9 +266,16 @@ def _pair(entry: object) -> tuple[int, int] | None:
 
 # ---- MLNX_OFED sysfs (/sys/class/net/IF/qos) and ECN (/sys/class/net/IF/ecn) ---------------
 
-def _rows(text: str) -> list[list[int]]:
-    """Rows of integers of a sysfs table, header lines skipped."""
-    return [_ints(ln) for ln in text.splitlines() if ln.strip()[:1].isdigit()]
+def _rows(text: str) -> list[tuple[int, int]]:
+    """The first two integers of each row of a sysfs table, header lines and rows whose first
+    two are not both numbers skipped."""
+    out = []
+    for ln in text.splitlines():
+        if ln.strip()[:1].isdigit():
+            row = _ints(ln)
+            if len(row) >= 2 and row[0] is not None and row[1] is not None:
+                out.append((row[0], row[1]))
+    return out
 
 
 def parse_qos_sysfs(files: Mapping[str, str]) -> QosConfig:
@@ -256,20 +286,19 @@ def parse_qos_sysfs(files: Mapping[str, str]) -> QosConfig:
     cfg = QosConfig("sysfs")
     if "trust" in files:
         cfg.trust = files["trust"].strip().lower()
-    for row in _rows(files.get("dscp2prio", "")):
-        if len(row) >= 2 and row[0] < 64 and row[1] in PRIORITIES:
-            cfg.dscp_prio[row[0]] = row[1]
+    for dscp, prio in _rows(files.get("dscp2prio", "")):
+        if dscp < 64 and prio in PRIORITIES:
+            cfg.dscp_prio[dscp] = prio
     if "buffer_size" in files:
         text = files["buffer_size"]
         m = re.search(r"port buffer size\s*=\s*(\d+)", text, re.I)
         if m:
-            cfg.buffer_total = int(m.group(1))
-        for row in _rows(text):
-            if len(row) >= 2:
-                cfg.buffer_size[row[0]] = row[1]
-    for row in _rows(files.get("prio2buffer", "")):
-        if len(row) >= 2 and row[0] in PRIORITIES:
-            cfg.prio_buffer[row[0]] = row[1]
+            cfg.buffer_total = parse_uint(m.group(1))
+        for buf, size in _rows(text):
+            cfg.buffer_size[buf] = size
+    for prio, buf in _rows(files.get("prio2buffer", "")):
+        if prio in PRIORITIES:
+            cfg.prio_buffer[prio] = buf
     return cfg
 
 
@@ -297,7 +326,8 @@ def read_ecn(root: Root, ifname: str, skip: Callable[[str, object], None]) -> Ec
         except OSError:
             continue
         for name, text in files.items():
-            if not name.isdigit() or int(name) not in PRIORITIES:
+            prio = parse_uint(name)
+            if prio is None or prio not in PRIORITIES:
                 continue
             if isinstance(text, OSError):
                 skip(f"{base}/roce_{point}/enable/{name}", text.strerror or text)
@@ -306,7 +336,7 @@ def read_ecn(root: Root, ifname: str, skip: Callable[[str, object], None]) -> Ec
             if value is None:  # the driver prints nothing when the firmware query fails
                 skip(f"{base}/roce_{point}/enable/{name}", f"unparseable {text[:20]!r}")
                 continue
-            ecn.enabled[(point, int(name))] = value != 0
+            ecn.enabled[(point, prio)] = value != 0
     try:
         np = root.read_many(f"{base}/roce_np", ("cnp_dscp", "cnp_802p_prio"))
     except OSError:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -263,7 +264,11 @@ class ProbeCollector(Collector):
             with open(os.path.join(self.state_dir, results.STATUS), encoding="utf-8") as fh:
                 status = json.load(fh)
             started = float(status["round_started"])
-        except (OSError, ValueError, KeyError, TypeError):
+        # ValueError: not JSON, digits beyond int()'s limit, not a number; OverflowError: an int
+        # beyond the float range; RecursionError: nesting too deep for json.
+        except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
+            started = 0.0
+        if not math.isfinite(started):  # "nan" or "inf" would stop the hung-round timeout
             started = 0.0
         if started < self._proc_started_wall:  # none yet, or a previous runner's
             return "start", self._proc_started_wall

@@ -26,7 +26,7 @@ from prometheus_client.core import Metric
 from exporter import nvml, rdma
 from exporter.collector import Collector, CollectorContext, Families, MetricSpec
 from exporter.config import Field
-from exporter.sysfs import parse_int
+from exporter.sysfs import parse_int, parse_uint
 
 _PCI_ADDRESS = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 _HOST_BRIDGE = re.compile(r"pci[0-9a-f]{4,8}:[0-9a-f]{2}")
@@ -299,7 +299,7 @@ def parse_environ(raw: bytes) -> dict[str, str]:
 def parse_starttime(stat: str) -> int | None:
     """Field 22 of /proc/<pid>/stat (clock ticks after boot); comm may hold spaces and ')'."""
     fields = stat[stat.rfind(")") + 1:].split()
-    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+    return parse_uint(fields[19]) if len(fields) > 19 else None
 
 
 def parse_nvidia_version(text: str) -> tuple[str, str] | None:
@@ -314,7 +314,10 @@ def parse_nvidia_version(text: str) -> tuple[str, str] | None:
 
 def parse_kernel_release(text: str) -> tuple[int, int] | None:
     m = re.match(r"(\d+)\.(\d+)", text)
-    return (int(m.group(1)), int(m.group(2))) if m else None
+    if not m:
+        return None
+    major, minor = parse_uint(m.group(1)), parse_uint(m.group(2))
+    return (major, minor) if major is not None and minor is not None else None
 
 
 def _pci_sort_key(address: str) -> tuple[int, ...]:

@@ -47,11 +47,36 @@ _EXPECTED = {
 _EXPONENT = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 
-def _describe(value: Any) -> str:
+def _short(value: Any) -> str:
     text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{text} ({type(value).__name__})"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _describe(value: Any) -> str:
+    return f"{_short(value)} ({type(value).__name__})"
+
+
+def _in_float_range(value: float) -> bool:
+    """False for an int beyond the float range: every float() of it (a timeout, a rate, the
+    sample prometheus_client renders) would raise OverflowError."""
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
+
+
+def text_problem(text: str) -> str | None:
+    """Why a string cannot be a file name, program, interface, label or line of output: a NUL
+    (open() and exec refuse it, C cuts the string there) or an unpaired surrogate (YAML's
+    "\\ud800" escape: no UTF-8 encoding exists); None when it can."""
+    if "\0" in text:
+        return "a NUL character"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "an unpaired surrogate (not a Unicode character)"
+    return None
 
 
 def validate(value: Any, spec: Field, key: str) -> Any:
@@ -74,6 +99,11 @@ def validate(value: Any, spec: Field, key: str) -> Any:
         ok_types: tuple[type, ...] = (int,) if spec.kind == "int" else (int, float)
         if isinstance(value, bool) or not isinstance(value, ok_types):
             raise wrong()
+        if value != value:  # NaN (.nan in YAML) compares false with every bound
+            raise ConfigError(f"{where}: expected {_EXPECTED[spec.kind]}, got NaN")
+        if not _in_float_range(cast(float, value)):
+            raise ConfigError(f"{where}: expected {_EXPECTED[spec.kind]} within the float range "
+                              "(up to about 1.8e308), got a larger one")
         if spec.minimum is not None and cast(float, value) < spec.minimum:
             raise ConfigError(f"{where}: expected a value >= {spec.minimum:g}, got {value!r}")
         if spec.multiple_of and cast(int, value) % spec.multiple_of:
@@ -83,6 +113,10 @@ def validate(value: Any, spec: Field, key: str) -> Any:
     if spec.kind == "str":
         if not isinstance(value, str):
             raise wrong()
+        problem = text_problem(value)
+        if problem is not None:
+            raise ConfigError(f"{where}: expected text, got a string with {problem}: "
+                              f"{_short(value)}")
         if spec.choices and value not in spec.choices:
             raise ConfigError(f"{where}: expected one of {', '.join(spec.choices)}, "
                               f"got {value!r}")
@@ -92,8 +126,14 @@ def validate(value: Any, spec: Field, key: str) -> Any:
             raise wrong()
         try:
             return re.compile(value)
-        except re.error as exc:
-            raise ConfigError(f"{where}: invalid regular expression {value!r}: {exc}") from None
+        # Besides re.error, re.compile raises OverflowError for a repetition count of 2**32 or
+        # more, ValueError for one beyond int()'s digit limit, RecursionError for deep nesting.
+        except (re.error, OverflowError, ValueError) as exc:
+            raise ConfigError(f"{where}: invalid regular expression {_short(value)}: "
+                              f"{exc}") from None
+        except RecursionError:
+            raise ConfigError(f"{where}: invalid regular expression {_short(value)}: nested "
+                              "too deeply") from None
     if spec.kind == "list":
         if not isinstance(value, list):
             raise wrong()
@@ -133,6 +173,13 @@ def read_yaml(path: str) -> Any:
         raise ConfigError(f"invalid YAML{at}: {problem}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"not UTF-8 text: {exc.reason}") from None
+    # PyYAML lets these through its YAMLError: RecursionError from its composer for deep
+    # nesting; ValueError or OverflowError from constructing a value (chr() of an escape beyond
+    # U+10FFFF, int() of more than 4300 digits, a date such as 2001-13-45).
+    except RecursionError:
+        raise ConfigError("invalid YAML: nested too deeply") from None
+    except (ValueError, OverflowError) as exc:
+        raise ConfigError(f"invalid YAML: cannot construct a value ({exc})") from None
 
 
 def load_file(path: str, schema: Field, what: str = "config file") -> dict[str, Any]:

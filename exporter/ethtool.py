@@ -21,10 +21,13 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import os
 import socket
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from exporter.sysfs import parse_uint
 
 SIOCETHTOOL = 0x8946
 ETHTOOL_GDRVINFO = 0x03
@@ -98,8 +101,11 @@ class EthtoolReader:
         """Names and values of one interface. Raises OSError: ENODEV when the interface does not
         exist (here), EOPNOTSUPP when its driver has no statistics, EAGAIN when the driver's set
         kept changing while it was read."""
-        name = ifname.encode()
-        if not name or len(name) >= IFNAMSIZ or b"/" in name:
+        try:  # the name's bytes: os.listdir gives a non-UTF-8 name as surrogate escapes
+            name = os.fsencode(ifname)
+        except UnicodeEncodeError:  # a lone surrogate that stands for no byte
+            name = b""
+        if not name or len(name) >= IFNAMSIZ or b"/" in name or b"\0" in name:
             raise OSError(errno.ENODEV, f"not an interface name: {ifname!r}")
         for _ in range(_RETRIES):
             count = self._count(name)
@@ -141,7 +147,8 @@ def parse_stats_text(text: str) -> NicStats:
     """``ethtool -S`` output: a ``NIC statistics:`` header, then ``     name: value`` lines.
 
     Names are stripped (some kernels printed ``tx_pause_storm_warning_events `` with a trailing
-    space inside the name); lines that are not ``name: unsigned integer`` are ignored.
+    space inside the name); lines that are not ``name: unsigned integer`` (of at most 20 digits,
+    as a 64-bit counter prints) are ignored.
     """
     names: list[str] = []
     values: list[int] = []
@@ -149,9 +156,9 @@ def parse_stats_text(text: str) -> NicStats:
         name, sep, raw = line.rpartition(":")
         if not sep:
             continue
-        raw = raw.strip()
+        value = parse_uint(raw.strip())
         name = name.strip()
-        if name and raw.isascii() and raw.isdigit():
+        if name and value is not None:
             names.append(name)
-            values.append(int(raw))
+            values.append(value)
     return NicStats(tuple(names), values)

@@ -138,7 +138,7 @@ class Session:
             log.warning("NVML initialised but cannot enumerate GPUs: %s", exc)
             self._shutdown(nv)
             return
-        self.driver_version = version.decode() if isinstance(version, bytes) else str(version)
+        self.driver_version = _text(version)  # bytes from older nvidia-ml-py releases
         self._gpus, self.state, self.error = gpus, "up", ""
         self._ever_up = True
         self.generation += 1

@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
-from exporter.sysfs import Root
+from exporter.sysfs import Root, parse_uint
 
 CLASS = "class/infiniband"
 _PCI_ADDRESS = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
@@ -44,7 +44,8 @@ def devices(root: Root, include: re.Pattern[str] | None = None,
 def ports(root: Root, device: str) -> list[str]:
     """Port numbers of a device in numeric order; raises OSError when the device is gone."""
     names = root.listdir(f"{CLASS}/{device}/ports")
-    return sorted((p for p in names if p.isdigit()), key=int)
+    numbered = [(n, p) for p in names if (n := parse_uint(p)) is not None]
+    return [p for _, p in sorted(numbered)]
 
 
 def pci_address(root: Root, device: str) -> str:
@@ -69,7 +70,7 @@ def netdev(root: Root, device: str, port: str, link_layer: str) -> str:
                 name = root.read(f"{base}/ports/{port}/gid_attrs/ndevs/{idx}")
             except OSError:
                 continue
-            if name:
+            if name and _netdev_name(name):
                 return name
     try:
         candidates = root.listdir(f"{base}/device/net")
@@ -85,6 +86,13 @@ def netdev(root: Root, device: str, port: str, link_layer: str) -> str:
                 continue
         return min(candidates, key=len)
     return candidates[0] if candidates else ""
+
+
+def _netdev_name(name: str) -> bool:
+    """Whether text read from ``gid_attrs/ndevs/<idx>`` can be a netdev name, which then becomes
+    a path component: the kernel refuses names with '/' (and a NUL ends the C string), so such
+    text is garbage, not an interface."""
+    return "/" not in name and "\0" not in name and name not in (".", "..")
 
 
 def extra_netdevs(root: Root, configured: Iterable[str], known: Container[str],

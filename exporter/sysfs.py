@@ -8,14 +8,29 @@ are at most one page, and the buffered ``open()`` machinery costs more than the 
 
 from __future__ import annotations
 
+import errno
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+_T = TypeVar("_T")
 
 # O_NONBLOCK: opening a FIFO planted in a tree returns at once instead of blocking the scrape.
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 _PAGE = 4096
 _MAX_READ = 65536
+
+
+def _os(call: Callable[..., _T], path: str, *args: object, **kwargs: object) -> _T:
+    """``call(path, ...)`` with a path the os module refuses before asking the kernel (a NUL
+    byte, a lone surrogate that encodes to no bytes: ValueError) raised as the OSError every
+    caller handles. Such a path comes from a file's content (a netdev name read from sysfs) or
+    the configuration, and names no file."""
+    try:
+        return call(path, *args, **kwargs)
+    except ValueError as exc:
+        raise OSError(errno.EINVAL, f"not a valid path: {exc}", path) from None
 
 
 class Root:
@@ -44,7 +59,7 @@ class Root:
         """Several files of one directory (all of them when ``names`` is None), each read
         relative to the directory's descriptor. Raises OSError when the directory cannot be
         opened; a file that cannot be read maps to its OSError."""
-        dfd = os.open(f"{self.root}/{rel}", _DIR_FLAGS)
+        dfd = _os(os.open, f"{self.root}/{rel}", _DIR_FLAGS)
         try:
             out: dict[str, str | OSError] = {}
             for name in sorted(os.listdir(dfd)) if names is None else names:
@@ -58,7 +73,10 @@ class Root:
 
     def _read(self, path: str, dir_fd: int | None, rel: str) -> str:
         """The one place a file is read; ``rel`` (relative to the root) lets tests inject errors."""
-        fd = os.open(path, _OPEN_FLAGS, dir_fd=dir_fd)
+        try:
+            fd = os.open(path, _OPEN_FLAGS, dir_fd=dir_fd)
+        except ValueError as exc:  # what _os does, inline: this runs for every counter file
+            raise OSError(errno.EINVAL, f"not a valid path: {exc}", path) from None
         try:
             # sysfs attributes fit in one page; asking for more allocates a large buffer per read.
             data = os.read(fd, _PAGE)
@@ -77,7 +95,7 @@ class Root:
         """Up to ``size`` raw bytes at ``offset`` of a file (pread), fewer when the file (or what
         the kernel lets this reader see) ends sooner. For binary files such as a PCI function's
         ``config``, where only a few registers are wanted. Raises OSError."""
-        fd = os.open(f"{self.root}/{rel}", _OPEN_FLAGS)
+        fd = _os(os.open, f"{self.root}/{rel}", _OPEN_FLAGS)
         try:
             return os.pread(fd, size, offset)
         finally:
@@ -85,11 +103,11 @@ class Root:
 
     def listdir(self, rel: str) -> list[str]:
         """Sorted entries of a directory; raises OSError."""
-        return sorted(os.listdir(f"{self.root}/{rel}"))
+        return sorted(_os(os.listdir, f"{self.root}/{rel}"))
 
     def identity(self, rel: str) -> tuple[int, int]:
         """(device, inode) of what a path resolves to: changes when the object is re-created."""
-        st = os.stat(f"{self.root}/{rel}")
+        st = _os(os.stat, f"{self.root}/{rel}")
         return st.st_dev, st.st_ino
 
     def exists(self, rel: str) -> bool:
@@ -97,20 +115,40 @@ class Root:
 
     def link_target(self, rel: str) -> str:
         """Last path component of where a symlink resolves (e.g. a PCI address); raises OSError."""
-        real = os.path.realpath(f"{self.root}/{rel}", strict=True)
+        real: str = _os(os.path.realpath, f"{self.root}/{rel}", strict=True)
         return os.path.basename(real)
 
 
+# 2**64 - 1, the widest value the kernel prints ("%llu"), has 20 digits.
+MAX_DIGITS = 20
+
+
+def parse_decimal(text: str, signed: bool = False, max_digits: int = MAX_DIGITS) -> int | None:
+    """``text`` as a decimal integer, or None: ASCII digits only (``str.isdigit()`` also accepts
+    "²" or "①", which ``int()`` refuses), a leading ``-`` only where ``signed``, and at most
+    ``max_digits`` digits after leading zeros, so that no value reaches ``int()``'s digit limit
+    (4300) or lies beyond the float range that prometheus_client renders. The one integer parser
+    of every text the exporter reads (sysfs, procfs, tool output, environment variables)."""
+    negative = signed and text.startswith("-")
+    body = text[1:] if negative else text
+    if not (body.isascii() and body.isdigit()):
+        return None
+    digits = body.lstrip("0")
+    if len(digits) > max_digits:
+        return None
+    value = int(digits) if digits else 0
+    return -value if negative else value
+
+
 def parse_uint(text: str) -> int | None:
-    """A decimal unsigned integer as sysfs prints it (``"%llu"``), or None for anything else."""
-    if text.isascii() and text.isdigit():
+    """A decimal unsigned integer as sysfs prints it (``"%llu"``), or None for anything else:
+    :func:`parse_decimal` unsigned, with a fast path for the common case (every counter file of
+    every scrape goes through here)."""
+    if len(text) <= MAX_DIGITS and text.isascii() and text.isdigit():
         return int(text)
-    return None
+    return parse_decimal(text)
 
 
 def parse_int(text: str) -> int | None:
     """A decimal integer, possibly negative (``"%d"``), or None."""
-    body = text[1:] if text.startswith("-") else text
-    if body and body.isascii() and body.isdigit():
-        return int(text)
-    return None
+    return parse_decimal(text, signed=True)

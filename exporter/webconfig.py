@@ -25,7 +25,7 @@ from typing import Any
 
 import bcrypt
 
-from exporter.config import ConfigError, Field, read_yaml, validate
+from exporter.config import ConfigError, Field, read_yaml, text_problem, validate
 from exporter.http import StartResponse, WSGIApp
 
 log = logging.getLogger("gpunet.exporter")
@@ -56,7 +56,10 @@ UNSUPPORTED: dict[str, str] = {
     "rate_limit": "put a reverse proxy in front of the exporter to limit the request rate",
 }
 
-_BCRYPT = re.compile(r"^\$2[aby]\$(\d\d)\$[./A-Za-z0-9]{53}$")
+_BCRYPT = re.compile(r"^\$2[aby]\$([0-9]{2})\$[./A-Za-z0-9]{53}$")
+# What a WSGI server cannot send in a header value: control characters other than tab (a line
+# break would end the header) and anything beyond Latin-1.
+_HEADER_VALUE_BAD = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\u0100-\U0010ffff]")
 CACHE_SECONDS = 300.0  # how long a successful basic-auth check is remembered
 CACHE_SIZE = 256  # and for how many (user, password) pairs at most
 
@@ -122,6 +125,8 @@ def _readable(path: str, key: str) -> None:
             pass
     except OSError as exc:
         raise ConfigError(f"key {key!r}: cannot read {path!r}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # a NUL, or a surrogate with no bytes: no file has this name
+        raise ConfigError(f"key {key!r}: cannot read {path!r}: not a file name ({exc})") from None
 
 
 class _Encrypted(Exception):
@@ -211,6 +216,10 @@ def load_web_config(path: str) -> WebConfig:
                 if not isinstance(user, str):
                     raise ConfigError(f"key {'basic_auth_users.' + str(user)!r}: a user name "
                                       "must be a string (quote it)")
+                problem = text_problem(user)
+                if problem is not None:  # BasicAuth compares UTF-8 bytes with the header's
+                    raise ConfigError(f"key {'basic_auth_users.' + user!r}: a user name "
+                                      f"cannot hold {problem}")
         cfg = validate(raw, _schema(users if isinstance(users, dict) else ()), "")
         for user, hashed in cfg.get("basic_auth_users", {}).items():
             m = _BCRYPT.match(hashed)
@@ -219,6 +228,10 @@ def load_web_config(path: str) -> WebConfig:
                                   "(expected $2y$10$ followed by 53 characters)")
         headers = cfg.get("http_server_config", {}).get("headers", {})
         for name, value in headers.items():
+            if _HEADER_VALUE_BAD.search(value):
+                raise ConfigError(f"key {'http_server_config.headers.' + name!r}: a header "
+                                  "value cannot hold control characters (line breaks) or "
+                                  f"characters beyond U+00FF, got {value[:60]!r}")
             if HEADERS[name] and value.lower() not in HEADERS[name]:
                 raise ConfigError(f"key {'http_server_config.headers.' + name!r}: expected one "
                                   f"of {', '.join(HEADERS[name])}, got {value!r}")

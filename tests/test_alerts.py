@@ -355,3 +355,11 @@ def test_runbook_index_matches_the_rules() -> None:
                       RUNBOOKS.read_text(), re.M)
     index = {name: (cls, sev, for_) for name, cls, sev, for_ in rows}
     assert index == {a.name: (a.cls, a.severity, a.for_) for a in rules.ALERTS}
+
+
+def test_nan_threshold_refused(tmp_path: Path) -> None:
+    f = tmp_path / "t.yml"
+    f.write_text("probe: {latency_seconds: .nan}\n")
+    with pytest.raises(thresholds.ConfigError, match=r"key 'probe\.latency_seconds': expected a "
+                                                     r"number, got NaN"):
+        thresholds.load(str(f))

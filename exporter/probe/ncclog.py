@@ -15,6 +15,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TextIO
 
+from exporter.sysfs import parse_int, parse_uint
+
 MAX_WARNINGS = 20
 # NCCL formats a log line into a 1024-byte buffer (src/debug.cc); anything much longer is not one
 # of its lines, and cutting it keeps the regular expressions linear on garbage.
@@ -193,11 +195,12 @@ class _Rank:
             return
         if "rank " in msg:
             m = _RANK.search(msg)
-            if m and int(m.group(2)) > self.comm_nranks:
-                self.comm_nranks = int(m.group(2))
-                r.rank, r.nranks = int(m.group(1)), int(m.group(2))
+            rank, nranks = (parse_uint(m.group(1)), parse_uint(m.group(2))) if m else (None, None)
+            if rank is not None and nranks is not None and nranks > self.comm_nranks:
+                self.comm_nranks = nranks
+                r.rank, r.nranks = rank, nranks
                 d = _CUDA_DEV.search(msg)
-                self.comm_dev = int(d.group(1)) if d else None
+                self.comm_dev = parse_uint(d.group(1)) if d else None
 
     def _via(self, path: str) -> None:
         r = self.report
@@ -307,12 +310,15 @@ class LogParser:
             if v:
                 self._pending_version = v.group(1).split("+", 1)[0]
             return
+        pid, dev = parse_uint(m.group("pid")), parse_int(m.group("dev"))
+        if pid is None or dev is None:  # numbers NCCL's "%d" cannot print: not one of its lines
+            return
         self.nccl_lines += 1
-        key = (m.group("host"), int(m.group("pid")))
+        key = (m.group("host"), pid)
         rank = self._ranks.get(key)
         if rank is None:
             rank = self._ranks[key] = _Rank(*key)
-        rank.devs[int(m.group("dev"))] += 1
+        rank.devs[dev] += 1
         if self._pending_version and not rank.report.nccl_version:
             rank.report.nccl_version, self._pending_version = self._pending_version, ""
         rank.line(m.group("level"), line[m.end():].strip())

@@ -88,9 +88,23 @@ def _num(d: Mapping[str, Any], key: str, where: str, *, allow_none: bool = False
     v = d.get(key)
     if v is None and allow_none:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise BadResult(f"{where}: {key!r} must be a non-negative number, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or v < 0:
+        raise BadResult(f"{where}: {key!r} must be a non-negative number, got {_short(v)}")
     return v
+
+
+def _finite(v: float) -> bool:
+    """Finite, and for an int within the float range (math.isfinite raises OverflowError for
+    an int beyond it, and so would every float() the exporter does with it later)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _strs(d: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
@@ -105,16 +119,16 @@ def parse(data: Any, where: str = "result") -> Result:
     if not isinstance(data, dict):
         raise BadResult(f"{where}: expected a JSON object")
     if data.get("version") != VERSION:
-        raise BadResult(f"{where}: version {data.get('version')!r}, expected {VERSION}")
+        raise BadResult(f"{where}: version {_short(data.get('version'))}, expected {VERSION}")
     scope = data.get("scope")
     if scope not in SCOPES:
-        raise BadResult(f"{where}: scope {scope!r}, expected one of {', '.join(SCOPES)}")
+        raise BadResult(f"{where}: scope {_short(scope)}, expected one of {', '.join(SCOPES)}")
     success = data.get("success")
     if not isinstance(success, bool):
         raise BadResult(f"{where}: 'success' must be true or false")
     failure = data.get("failure") or ""
     if not success and failure not in FAILURE_REASONS:
-        raise BadResult(f"{where}: failure {failure!r}, expected one of "
+        raise BadResult(f"{where}: failure {_short(failure)}, expected one of "
                         f"{', '.join(FAILURE_REASONS)}")
     sizes = []
     raw_sizes = data.get("sizes", [])
@@ -161,4 +175,8 @@ def read(path: str) -> Result:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise BadResult(f"{path}: not JSON: {exc.msg} at line {exc.lineno}") from None
+    except ValueError as exc:  # an integer beyond int()'s digit limit (4300)
+        raise BadResult(f"{path}: not a result file: {exc}") from None
+    except RecursionError:
+        raise BadResult(f"{path}: not a result file: JSON nested too deeply") from None
     return parse(data, path)

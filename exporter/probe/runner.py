@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from exporter.probe import results
+from exporter.sysfs import parse_uint
 
 EXIT_ROUND_FAILED = 4
 EXIT_NO_GPU = 3
@@ -55,8 +56,7 @@ class Cluster:
 def cluster_from_env(env: Mapping[str, str]) -> Cluster | None:
     """The rank of a process started by torchrun or srun; None otherwise."""
     def num(key: str) -> int | None:
-        v = env.get(key, "")
-        return int(v) if v.isdigit() else None
+        return parse_uint(env.get(key, ""))
 
     rank, world, local = num("RANK"), num("WORLD_SIZE"), num("LOCAL_RANK")
     if rank is not None and world is not None:
@@ -109,10 +109,11 @@ def parse_bytes(text: str) -> int:
     t = text.strip().lower()
     digits = t.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = t[len(digits):]
-    if not digits.isdigit() or unit not in _UNITS or int(digits) <= 0:
+    n = parse_uint(digits)
+    if n is None or unit not in _UNITS or n <= 0:
         raise argparse.ArgumentTypeError(
             f"expected a size such as 8KiB, 1MiB or 65536, got {text!r}")
-    return int(digits) * _UNITS[unit]
+    return n * _UNITS[unit]
 
 
 def parse_sizes(text: str) -> list[int]:
