@@ -81,7 +81,8 @@ def build_parser(classes: dict[str, type[Collector]]) -> argparse.ArgumentParser
     p.add_argument("--scrape.timeout", dest="scrape_timeout", type=_positive_seconds,
                    default=8.0, metavar="SECONDS",
                    help="per-scrape deadline for every collector; a collector that has not "
-                        "answered by then reports success 0 (default 8)")
+                        "answered by then reports success 0 (default 8); Prometheus' "
+                        "X-Prometheus-Scrape-Timeout-Seconds header shortens it")
     p.add_argument("--hotplug", action=argparse.BooleanOptionalAction, default=True,
                    help="watch udev/kernel device events (InfiniBand, net, PCI) so background "
                         "values catch up at once when a device comes or goes (default on; "

@@ -1,4 +1,5 @@
-"""HTTP serving: /metrics through prometheus_client (gzip and OpenMetrics negotiation), a landing
+"""HTTP serving: /metrics through prometheus_client (gzip and OpenMetrics negotiation, the
+scraper's X-Prometheus-Scrape-Timeout-Seconds shortening the collectors' deadline), a landing
 page at / listing the collectors and their last status, and /-/healthy; over TLS when
 ``--web.config.file`` asks for it (exporter/webconfig.py)."""
 
@@ -9,6 +10,7 @@ import functools
 import gzip
 import html
 import logging
+import math
 import re
 import socket
 import ssl
@@ -26,12 +28,35 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from exporter import __version__
-from exporter.registry import Scraper
+from exporter.registry import Scraper, request_timeout
 
 log = logging.getLogger("gpunet.exporter.http")
 _LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 StartResponse = Callable[..., Any]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
+
+
+# What Prometheus sends with every scrape: its scrape_timeout in seconds ("10", "2.5").
+SCRAPE_TIMEOUT_HEADER = "HTTP_X_PROMETHEUS_SCRAPE_TIMEOUT_SECONDS"
+# Taken off the scraper's timeout, so that encoding and sending the answer fit in it too: half a
+# second as blackbox_exporter's --timeout-offset, or half the timeout when that is 1 s or less.
+SCRAPE_TIMEOUT_MARGIN = 0.5
+
+
+def scrape_timeout(header: str | None) -> float | None:
+    """The deadline a scraper's X-Prometheus-Scrape-Timeout-Seconds leaves the collectors: the
+    value less SCRAPE_TIMEOUT_MARGIN (less half of it when it is 1 s or less); None when the
+    header is absent or not a finite positive number of seconds (then --scrape.timeout alone
+    applies). Scraper.collect caps the result at --scrape.timeout."""
+    if header is None:
+        return None
+    try:
+        seconds = float(header.strip())
+    except ValueError:
+        return None
+    if not (math.isfinite(seconds) and seconds > 0):
+        return None
+    return seconds - min(SCRAPE_TIMEOUT_MARGIN, seconds / 2)
 
 
 def _landing(scraper: Scraper, telemetry_path: str) -> bytes:
@@ -110,8 +135,9 @@ def make_app(scraper: Scraper, registry: CollectorRegistry, telemetry_path: str)
                                                           ("Content-Length", "0")])
                 return [b""]
             names = parse_qs(environ.get("QUERY_STRING", "")).get("name[]")
-            body, headers = render_metrics(registry, environ.get("HTTP_ACCEPT", ""),
-                                           environ.get("HTTP_ACCEPT_ENCODING", ""), names)
+            with request_timeout(scrape_timeout(environ.get(SCRAPE_TIMEOUT_HEADER))):
+                body, headers = render_metrics(registry, environ.get("HTTP_ACCEPT", ""),
+                                               environ.get("HTTP_ACCEPT_ENCODING", ""), names)
             start_response("200 OK", [*headers, ("Content-Length", str(len(body)))])
             return [body]
         if path == "/":

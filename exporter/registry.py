@@ -3,7 +3,9 @@
 Each collection runs in its own thread with a deadline. An exception, a hang or a missing device
 costs only that collector's own families; the scrape reports every collector's duration and
 success. While a collection is still running (a hung read), later scrapes join it instead of
-starting another, so a stuck source never piles up threads.
+starting another, so a stuck source never piles up threads. The deadline is ``--scrape.timeout``,
+shortened for one request by the scraper's own (``X-Prometheus-Scrape-Timeout-Seconds``, see
+:func:`request_timeout`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextvars import ContextVar
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
@@ -30,6 +33,20 @@ log = logging.getLogger("gpunet.exporter")
 
 ENTRY_POINT_GROUP = "gpunet_exporter.collectors"
 SOLO_SECONDS = 0.25
+# The deadline the current HTTP request asked for, for Scraper.collect() called through
+# prometheus_client's registry (which passes no arguments); None: --scrape.timeout alone.
+_REQUEST_TIMEOUT: ContextVar[float | None] = ContextVar("gpunet_request_timeout", default=None)
+
+
+@contextlib.contextmanager
+def request_timeout(seconds: float | None) -> Iterator[None]:
+    """Within the block (in this thread), Scraper.collect() without a ``timeout`` argument uses
+    ``seconds`` as its timeout, capped by the scraper's own (None: the scraper's own)."""
+    token = _REQUEST_TIMEOUT.set(seconds)
+    try:
+        yield
+    finally:
+        _REQUEST_TIMEOUT.reset(token)
 
 
 def discover() -> dict[str, type[Collector]]:
@@ -162,8 +179,13 @@ class Scraper:
         self.timeout = timeout
         self.hotplug = hotplug
 
-    def collect(self) -> Iterator[Metric]:
-        deadline = time.perf_counter() + self.timeout
+    def collect(self, timeout: float | None = None) -> Iterator[Metric]:
+        """Every collector's families. ``timeout`` (else the one set by :func:`request_timeout`)
+        can shorten this scrape's deadline below ``self.timeout``, never lengthen it."""
+        if timeout is None:
+            timeout = _REQUEST_TIMEOUT.get()
+        limit = self.timeout if timeout is None else min(self.timeout, timeout)
+        deadline = time.perf_counter() + limit
         started = []
         for runner in self.runners:
             fut, t_start = runner.start()
@@ -180,10 +202,10 @@ class Scraper:
                 res = fut.result(timeout=max(0.0, deadline - time.perf_counter()))
             except FutureTimeout:
                 waited = time.perf_counter() - t_start
-                err = f"still running after {waited:.1f}s (timeout {self.timeout:g}s)"
+                err = f"still running after {waited:.1f}s (timeout {limit:g}s)"
                 runner.collector.ctx.log_once(
                     logging.ERROR, "collector timed out after %gs; its metrics are left out until "
-                    "it answers", self.timeout)
+                    "it answers", limit)
                 runner.status = Status(False, waited, err, time.time())
                 duration.add_metric([runner.name], waited)
                 success.add_metric([runner.name], 0)

@@ -11,6 +11,8 @@ error handling meets the real classes. Scenario keys beyond the capture:
     devices[i]["processes"]: [pid, ...]      compute processes (the capture had none)
     devices[i][<function name>]: {"exc": "NVMLError_NotSupported"}   override one call
     devices[i]["nvmlDeviceGetMemoryInfo_v2"]: {"ok": {...}}   the v2 memory struct
+    devices[i]["sleep"]: {<function name>: seconds}   the call blocks that long, then answers
+                                                      (a hung driver; tests/test_load.py)
 
 Tests call :func:`load`, :func:`push_event` and :func:`reload_driver`. An exporter started as
 a subprocess loads this module with ``--nvml.module fake_nvml`` (tests/ on PYTHONPATH), reads
@@ -182,6 +184,9 @@ def _dev(h: _Handle, fn: str) -> dict[str, Any]:
         raise _error("NVMLError_Uninitialized")
     _s.calls[(fn, h.index)] += 1
     dev = device(h.index)
+    pause = dev.get("sleep", {}).get(fn)
+    if pause:
+        time.sleep(float(pause))
     if dev.get("lost"):
         raise _error("NVMLError_GpuIsLost")
     return dev
