@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from prometheus_client import CollectorRegistry
 
 from exporter import DEFAULT_PORT, __version__
+from exporter.background import kill_running
 from exporter.collector import Collector, CollectorContext, LogOnce, collector_logger
 from exporter.config import ConfigError, Field, load_file, validate
 from exporter.hotplug import Hotplug
@@ -224,6 +225,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     httpd.shutdown()
     hotplug.stop()
     scraper.close()
+    kill_running()  # a tool still hanging in a collector must not outlive the exporter
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from exporter import rules
+from exporter.background import kill_running
 from exporter.cli import build_parser, start_collectors
 from exporter.config import ConfigError
 from exporter.logs import setup
@@ -404,6 +405,7 @@ def main(argv: Sequence[str]) -> int:
         b = Snapshot(scraper)
     finally:
         scraper.close()
+        kill_running()
     check = Check(a, b, t)
     for fn in CHECKS:
         fn(check)

@@ -293,9 +293,8 @@ def alive(pids: Path) -> list[int]:
 
 
 def reap(pids: Path) -> None:
-    """Kill what is left of a stuck tool. The exporter does not kill a tool still running when it
-    shuts down (the tool runs in a session of its own, exporter/background.py), so one that
-    hangs outlives it: here `sleep 60`."""
+    """Kill what is left of a stuck tool (`sleep 60`), should a test fail before the exporter
+    shut down; the exporter kills the tools still running when it exits."""
     for pid in alive(pids):
         os.kill(pid, signal.SIGKILL)
 
@@ -375,8 +374,10 @@ def test_stuck_ethtool_costs_only_pfc(node: Node) -> None:
         assert len(alive(pids)) <= 1  # one interface's tool at a time, never a pile
     finally:
         err = e.stop()
+        left = alive(pids)
         reap(pids)
     assert "Traceback" not in err
+    assert not left, "a tool still running outlived the exporter"
 
 
 def test_blocking_nvml_call_costs_only_gpu(node: Node) -> None:
