@@ -16,13 +16,16 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from prometheus_client.core import Metric
 
 from exporter import rules
 from exporter.background import kill_running
 from exporter.cli import build_parser, start_collectors
+from exporter.collector import Collector
 from exporter.config import ConfigError
 from exporter.logs import setup
 from exporter.registry import Scraper, discover
@@ -63,10 +66,10 @@ class Finding:
 class Snapshot:
     """One collection: sample name -> [(labels, value)]."""
 
-    def __init__(self, scraper: Scraper) -> None:
+    def __init__(self, families: Iterable[Metric]) -> None:
         self.time = time.time()
         self.samples: dict[str, list[tuple[Labels, float]]] = {}
-        for family in scraper.collect():
+        for family in families:
             for s in family.samples:
                 self.samples.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
 
@@ -334,11 +337,13 @@ def _progress(quiet: bool, message: str) -> None:
         print(f"doctor: {message}", file=sys.stderr, flush=True)
 
 
-def _wait_for_probe(scraper: Scraper, timeout: float, quiet: bool) -> None:
+def _wait_for_probe(probe: Collector, timeout: float, quiet: bool) -> None:
+    """Until the probe collector has an intra-node result (it only reads its cache, so asking
+    it alone is cheap; the other collectors are not run meanwhile)."""
     _progress(quiet, f"waiting for the probe's round (up to {timeout:g} s)")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        s = Snapshot(scraper)
+        s = Snapshot(probe.collect())
         if s.get("gpunet_probe_success", scope="intra") is not None:
             return
         time.sleep(0.5)
@@ -397,12 +402,12 @@ def main(argv: Sequence[str]) -> int:
     quiet = args.json
     try:
         _progress(quiet, f"reading {', '.join(collectors) or 'no collectors'}")
-        a = Snapshot(scraper)
+        a = Snapshot(scraper.collect())
         if "probe" in collectors:
-            _wait_for_probe(scraper, args.probe_wait, quiet)
+            _wait_for_probe(collectors["probe"], args.probe_wait, quiet)
         _progress(quiet, f"reading counters again in {args.interval:g} s for their rates")
         time.sleep(args.interval)
-        b = Snapshot(scraper)
+        b = Snapshot(scraper.collect())
     finally:
         scraper.close()
         kill_running()

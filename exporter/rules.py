@@ -80,6 +80,16 @@ def _busbw_low(t: T) -> str:
     return "\nor\n".join(parts)
 
 
+def _variation(t: T) -> str:
+    """Coefficient of variation of the per-round median time at the bandwidth size."""
+    p = t["probe"]
+    sel = (f'gpunet_probe_allreduce_seconds{{size="{p["bandwidth_size_bytes"]}", '
+           'stat="median"}')
+    w = p["variation_window"]
+    return (f"stddev_over_time({sel}[{w}])\n  / avg_over_time({sel}[{w}]) > "
+            f"{_g(p['variation_ratio'])}")
+
+
 def _xid(t: T, critical: bool) -> str:
     """XID counts that rose in the last 10 minutes. A (GPU, XID) series appears with its first
     event, already at 1, where increase() sees nothing; so a series absent 10 minutes ago counts
@@ -312,12 +322,7 @@ ALERTS: tuple[Alert, ...] = (
           f"The slowest rank {_SCOPE} takes {{{{ $value | humanizePercentage }}}} longer than "
           "the median rank."),
     Alert("GpunetProbeTimeVariance", "collective", "warning", "15m",
-          lambda t: (lambda w, sel: (
-              f"stddev_over_time({sel}[{w}])\n  / avg_over_time({sel}[{w}]) > "
-              f"{_g(t['probe']['variation_ratio'])}"))(
-                  t["probe"]["variation_window"],
-                  "gpunet_probe_allreduce_seconds"
-                  f'{{size="{t["probe"]["bandwidth_size_bytes"]}", stat="median"}}'),
+          _variation,
           "All-reduce time varies from round to round",
           f"The {{{{ $labels.size }}}}-byte all-reduce time varies by {{{{ $value | "
           f"humanizePercentage }}}} from round to round {_SCOPE}."),
