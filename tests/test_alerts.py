@@ -363,3 +363,41 @@ def test_nan_threshold_refused(tmp_path: Path) -> None:
     with pytest.raises(thresholds.ConfigError, match=r"key 'probe\.latency_seconds': expected a "
                                                      r"number, got NaN"):
         thresholds.load(str(f))
+
+
+def test_every_alert_test_can_fail(tmp_path: Path) -> None:
+    """Mutation check of alerts/gpunet.rules.test.yml, alert by alert: with the alert's
+    expression made to never fire, each of its firing cases fails; made to always fire, each of
+    its silent cases evaluated after the alert's `for:` has run fails (those before it check the
+    `for:`, which an always-true expression does not change), and every alert has such a case.
+    So no case passes whatever the expression says."""
+    doc = yaml.safe_load(RULE_TESTS.read_text())
+    t = thresholds.defaults(rules.ALERT_NAMES)
+    base = rules.rule_groups(t)
+
+    def minutes(duration: str) -> float:
+        return float(duration[:-1]) * {"s": 1 / 60, "m": 1, "h": 60}[duration[-1]]
+
+    for alert in rules.ALERTS:
+        name = alert.name
+        cases = [c for c in doc["tests"]
+                 if any(a["alertname"] == name for a in c.get("alert_rule_test", []))]
+        firing = [c["name"] for c in cases if c["alert_rule_test"][0]["exp_alerts"]]
+        silent = [c["name"] for c in cases if not c["alert_rule_test"][0]["exp_alerts"]
+                  and minutes(c["alert_rule_test"][0]["eval_time"]) >= minutes(alert.for_)]
+        assert firing and silent, name
+        for mutant, must_fail in (("vector(1) == 0", firing), ("vector(1)", silent)):
+            groups = yaml.safe_load(yaml.safe_dump(base))
+            for g in groups["groups"]:
+                for r in g["rules"]:
+                    if r.get("alert") == name:
+                        r["expr"] = mutant
+            (tmp_path / "r.yml").write_text(yaml.safe_dump(groups))
+            (tmp_path / "t.yml").write_text(yaml.safe_dump(
+                {"rule_files": ["r.yml"], "evaluation_interval": "1m", "tests": cases}))
+            out = subprocess.run([tool("promtool"), "test", "rules", "t.yml"], cwd=tmp_path,
+                                 capture_output=True, text=True, timeout=120)
+            report = out.stdout + out.stderr
+            assert out.returncode != 0, f"{name} with expr {mutant!r}: every case passed"
+            for case in must_fail:
+                assert f"name: {case}," in report, f"{case!r} passed with expr {mutant!r}"
