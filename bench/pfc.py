@@ -13,8 +13,8 @@ There is no mlx5 NIC on the benchmark machine, so the stand-in is:
   (``ip netns exec``, which also mounts the namespace's own /sys). The namespace is deleted at
   the end, on error and on Ctrl-C too.
 - **mlx5 names on top.** The collector gets the real ``EthtoolReader``, wrapped so each reading
-  is the veth's own names and values followed by those of the shared synthetic mlx5 capture
-  (``../shared/fixtures/synthetic/ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt``: 8 priorities,
+  is the veth's own names and values followed by those of the synthetic mlx5 capture
+  (``tests/fixtures/synthetic/ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt``: 8 priorities,
   PFC on priority 3, port counters). The ioctl cost is real; mapping and sample building are
   those of an mlx5 port. The wrapper returns the same names tuple while the veth's names do not
   change, as the real reader does, so the collector's mapping plan stays cached.
@@ -68,7 +68,7 @@ from exporter.config import Field, validate  # noqa: E402
 from exporter.ethtool import EthtoolReader, NicStats, parse_stats_text  # noqa: E402
 from exporter.sysfs import Root  # noqa: E402
 
-MLX5_CAPTURE = REPO.parent / "shared/fixtures/synthetic/ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
+MLX5_CAPTURE = REPO / "tests/fixtures/synthetic/ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
 INTERFACES = ("va0", "va1")
 PEERS = ("vb0", "vb1")
 QUEUES = 128

@@ -1,7 +1,7 @@
 """gpu collector: NVML utilization, memory, PCIe link and errors, NVLink, compute processes,
 XID errors, and lost GPUs.
 
-Calls, return types and errors: FORMATS.md §6 (nvidia-ml-py, ``import pynvml``; verified on
+Calls, return types and errors: docs/formats.md §6 (nvidia-ml-py, ``import pynvml``; verified on
 2 x H200 and on an H100, see docs/gpu.md). NVML is reached through the process-wide session of
 exporter/nvml.py, so the gpu and topology collectors share one initialisation.
 

@@ -1,6 +1,6 @@
 """infiniband collector: InfiniBand and RoCE ports from /sys/class/infiniband, read each scrape.
 
-Formats and sources: shared reference FORMATS.md §1 (kernel drivers/infiniband/core/sysfs.c).
+Formats and sources: docs/formats.md §1 (kernel drivers/infiniband/core/sysfs.c).
 The unit of failure is a single value: a file that cannot be read or parsed ("N/A (no PMA)",
 EINVAL, EACCES, EOPNOTSUPP, garbage, a device unplugged mid-scrape) costs that value alone.
 """

@@ -3,8 +3,8 @@ interfaces named in the config), the active RDMA MTU, and expected-versus-actual
 
 Sources: /sys/class/net/<if>/{operstate,carrier,speed,mtu,carrier_changes} (kernel
 net/core/net-sysfs.c); RoCE active MTU derived from the netdev MTU as the kernel's iboe_get_mtu()
-does (FORMATS.md §1.6); InfiniBand active MTU from ``ibv_devinfo`` (FORMATS.md §7), which runs in
-the background on its own interval, never in the scrape.
+does (docs/formats.md §1.6); InfiniBand active MTU from ``ibv_devinfo`` (docs/formats.md §7),
+which runs in the background on its own interval, never in the scrape.
 """
 
 from __future__ import annotations

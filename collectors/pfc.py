@@ -13,7 +13,7 @@ or "PFC is off on the priority RoCE uses".
   through a generic family. A counter the driver does not print is not exported, never zero:
   mlx5 prints the pause counters only for priorities with PFC enabled.
 
-Formats and sources: shared FORMATS.md §2 (mlnx_qos), §3 (ethtool -S on mlx5), §4 (ECN).
+Formats and sources: docs/formats.md §2 (mlnx_qos), §3 (ethtool -S on mlx5), §4 (ECN).
 """
 
 from __future__ import annotations

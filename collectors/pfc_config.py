@@ -3,7 +3,7 @@
 MLNX_OFED sysfs files under ``/sys/class/net/IF/qos/``; plus the ECN switches under
 ``/sys/class/net/IF/ecn/``.
 
-Every parser is written from the documented grammar (shared FORMATS.md §2 and §4; mlnx-tools
+Every parser is written from the documented grammar (docs/formats.md §2 and §4; mlnx-tools
 python/mlnx_qos ``pretty_print`` and dcbnetlink.py; iproute2 dcb/dcb_*.c). They ignore lines and
 keys they do not know and never fail on odd whitespace, tabs turned into spaces, trailing spaces
 or older layouts; they raise ``ValueError`` only when the text is not the tool's output at all.
@@ -72,7 +72,7 @@ _GBPS = re.compile(r"^(\d+(?:\.\d+)?)\s*Gbps$", re.IGNORECASE)
 
 
 def parse_mlnx_qos(text: str) -> QosConfig:
-    """The report ``mlnx_qos -i IF`` prints (FORMATS.md §2.1), every layout from old OFED to
+    """The report ``mlnx_qos -i IF`` prints (docs/formats.md §2.1), every layout from old OFED to
     mlnx-tools 23.x: with or without buffers, ``total_size=`` or ``max_buffer_size=``, the
     ``default priority:`` header, wrapped ``prio:N dscp:`` lines, ``up:`` or ``priority:`` tc
     members, and whitespace that was tabs or was lost."""

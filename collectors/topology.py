@@ -6,8 +6,8 @@ fast paths off.
 Sources: the realpath of /sys/bus/pci/devices/<gpu> and /sys/class/infiniband/<dev>/device, and
 the numa_node files (the distances in nvidia-smi topo's vocabulary); the files NCCL checks for a
 peer-memory client and /proc/driver/nvidia/version with /proc/sys/kernel/osrelease for DMA-BUF
-(FORMATS.md §5.3); each bridge's ACS Control register from its binary config file (PCIe base spec
-7.7.8, readable beyond 64 bytes by root only); /proc/<pid>/environ of NVML's compute processes.
+(docs/formats.md §5.3); each bridge's ACS Control register from its binary config file (PCIe base
+spec 7.7.8, readable beyond 64 bytes by root only); /proc/<pid>/environ of NVML's compute processes.
 GPUs come from the shared NVML session when NVML is up, else from sysfs.
 """
 

@@ -13,7 +13,7 @@ byte-for-byte those of the last call, the same tuple object is returned, so call
 what they derived from it.
 
 Sources: include/uapi/linux/ethtool.h (struct ethtool_sset_info, ethtool_gstrings,
-ethtool_stats; ETH_GSTRING_LEN 32), ethtool's ``do_gnicstats``; text format FORMATS.md §3.
+ethtool_stats; ETH_GSTRING_LEN 32), ethtool's ``do_gnicstats``; text format docs/formats.md §3.
 """
 
 from __future__ import annotations

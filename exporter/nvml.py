@@ -1,8 +1,8 @@
 """One NVML session per process, shared by the collectors that need NVML (gpu, topology).
 
 NVML is reached through a module implementing the pynvml API: ``pynvml`` from nvidia-ml-py by
-default (FORMATS.md §6.1), a stand-in in tests (``--nvml.module``). The session initialises NVML
-once, enumerates the GPUs, and re-initialises after a driver reload: a collector that sees NVML
+default (docs/formats.md §6.1), a stand-in in tests (``--nvml.module``). The session initialises
+NVML once, enumerates the GPUs, and re-initialises after a driver reload: a collector that sees NVML
 answer as if it had been shut down (Uninitialized, DriverNotLoaded, a library/driver version
 mismatch) or sees every GPU lost calls :meth:`Session.invalidate`, and the next use initialises
 again, at most once every ``RETRY_SECONDS``.

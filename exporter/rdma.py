@@ -1,6 +1,6 @@
 """RDMA device and port discovery under /sys/class/infiniband, shared by the collectors.
 
-Sources and formats: shared reference FORMATS.md §1.1 (layout, netdev mapping order).
+Sources and formats: docs/formats.md §1.1 (layout, netdev mapping order).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def pci_address(root: Root, device: str) -> str:
 def netdev(root: Root, device: str, port: str, link_layer: str) -> str:
     """The netdev behind a port, or "" when there is none.
 
-    Order (FORMATS.md §1.1): ``gid_attrs/ndevs/<idx>`` (RoCE only: on InfiniBand every slot
+    Order (docs/formats.md §1.1): ``gid_attrs/ndevs/<idx>`` (RoCE only: on InfiniBand every slot
     fails to read, and trying 255 of them per scrape would be slow), then ``device/net/*``,
     preferring the netdev whose ``dev_port`` is this port's index (dual-port mlx4 HCAs).
     """

@@ -25,8 +25,8 @@ from exporter.config import Field, validate
 from exporter.sysfs import Root
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
-UPSTREAM = SHARED / "fixtures-upstream"
+FIXTURES = REPO / "tests" / "fixtures"  # every fixture, with its SOURCES.md
+UPSTREAM = FIXTURES / "upstream"
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

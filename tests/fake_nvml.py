@@ -1,6 +1,6 @@
 """A stand-in for ``pynvml`` (nvidia-ml-py) at the module boundary, replaying real readings.
 
-The default scenario is ../shared/fixtures/nvml/nvml_probe_h200x2.json, what NVML answered on
+The default scenario is tests/fixtures/nvml/nvml_probe_h200x2.json, what NVML answered on
 a 2 x H200 machine (driver 580.159.04): every value and every error in it comes back exactly as
 recorded (NumaNodeId NotSupported, NVLink state InvalidArgument past link 17, the NVLink *_TOTAL
 fields NotSupported, ...). Exceptions and constants are nvidia-ml-py's own, so the collector's
@@ -34,8 +34,7 @@ from typing import Any
 
 import pynvml as _real
 
-FIXTURE = (Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / "nvml"
-           / "nvml_probe_h200x2.json")
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "nvml" / "nvml_probe_h200x2.json"
 NVMLError = _real.NVMLError
 _PASSTHROUGH = ("NVML_", "NVMLError", "nvmlEventType", "nvmlMemory")
 

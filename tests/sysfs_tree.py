@@ -1,6 +1,6 @@
 """Build fake Linux sysfs trees for tests, in the kernel's exact file formats.
 
-Formats follow shared/reference/FORMATS.md section 1 (drivers/infiniband/core/sysfs.c,
+Formats follow docs/formats.md section 1 (drivers/infiniband/core/sysfs.c,
 drivers/infiniband/hw/mlx5/counters.c) and net/core/net-sysfs.c. Everything is deterministic:
 values are derived from the device index, never random.
 
@@ -564,7 +564,7 @@ ACS_CONTROL_REDIRECT = 0x001D
 CONFIG_SIZE = 4096
 CONFIG_UNPRIVILEGED = 64  # what the kernel lets a reader without CAP_SYS_ADMIN see
 
-# Where a GPUDirect RDMA peer-memory client shows (FORMATS.md §5.3), by module name.
+# Where a GPUDirect RDMA peer-memory client shows (docs/formats.md §5.3), by module name.
 PEERMEM_FILES = {
     "nvidia_peermem": "module/nvidia_peermem/version",
     "nv_peer_mem": "kernel/mm/memory_peers/nv_mem/version",

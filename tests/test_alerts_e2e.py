@@ -41,28 +41,29 @@ from exporter.probe import results
 
 import fake_nvml
 import sysfs_tree as st
-from conftest import REPO, SHARED, Exporter, free_port
+from conftest import FIXTURES, REPO, Exporter, free_port
 from test_link import DEVINFO
 
 HEALTHY, FAULTY = "gpu-healthy", "gpu-faulty"
 DEGRADED_PORT, DOWN_PORT = "mlx5_5", "mlx5_3"
 QOS_DEVICE = "mlx5_9"  # the RoCE port whose netdev carries the QoS configuration
-CAPTURE = SHARED / "fixtures" / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
+CAPTURE = FIXTURES / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
 ETHTOOL = """\
 #!/bin/sh
 [ "$1" = -S ] && [ "$2" = {netdev} ] && exec cat {capture}
 echo "Cannot get stats strings information: Operation not supported" >&2
 exit 94
 """
-# Stand-in for `mlnx_qos -i IF` on the QoS netdev: the hand-built report of tests/data/pfc (PFC on
-# priority 5 only), or the same report with PFC moved to priority 3 for the healthy node.
+# Stand-in for `mlnx_qos -i IF` on the QoS netdev: the hand-built report of
+# tests/fixtures/pfc (PFC on priority 5 only), or the same report with PFC moved to priority 3
+# for the healthy node.
 MLNX_QOS = """\
 #!/bin/sh
 [ "$1" = -i ] && [ "$2" = {netdev} ] && exec cat {report}
 echo "Netlink error: no such device" >&2
 exit 1
 """
-QOS_REPORT = REPO / "tests" / "data" / "pfc" / "mlnx_qos_os-dscp-pfc5-custom.txt"
+QOS_REPORT = FIXTURES / "pfc" / "mlnx_qos_os-dscp-pfc5-custom.txt"
 PFC5 = ("\tenabled     0   0   0   0   0   1   0   0   \n"
         "\tbuffer      0   0   0   0   0   1   0   0   ")
 PFC3 = ("\tenabled     0   0   0   1   0   0   0   0   \n"
@@ -123,7 +124,7 @@ for scope, data in json.load(open({results!r})).items():
     os.replace(os.path.join(state, f".{{scope}}.tmp"), os.path.join(state, f"{{scope}}.json"))
 time.sleep(3600)
 """
-# PHY counters of a mlx5 port (counters.rst names, FORMATS.md 3.2) that the synthetic capture
+# PHY counters of a mlx5 port (counters.rst names, docs/formats.md 3.2) that the synthetic capture
 # leaves out; appended so the node dashboard's physical-error panel has its series.
 PHY_COUNTERS = """\
      rx_crc_errors_phy: 0

@@ -16,7 +16,7 @@ from exporter.metricsdoc import render
 from exporter.registry import SCRAPE_METRICS, discover
 
 import sysfs_tree as st
-from conftest import REPO, SHARED, collect, make_collector, samples_of
+from conftest import FIXTURES, REPO, collect, make_collector, samples_of
 
 ALL_SPECS = [*SCRAPE_METRICS, *(s for c in discover().values() for s in c.metrics)]
 
@@ -45,7 +45,7 @@ def test_every_exported_family_is_documented(tmp_path: Path) -> None:
             seen.add(family)
     # pfc: configuration from the OFED sysfs files, counters from the synthetic mlx5 capture.
     netdev = st.make_ofed_qos(sysfs)
-    capture = SHARED / "fixtures/synthetic/ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
+    capture = FIXTURES / "synthetic/ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
     stats = parse_stats_text(capture.read_text())
 
     class Capture:

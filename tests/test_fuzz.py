@@ -2,10 +2,10 @@
 of real inputs go to every parser, and no exception escapes beyond the parser's documented, clean
 rejection.
 
-Inputs are the real samples of tests/data/pfc/ (mlnx_qos reports, dcb JSON of iproute2 6.1 and
-6.15), ../shared/fixtures (NCCL logs, the NVML capture that tests/fake_nvml.py replays, the
+Inputs are the real samples of tests/fixtures/pfc/ (mlnx_qos reports, dcb JSON of iproute2 6.1 and
+6.15), tests/fixtures/ (NCCL logs, the NVML capture that tests/fake_nvml.py replays, the
 synthetic ``ethtool -S`` capture), trees built by tests/sysfs_tree.py and the formats of
-../shared/reference/FORMATS.md, mutated by :func:`mutated`: lines deleted, duplicated, swapped,
+docs/formats.md, mutated by :func:`mutated`: lines deleted, duplicated, swapped,
 truncated or replaced, numbers made huge, negative, fractional or non-numeric, NUL, control,
 non-ASCII, U+FFFD (what a non-UTF-8 byte decodes to) and line-separator characters inserted,
 whitespace changed, the text cut short; :func:`mutated_bytes` adds invalid UTF-8 bytes.
@@ -159,16 +159,16 @@ from exporter.webconfig import BasicAuth, _schema, load_web_config, wrap
 
 import fake_nvml
 import sysfs_tree as st
-from conftest import SHARED, make_collector, samples_of
+from conftest import FIXTURES, make_collector, samples_of
 
-PFC_DATA = Path(__file__).parent / "data" / "pfc"
+PFC_DATA = FIXTURES / "pfc"
 MLNX_QOS = {p.name: p.read_text() for p in sorted(PFC_DATA.glob("mlnx_qos_*.txt"))}
 DCB = {d.name: {p.stem: p.read_text() for p in sorted(d.glob("*.json"))}
        for d in sorted(PFC_DATA.glob("dcb-*"))}
-ETHTOOL_CAPTURE = (SHARED / "fixtures" / "synthetic"
+ETHTOOL_CAPTURE = (FIXTURES / "synthetic"
                    / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt").read_text()
-NCCL_LOGS = {p.name: p.read_text() for p in [*sorted((SHARED / "fixtures" / "nccl").glob("*.log")),
-                                             *(SHARED / "fixtures" / "synthetic").glob("*.log")]}
+NCCL_LOGS = {p.name: p.read_text() for p in [*sorted((FIXTURES / "nccl").glob("*.log")),
+                                             *(FIXTURES / "synthetic").glob("*.log")]}
 
 # ---- strategies --------------------------------------------------------------------------------
 

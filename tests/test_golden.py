@@ -33,7 +33,7 @@ from collectors.infiniband import COUNTER_SPECS
 
 import fake_nvml
 import sysfs_tree as st
-from conftest import REPO, SHARED, Exporter, Samples, parse, series, value
+from conftest import FIXTURES, REPO, Exporter, Samples, parse, series, value
 
 GOLDEN = Path(__file__).parent / "golden" / "dgx-h100-faults.prom"
 UPDATE = os.environ.get("GPUNET_UPDATE_GOLDEN") == "1"
@@ -59,7 +59,7 @@ ETHTOOL = """\
 echo "Cannot get stats strings information: Operation not supported" >&2
 exit 94
 """
-CAPTURE = SHARED / "fixtures" / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
+CAPTURE = FIXTURES / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
 
 # Families whose values depend on time; dropped from the golden comparison.
 TIME_BASED = {"gpunet_scrape_collector_duration_seconds", "gpunet_link_ibv_devinfo_age_seconds",

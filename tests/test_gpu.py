@@ -1,5 +1,5 @@
 """gpu collector against the NVML stand-in (tests/fake_nvml.py) replaying the real 2 x H200
-readings of ../shared/fixtures/nvml, and against the real nvidia-ml-py without a driver."""
+readings of tests/fixtures/nvml, and against the real nvidia-ml-py without a driver."""
 
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def test_background_pcie_counters(gpu: Gpu) -> None:
     # The 32-bit PCIe byte counters wrap faster than any scrape: not exported.
     assert fv["NVML_FI_DEV_PCIE_COUNT_RX_BYTES"]["valueType"] == 1  # unsigned int
     assert not [n for (n, _) in s if "pcie_bytes" in n]
-    # NVML reports KB/s (FORMATS.md §6.2): exported in bytes per second.
+    # NVML reports KB/s (docs/formats.md §6.2): exported in bytes per second.
     assert value(s, "gpunet_gpu_pcie_throughput_bytes_per_second", gpu="0",
                  direction="transmit") == 796_000
     assert value(s, "gpunet_gpu_pcie_throughput_bytes_per_second", gpu="1",

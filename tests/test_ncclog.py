@@ -1,6 +1,6 @@
 """The NCCL INFO log parser (exporter/probe/ncclog.py) and explain-log (exporter/probe/explain.py).
 
-Lines are built from the format strings quoted in shared/reference/FORMATS.md section 5, with the
+Lines are built from the format strings quoted in docs/formats.md section 5, with the
 NCCL versions that print them; the real 2.28.9 logs and the synthetic IB+GDR log are checked in
 full.
 """
@@ -21,11 +21,11 @@ from hypothesis import strategies as hs
 from exporter.probe import ncclog
 from exporter.probe.ncclog import RankReport, looks_like_nccl_log, parse_lines, summarize
 
-from conftest import REPO, SHARED
+from conftest import FIXTURES, REPO
 
-NCCL_DIR = SHARED / "fixtures" / "nccl"
-SYNTHETIC = SHARED / "fixtures" / "synthetic" / "nccl-2.27_ib-gdr_RECONSTRUCTED.log"
-FIXTURES = sorted(NCCL_DIR.glob("*.log"))
+NCCL_DIR = FIXTURES / "nccl"
+SYNTHETIC = FIXTURES / "synthetic" / "nccl-2.27_ib-gdr_RECONSTRUCTED.log"
+LOGS = sorted(NCCL_DIR.glob("*.log"))
 
 
 def c(fmt: str, *args: Any) -> str:
@@ -83,10 +83,10 @@ EXPECTED = {
 
 
 def test_every_fixture_is_covered() -> None:
-    assert sorted(p.name for p in FIXTURES) == sorted(EXPECTED)
+    assert sorted(p.name for p in LOGS) == sorted(EXPECTED)
 
 
-@pytest.mark.parametrize("path", FIXTURES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", LOGS, ids=lambda p: p.name)
 def test_real_228_logs(path: Path) -> None:
     reports = ncclog.parse_file(path)
     assert [r.to_dict() for r in reports] == [EXPECTED[path.name]]
@@ -120,14 +120,14 @@ def test_synthetic_227_ib_gdr() -> None:
 
 
 def test_summarize_fixtures() -> None:
-    socket = [r for p in FIXTURES if "socket" in p.name for r in ncclog.parse_file(p)]
+    socket = [r for p in LOGS if "socket" in p.name for r in ncclog.parse_file(p)]
     both = socket + ncclog.parse_file(SYNTHETIC)
     assert summarize(both) == {
         "ranks": 3, "nccl_versions": ["2.27.7", "2.28.9"], "net": "IB, Socket",
         "transports": ["NET", "P2P"], "net_transports": ["IB", "Socket"], "gdr": False,
         "hcas": ["mlx5_0", "mlx5_1"], "problems": SOCKET_PROBLEMS}
     assert summarize(ncclog.parse_file(SYNTHETIC))["gdr"] is True
-    assert summarize(ncclog.parse_file(FIXTURES[0]))["net"] == "Socket"
+    assert summarize(ncclog.parse_file(LOGS[0]))["net"] == "Socket"
     assert summarize([]) == {
         "ranks": 0, "nccl_versions": [], "net": "", "transports": [], "net_transports": [],
         "gdr": None, "hcas": [], "problems": []}
@@ -135,7 +135,7 @@ def test_summarize_fixtures() -> None:
 
 
 def test_dict_round_trip() -> None:
-    for path in [*FIXTURES, SYNTHETIC]:
+    for path in [*LOGS, SYNTHETIC]:
         for r in ncclog.parse_file(path):
             d = json.loads(json.dumps(r.to_dict()))
             assert RankReport.from_dict(d) == r
@@ -649,7 +649,7 @@ def test_explain_healthy_ib_log() -> None:
 
 
 def test_explain_json() -> None:
-    paths = [str(p) for p in FIXTURES]
+    paths = [str(p) for p in LOGS]
     p = explain("--json", *paths)
     assert p.returncode == 1
     out = json.loads(p.stdout)

@@ -1,4 +1,4 @@
-"""Parsers of sysfs and tool output, against the formats in shared/reference/FORMATS.md."""
+"""Parsers of sysfs and tool output, against the formats in docs/formats.md."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from collectors.infiniband import parse_rate, parse_state
 from collectors.link import parse_ibv_devinfo, roce_active_mtu
 
-# (speed name, per-lane Gb/s) from FORMATS.md §1.3; widths 1X 2X 4X 8X 12X.
+# (speed name, per-lane Gb/s) from docs/formats.md §1.3; widths 1X 2X 4X 8X 12X.
 SPEEDS = [("SDR", 2.5), ("DDR", 5), ("QDR", 10), ("FDR10", 10), ("FDR", 14), ("EDR", 25),
           ("HDR", 50), ("NDR", 100), ("XDR", 200)]
 
@@ -55,7 +55,8 @@ def test_state(text: str, expected: int | None) -> None:
 @pytest.mark.parametrize("mtu,active", [(9000, 4096), (4200, 4096), (4192, 4096), (4191, 2048),
                                         (1500, 1024), (1120, 1024), (1119, 512), (300, None)])
 def test_roce_active_mtu(mtu: int, active: int | None) -> None:
-    # FORMATS.md §1.6: RoCE active_mtu 4096 needs netdev MTU >= 4192 (9000 -> 4096, 1500 -> 1024).
+    # docs/formats.md §1.6: RoCE active_mtu 4096 needs netdev MTU >= 4192
+    # (9000 -> 4096, 1500 -> 1024).
     assert roce_active_mtu(mtu) == active
 
 

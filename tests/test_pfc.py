@@ -36,8 +36,8 @@ from exporter.sysfs import Root
 
 import sysfs_tree as st
 from conftest import (
+    FIXTURES,
     REPO,
-    SHARED,
     Samples,
     free_port,
     make_collector,
@@ -47,8 +47,8 @@ from conftest import (
     value,
 )
 
-DATA = Path(__file__).parent / "data" / "pfc"
-CAPTURE = SHARED / "fixtures" / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
+DATA = FIXTURES / "pfc"
+CAPTURE = FIXTURES / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
 ROCE = "enp170s0f0np0"  # netdev of mlx5_9 in the DGX tree
 ROCE2 = "enp41s0f0np0"  # netdev of mlx5_8
 NO_TOOL = "/nonexistent/tool"

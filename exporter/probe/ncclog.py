@@ -1,6 +1,6 @@
 """NCCL_DEBUG=INFO log parser: the network, transports and GPUDirect RDMA NCCL used, and problems.
 
-Reads the line formats of NCCL 2.18 to 2.30 (shared/reference/FORMATS.md section 5) and the
+Reads the line formats of NCCL 2.18 to 2.30 (docs/formats.md section 5) and the
 legacy per-connection lines of older releases. One report per process (host, pid); lines it does
 not know are skipped, and no input makes it raise. What each problem code means and what to check:
 docs/nccl-log.md. No torch here: the exporter imports this module.
