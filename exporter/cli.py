@@ -15,14 +15,20 @@ import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+)
 
 from exporter import DEFAULT_PORT, __version__
 from exporter.background import kill_running
 from exporter.collector import Collector, CollectorContext, LogOnce, collector_logger
 from exporter.config import ConfigError, Field, load_file, validate
+from exporter.flags import Parser, non_negative_int, positive_seconds, root_problem
 from exporter.hotplug import Hotplug
-from exporter.http import make_app, parse_listen_address, serve
+from exporter.http import DEFAULT_MAX_REQUESTS, RequestLimit, make_app, parse_listen_address, serve
 from exporter.logs import LEVELS, setup
 from exporter.privileges import root_warning
 from exporter.registry import Scraper, discover
@@ -44,31 +50,37 @@ def config_schema(classes: dict[str, type[Collector]]) -> Field:
     return Field("map", fields=fields)
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text.rstrip("s"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected seconds such as 10 or 2.5s, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
+USAGE = ("%(prog)s [FLAGS]          serve /metrics\n"
+         "       %(prog)s doctor [FLAGS]   check this node once (doctor --help)")
 
 
-def build_parser(classes: dict[str, type[Collector]]) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG, allow_abbrev=False,
+def build_parser(classes: dict[str, type[Collector]], server: bool = True) -> Parser:
+    """The exporter's flags; without ``server``, only those that say what to read and how (the
+    doctor's): no listening, TLS, request limits or hot-plug."""
+    p = Parser(
+        prog=PROG, usage=USAGE if server else None,
         description="Prometheus exporter for GPU-cluster networking "
                     "(InfiniBand/RoCE ports, links, PFC, GPUs, NCCL probes).")
     p.add_argument("--version", action="version",
                    version=f"{PROG} {__version__} (python {platform.python_version()})")
-    p.add_argument("--web.listen-address", dest="listen_address", default=f":{DEFAULT_PORT}",
-                   metavar="ADDR", help=f"address to listen on (default :{DEFAULT_PORT})")
-    p.add_argument("--web.telemetry-path", dest="telemetry_path", default="/metrics",
-                   metavar="PATH", help="path under which to expose metrics (default /metrics)")
-    p.add_argument("--web.config.file", dest="web_config_file", metavar="FILE",
-                   help="configuration file for TLS and basic authentication, in the "
-                        "Prometheus exporter-toolkit format (docs/security.md)")
+    if server:
+        p.add_argument("--web.listen-address", dest="listen_address",
+                       default=f":{DEFAULT_PORT}", metavar="ADDR",
+                       help=f"address to listen on (default :{DEFAULT_PORT})")
+        p.add_argument("--web.telemetry-path", dest="telemetry_path", default="/metrics",
+                       metavar="PATH", help="path under which to expose metrics (default /metrics)")
+        p.add_argument("--web.config.file", dest="web_config_file", metavar="FILE",
+                       help="configuration file for TLS and basic authentication, in the "
+                            "Prometheus exporter-toolkit format (docs/security.md; default "
+                            "none: plain HTTP)")
+        p.add_argument("--web.max-requests", dest="max_requests", type=non_negative_int,
+                       default=DEFAULT_MAX_REQUESTS, metavar="N",
+                       help="scrapes served at once; one more is answered 503 at once "
+                            f"(0: no limit; default {DEFAULT_MAX_REQUESTS})")
+        p.add_argument("--web.disable-exporter-metrics", dest="disable_exporter_metrics",
+                       action="store_true",
+                       help="leave out the exporter's own process_* and python_* metrics "
+                            "(default: exported)")
     p.add_argument("--path.sysfs", dest="sysfs", default="/sys", metavar="DIR",
                    help="sysfs mount point (default /sys)")
     p.add_argument("--path.procfs", dest="procfs", default="/proc", metavar="DIR",
@@ -78,21 +90,25 @@ def build_parser(classes: dict[str, type[Collector]]) -> argparse.ArgumentParser
                         "topology collectors reach NVML (default pynvml, from nvidia-ml-py); "
                         "tests name a stand-in here")
     p.add_argument("--config.file", dest="config_file", metavar="FILE",
-                   help="YAML configuration file (optional)")
-    p.add_argument("--scrape.timeout", dest="scrape_timeout", type=_positive_seconds,
+                   help="YAML configuration file (default none: built-in settings)")
+    p.add_argument("--scrape.timeout", dest="scrape_timeout", type=positive_seconds,
                    default=8.0, metavar="SECONDS",
                    help="per-scrape deadline for every collector; a collector that has not "
-                        "answered by then reports success 0 (default 8); Prometheus' "
-                        "X-Prometheus-Scrape-Timeout-Seconds header shortens it")
-    p.add_argument("--hotplug", action=argparse.BooleanOptionalAction, default=True,
-                   help="watch udev/kernel device events (InfiniBand, net, PCI) so background "
-                        "values catch up at once when a device comes or goes (default on; "
-                        "without it devices are still re-listed on every scrape)")
-    p.add_argument("--log.level", dest="log_level", choices=LEVELS, default="info")
+                        "answered by then reports success 0 (default 8)"
+                        + ("; Prometheus' X-Prometheus-Scrape-Timeout-Seconds header "
+                           "shortens it" if server else ""))
+    if server:
+        p.add_argument("--hotplug", action=argparse.BooleanOptionalAction, default=True,
+                       help="watch udev/kernel device events (InfiniBand, net, PCI) so "
+                            "background values catch up at once when a device comes or goes "
+                            "(default: on; without it devices are still re-listed on every "
+                            "scrape)")
+    p.add_argument("--log.level", dest="log_level", choices=LEVELS, default="info",
+                   metavar="LEVEL", help=f"{', '.join(LEVELS)} (default info)")
     p.add_argument("--log.format", dest="log_format", choices=("logfmt", "json"),
-                   default="logfmt")
+                   default="logfmt", metavar="FORMAT", help="logfmt or json (default logfmt)")
     p.add_argument("--collector.disable-defaults", dest="disable_defaults", action="store_true",
-                   help="disable all collectors that are on by default")
+                   help="disable all collectors that are on by default (default: they run)")
     for name, cls in classes.items():
         default = "enabled" if cls.default_enabled else "disabled"
         g = p.add_argument_group(f"collector {name}", cls.description)
@@ -102,9 +118,18 @@ def build_parser(classes: dict[str, type[Collector]]) -> argparse.ArgumentParser
         g.add_argument(f"--no-collector.{name}", dest=f"enable__{name}", action="store_const",
                        const=False, help=f"disable the {name} collector")
         for flag, (key, help_text) in cls.flags.items():
+            default = cls.config_fields[key].default
             g.add_argument(f"--collector.{name}.{flag}", dest=f"flag__{name}__{key}",
-                           metavar="VALUE", help=help_text)
+                           metavar="VALUE", help=f"{help_text}; overrides {name}.{key} of the "
+                           f"config file (default: {'none' if default is None else default})")
     return p
+
+
+def server_only_flags(classes: dict[str, type[Collector]]) -> set[str]:
+    """The flags of the service that the doctor does not take."""
+    def flags(p: argparse.ArgumentParser) -> set[str]:
+        return {o for a in p._actions for o in a.option_strings}
+    return flags(build_parser(classes)) - flags(build_parser(classes, server=False))
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -147,6 +172,11 @@ def start_collectors(args: argparse.Namespace, classes: dict[str, type[Collector
     """The enabled collectors that started, built from the flags and the config file, every
     collector's settings, and the names of those enabled; exits 2 with one line on a bad config
     file."""
+    for flag, path, kind in (("--path.sysfs", args.sysfs, "sysfs"),
+                             ("--path.procfs", args.procfs, "procfs")):
+        problem = root_problem(path, kind)
+        if problem:
+            _fail(f"{flag} {path!r}: {problem}")
     config: dict[str, Any] = {}
     if args.config_file:
         try:
@@ -199,7 +229,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     scraper = Scraper(collectors, args.scrape_timeout, hotplug)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(scraper)
-    app = wrap(make_app(scraper, registry, args.telemetry_path), web)
+    limit = RequestLimit(args.max_requests)
+    if not args.disable_exporter_metrics:  # node_exporter's process_*, python_*, refusals
+        for own in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR, limit):
+            registry.register(own)
+    app = wrap(make_app(scraper, registry, args.telemetry_path, limit), web)
     try:
         httpd, _ = serve(app, host, port, web.ssl_context)
     except OSError as exc:

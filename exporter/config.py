@@ -28,6 +28,7 @@ class Field:
     item: Field | None = None  # element schema of a list
     fields: Mapping[str, Field] = field(default_factory=dict)  # keys of a map
     minimum: float | None = None
+    maximum: float | None = None
     required: bool = False
     choices: tuple[str, ...] = ()  # the allowed values of a str
     multiple_of: int | None = None  # an int must be a multiple of this
@@ -104,8 +105,11 @@ def validate(value: Any, spec: Field, key: str) -> Any:
         if not _in_float_range(cast(float, value)):
             raise ConfigError(f"{where}: expected {_EXPECTED[spec.kind]} within the float range "
                               "(up to about 1.8e308), got a larger one")
-        if spec.minimum is not None and cast(float, value) < spec.minimum:
-            raise ConfigError(f"{where}: expected a value >= {spec.minimum:g}, got {value!r}")
+        low, high, number = spec.minimum, spec.maximum, cast(float, value)
+        if (low is not None and number < low) or (high is not None and number > high):
+            expected = (f"from {low:g} to {high:g}" if low is not None and high is not None
+                        else f">= {low:g}" if low is not None else f"<= {high:g}")
+            raise ConfigError(f"{where}: expected a value {expected}, got {value!r}")
         if spec.multiple_of and cast(int, value) % spec.multiple_of:
             raise ConfigError(f"{where}: expected a multiple of {spec.multiple_of}, "
                               f"got {value!r}")

@@ -24,7 +24,7 @@ from prometheus_client.core import Metric
 
 from exporter import rules
 from exporter.background import kill_running
-from exporter.cli import build_parser, start_collectors
+from exporter.cli import build_parser, server_only_flags, start_collectors
 from exporter.collector import Collector
 from exporter.config import ConfigError
 from exporter.logs import setup
@@ -375,19 +375,29 @@ def report(findings: list[Finding], checked: dict[str, bool], problems: list[str
 
 def main(argv: Sequence[str]) -> int:
     classes = discover()
-    parser = build_parser(classes)
+    parser = build_parser(classes, server=False)
     parser.prog = PROG
+    parser.usage = None
     parser.description = ("Check this node once and report what would alert, grouped by root "
                           "cause. Exit 0 healthy, 1 findings, 2 could not check.")
     d = parser.add_argument_group("doctor")
     d.add_argument("--thresholds", metavar="FILE",
-                   help="YAML file overriding alert thresholds (as for gpunet-rules)")
-    d.add_argument("--json", action="store_true", help="print the findings as JSON")
+                   help="YAML file overriding alert thresholds, as for gpunet-rules (default: the "
+                        "built-in thresholds)")
+    d.add_argument("--json", action="store_true",
+                   help="print the findings as JSON (default: a report for a person)")
     d.add_argument("--interval", type=float, default=5.0, metavar="SECONDS",
                    help="time between the two readings that give counter rates (default 5)")
     d.add_argument("--probe-wait", type=float, default=120.0, metavar="SECONDS",
                    help="how long to wait for the probe's round when the probe is on "
                         "(default 120)")
+    server = server_only_flags(classes)
+    for arg in argv:
+        if arg == "--":
+            break
+        if arg.partition("=")[0] in server:
+            parser.error(f"{arg.partition('=')[0]} is a flag of the exporter service; the doctor "
+                         "serves nothing and takes only the flags that say what to read")
     args = parser.parse_args(argv)
     setup("error" if args.log_level == "info" else args.log_level, args.log_format)
     if args.interval <= 0 or args.probe_wait < 0:

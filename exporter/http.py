@@ -28,6 +28,7 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from exporter import __version__
+from exporter.collector import MetricSpec
 from exporter.registry import Scraper, request_timeout
 
 log = logging.getLogger("gpunet.exporter.http")
@@ -126,7 +127,48 @@ def render_metrics(registry: CollectorRegistry, accept: str, accept_encoding: st
     return body, headers
 
 
-def make_app(scraper: Scraper, registry: CollectorRegistry, telemetry_path: str) -> WSGIApp:
+DEFAULT_MAX_REQUESTS = 40  # node_exporter's --web.max-requests default
+SCRAPES_REJECTED = MetricSpec(
+    "gpunet_exporter_scrapes_rejected_total", "counter",
+    "Scrape requests answered 503 at once because --web.max-requests scrapes were already "
+    "being served", (), "requests", "exporter")
+
+
+class RequestLimit:
+    """At most ``limit`` scrapes served at once (0: no limit); one beyond it is refused with a
+    quick 503 instead of waiting, as node_exporter's ``--web.max-requests`` does, so no client
+    can make the exporter queue work (and grow) without bound. A prometheus_client collector of
+    its own refusals."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._slots = threading.BoundedSemaphore(limit) if limit else None
+        self._lock = threading.Lock()
+        self.rejected = 0
+
+    def acquire(self) -> bool:
+        if self._slots is None or self._slots.acquire(blocking=False):
+            return True
+        with self._lock:
+            self.rejected += 1
+        return False
+
+    def release(self) -> None:
+        if self._slots is not None:
+            self._slots.release()
+
+    def collect(self) -> Iterable[Metric]:
+        family = SCRAPES_REJECTED.family()
+        family.add_metric([], self.rejected)
+        yield family
+
+
+def make_app(scraper: Scraper, registry: CollectorRegistry, telemetry_path: str,
+             limit: RequestLimit | None = None) -> WSGIApp:
+    limit = limit or RequestLimit(0)
+    busy = (f"Limit of concurrent requests reached ({limit.limit}), try again later.\n"
+            .encode())
+
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/") or "/"
         if path == telemetry_path:
@@ -134,10 +176,18 @@ def make_app(scraper: Scraper, registry: CollectorRegistry, telemetry_path: str)
                 start_response("405 Method Not Allowed", [("Allow", "GET"),
                                                           ("Content-Length", "0")])
                 return [b""]
-            names = parse_qs(environ.get("QUERY_STRING", "")).get("name[]")
-            with request_timeout(scrape_timeout(environ.get(SCRAPE_TIMEOUT_HEADER))):
-                body, headers = render_metrics(registry, environ.get("HTTP_ACCEPT", ""),
-                                               environ.get("HTTP_ACCEPT_ENCODING", ""), names)
+            if not limit.acquire():
+                start_response("503 Service Unavailable", [
+                    ("Content-Type", "text/plain; charset=utf-8"),
+                    ("Content-Length", str(len(busy)))])
+                return [busy]
+            try:
+                names = parse_qs(environ.get("QUERY_STRING", "")).get("name[]")
+                with request_timeout(scrape_timeout(environ.get(SCRAPE_TIMEOUT_HEADER))):
+                    body, headers = render_metrics(registry, environ.get("HTTP_ACCEPT", ""),
+                                                   environ.get("HTTP_ACCEPT_ENCODING", ""), names)
+            finally:
+                limit.release()
             start_response("200 OK", [*headers, ("Content-Length", str(len(body)))])
             return [body]
         if path == "/":

@@ -8,8 +8,12 @@ A test fails when the committed file differs from what this prints.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
-from exporter.collector import Collector, MetricSpec
+from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR
+
+from exporter.collector import Collector, MetricSpec, MetricType
+from exporter.http import SCRAPES_REJECTED
 from exporter.registry import SCRAPE_METRICS, discover
 
 HEADER = """# Metrics reference
@@ -34,10 +38,30 @@ def _table(specs: Iterable[MetricSpec]) -> list[str]:
     return lines
 
 
+def own_metrics() -> list[MetricSpec]:
+    """The exporter's metrics about itself, as node_exporter has them: prometheus_client's
+    process and Python collectors (read from this process's /proc/self, whatever
+    --path.procfs says) and the scrapes refused by --web.max-requests."""
+    specs = []
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        for family in collector.collect():
+            names = dict.fromkeys(smp.name for smp in family.samples)  # counters: name_total
+            labels = tuple(dict.fromkeys(k for smp in family.samples for k in smp.labels))
+            for name in names:
+                unit = next((u for u in ("bytes", "seconds") if f"_{u}" in name), "")
+                specs.append(MetricSpec(name, cast(MetricType, family.type),
+                                        family.documentation, labels, unit, "prometheus_client"))
+    return [*specs, SCRAPES_REJECTED]
+
+
 def render(classes: dict[str, type[Collector]] | None = None) -> str:
     classes = discover() if classes is None else classes
     out = [HEADER, "## exporter (every scrape)", ""]
     out += _table(SCRAPE_METRICS)
+    out += ["", "## the exporter's own process (off with `--web.disable-exporter-metrics`)", "",
+            "What node_exporter exports about itself; `process_*` describe the exporter's own "
+            "process (RSS, CPU, descriptors), whatever `--path.procfs` points at.", ""]
+    out += _table(own_metrics())
     for name, cls in classes.items():
         state = "on" if cls.default_enabled else "off"
         out += ["", f"## {name} collector (`--collector.{name}`, {state} by default)", ""]

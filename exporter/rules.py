@@ -12,7 +12,6 @@ Exit codes: 0 written (or up to date), 1 stale (--check), 2 bad input.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 import yaml
 
 from exporter.config import ConfigError
+from exporter.flags import Parser
 from exporter.thresholds import load
 
 T = dict[str, Any]
@@ -416,11 +416,12 @@ def render(t: T) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="gpunet-rules", description="Print gpunet-exporter's Prometheus rules.")
+    p = Parser(prog="gpunet-rules", description="Print gpunet-exporter's Prometheus rules.")
     p.add_argument("--thresholds", metavar="FILE",
-                   help="YAML file overriding thresholds and `for:` durations")
-    p.add_argument("--output", "-o", metavar="FILE", help="write here instead of stdout")
+                   help="YAML file overriding thresholds and `for:` durations (default: the "
+                        "built-in ones, docs/runbooks.md)")
+    p.add_argument("--output", "-o", metavar="FILE",
+                   help="write here (default: standard output)")
     p.add_argument("--check", metavar="FILE",
                    help="exit 1 when FILE differs from what would be generated")
     args = p.parse_args(argv)

@@ -23,12 +23,21 @@ from exporter.config import ConfigError, Field, load_file, validate
 _DURATION = re.compile(r"^(?:\d+(?:ms|s|m|h|d|w|y))+$")
 
 
+# Every number is checked for meaning, not only for type: counts, rates and durations are not
+# negative, ratios lie from 0 to 1, a priority from 0 to 7; a value outside would silently turn
+# an alert off or leave it always on.
 def _num(help: str, default: float, minimum: float = 0) -> Field:
     return Field("number", help, default=default, minimum=minimum)
 
 
-def _int(help: str, default: int, minimum: int = 0) -> Field:
-    return Field("int", help, default=default, minimum=minimum)
+def _ratio(help: str, default: float) -> Field:
+    return Field("number", help, default=default, minimum=0, maximum=1)
+
+
+def _int(help: str, default: int, minimum: int = 0, maximum: int | None = None,
+         multiple_of: int | None = None) -> Field:
+    return Field("int", help, default=default, minimum=minimum, maximum=maximum,
+                 multiple_of=multiple_of)
 
 
 SCHEMA_FIELDS: dict[str, Field] = {
@@ -53,13 +62,15 @@ SCHEMA_FIELDS: dict[str, Field] = {
     }),
     "link": Field("map", "MTU of the RoCE netdevs", default={}, fields={
         "roce_min_mtu_bytes": _int(
-            "smallest netdev MTU that carries a 4096-byte RDMA MTU with RoCE headers", 4200),
+            "smallest netdev MTU that carries a 4096-byte RDMA MTU with RoCE headers", 4200,
+            minimum=68),
     }),
     "pfc": Field("map", "PFC, pause and ECN on RoCE interfaces", default={}, fields={
-        "roce_priority": _int("the 802.1p priority RoCE traffic uses (lossless)", 3),
+        "roce_priority": _int("the 802.1p priority RoCE traffic uses (lossless)", 3,
+                              maximum=7),
         "trust": Field("str", "the expected priority trust mode", default="dscp",
                        choices=("dscp", "pcp")),
-        "pause_ratio": _num(
+        "pause_ratio": _ratio(
             "fraction of time an interface may be paused (or pausing its peer) on one "
             "priority before it alerts", 0.1),
         "ecn_marked_packets_per_second": _num(
@@ -70,7 +81,7 @@ SCHEMA_FIELDS: dict[str, Field] = {
     }),
     "gpu": Field("map", "NVML", default={}, fields={
         "pcie_replays_per_minute": _num("PCIe replays per minute", 8),
-        "busy_utilization_ratio": _num(
+        "busy_utilization_ratio": _ratio(
             "utilization under which a GPU with compute processes counts as starved", 0.5),
         "critical_xids": Field(
             "list", "XID codes that page (the GPU needs a reset or the node a drain)",
@@ -78,10 +89,13 @@ SCHEMA_FIELDS: dict[str, Field] = {
             default=[48, 56, 57, 58, 62, 63, 64, 65, 68, 69, 73, 74, 79, 80, 81, 92, 119, 120]),
     }),
     "probe": Field("map", "all-reduce probes", default={}, fields={
-        "latency_size_bytes": _int("message size whose median time is checked", 8192),
-        "latency_seconds": _num("median all-reduce time above which latency alerts", 0.002),
-        "bandwidth_size_bytes": _int("message size whose bus bandwidth is checked", 64 << 20),
-        "bus_bandwidth_ratio": _num(
+        "latency_size_bytes": _int("message size whose median time is checked", 8192,
+                                   minimum=4, multiple_of=4),
+        "latency_seconds": _num("median all-reduce time above which latency alerts", 0.002,
+                                minimum=1e-6),
+        "bandwidth_size_bytes": _int("message size whose bus bandwidth is checked", 64 << 20,
+                                     minimum=4, multiple_of=4),
+        "bus_bandwidth_ratio": _ratio(
             "fraction of the expected bus bandwidth under which bandwidth alerts", 0.8),
         "expected_bus_bandwidth_bytes_per_second": Field(
             "map", "expected bus bandwidth per scope; 0 (the default) compares with the "
@@ -92,11 +106,12 @@ SCHEMA_FIELDS: dict[str, Field] = {
         "straggler_lateness_ratio": _num(
             "how much longer than the median rank the slowest rank may be (1: twice as long)",
             1.0),
-        "variation_ratio": _num(
+        "variation_ratio": _ratio(
             "coefficient of variation of the per-round median time over the window", 0.1),
         "variation_window": Field("str", "window of the round-to-round variation",
                                   default="30m"),
-        "stale_seconds": _num("age of the last successful round that counts as stale", 900),
+        "stale_seconds": _num("age of the last successful round that counts as stale", 900,
+                              minimum=1),
     }),
 }
 
@@ -115,7 +130,10 @@ def _check_durations(value: Any, key: str) -> None:
             _check_durations(v, f"{key}.{k}" if key else k)
     elif (key.startswith("for.") or key.endswith("_window")) and not _DURATION.match(value):
         raise ConfigError(f"key {key!r}: expected a Prometheus duration such as 5m or "
-                              f"1h30m, got {value!r}")
+                          f"1h30m, got {value!r}")
+    elif key.endswith("_window") and not any(c in "123456789" for c in value):
+        # `for: 0s` fires at once; a range of 0s is refused by Prometheus' rule loader.
+        raise ConfigError(f"key {key!r}: expected a window longer than 0, got {value!r}")
 
 
 def load(path: str | None, alert_names: tuple[str, ...] = ()) -> dict[str, Any]:

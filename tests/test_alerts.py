@@ -226,6 +226,29 @@ def test_configured_expected_bandwidth_fires_below_80_percent(tmp_path: Path) ->
     ("probe: {variation_window: 30}\n", "key 'probe.variation_window': expected a string"),
     ("pfc: [\n", "invalid YAML at line"),
     ("pfc: {trust: vlan}\n", "expected one of dscp, pcp"),
+    # Checked for meaning: each of these would silently turn an alert off or leave it always on.
+    ("pfc: {roce_priority: 9}\n", "key 'pfc.roce_priority': expected a value from 0 to 7, got 9"),
+    ("pfc: {roce_priority: -1}\n", "key 'pfc.roce_priority': expected a value from 0 to 7"),
+    ("gpu: {busy_utilization_ratio: 50}\n",
+     "key 'gpu.busy_utilization_ratio': expected a value from 0 to 1, got 50"),
+    ("pfc: {pause_ratio: 1.5}\n", "key 'pfc.pause_ratio': expected a value from 0 to 1"),
+    ("probe: {bus_bandwidth_ratio: -0.2}\n", "key 'probe.bus_bandwidth_ratio': expected a value "
+     "from 0 to 1"),
+    ("probe: {variation_ratio: 10}\n", "key 'probe.variation_ratio': expected a value from 0 to 1"),
+    ("infiniband: {link_downed_count: -2}\n", "key 'infiniband.link_downed_count': expected a "
+     "value >= 1, got -2"),
+    ("infiniband: {symbol_errors_per_hour: -5}\n", "key 'infiniband.symbol_errors_per_hour': "
+     "expected a value >= 0, got -5"),
+    ("pfc: {cnp_handled_per_second: -1}\n", "key 'pfc.cnp_handled_per_second': expected a value "
+     ">= 0"),
+    ("link: {roce_min_mtu_bytes: 0}\n", "key 'link.roce_min_mtu_bytes': expected a value >= 68"),
+    ("probe: {latency_seconds: 0}\n", "key 'probe.latency_seconds': expected a value >= 1e-06"),
+    ("probe: {stale_seconds: 0}\n", "key 'probe.stale_seconds': expected a value >= 1"),
+    ("probe: {bandwidth_size_bytes: 1000001}\n", "key 'probe.bandwidth_size_bytes': expected a "
+     "multiple of 4"),
+    ("probe: {variation_window: 0m}\n", "key 'probe.variation_window': expected a window longer "
+     "than 0"),
+    ("gpu: {critical_xids: [79, 0]}\n", "key 'gpu.critical_xids[1]': expected a value >= 1"),
 ])
 def test_bad_thresholds_file_one_line_exit_2(tmp_path: Path, content: str, message: str) -> None:
     f = tmp_path / "t.yml"
@@ -237,6 +260,14 @@ def test_bad_thresholds_file_one_line_exit_2(tmp_path: Path, content: str, messa
     assert len(lines) == 1 and "Traceback" not in out.stderr
     assert lines[0].startswith(f"gpunet-rules: thresholds file '{f}': ")
     assert message in lines[0]
+
+
+def test_values_at_the_bounds_are_accepted(tmp_path: Path) -> None:
+    f = tmp_path / "t.yml"
+    f.write_text("pfc: {roce_priority: 7, pause_ratio: 1}\ngpu: {busy_utilization_ratio: 0}\n"
+                 "probe: {straggler_lateness_ratio: 3}\nfor: {GpunetPortDown: 0s}\n")
+    t = thresholds.load(str(f), rules.ALERT_NAMES)
+    assert t["pfc"]["roce_priority"] == 7 and t["probe"]["straggler_lateness_ratio"] == 3
 
 
 def test_missing_thresholds_file(tmp_path: Path) -> None:

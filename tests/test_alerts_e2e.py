@@ -140,8 +140,8 @@ PHY_COUNTERS = """\
 
 
 def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str]:
-    """Exporter arguments and environment for one node; returns also the RoCE netdev whose
-    PFC configuration the test inspects.
+    """Arguments (those the exporter and the doctor share) and environment for one node; returns
+    also the RoCE netdev whose PFC configuration the test inspects.
 
     Faults of the faulty node, beyond the four the issue names: a port down, an IB port with a
     2048-byte active MTU, GPU 0 on a x8 link, on the other NUMA node than its NIC and with an
@@ -187,7 +187,7 @@ def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str
                                     ibv_devinfo=ibv_devinfo, python=sys.executable,
                                     runner=runner))
     args = [f"--path.sysfs={sysfs}", f"--path.procfs={procfs}", f"--config.file={config}",
-            "--nvml.module=fake_nvml", "--no-hotplug"]
+            "--nvml.module=fake_nvml"]
     env = {"PYTHONPATH": str(REPO / "tests"), "GPUNET_FAKE_NVML": str(root / "nvml.json"),
            "GPUNET_FAKE_NVML_EVENTS": str(root / "xid-events")}
     return args, env, qos_netdev
@@ -287,7 +287,7 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bundle]:
             (tmp / name).mkdir()
             args, env, qos_netdev = build_node(tmp / name, faulty=name == FAULTY)
             nodes[name] = (args, env)
-            e = Exporter(args, env=env)
+            e = Exporter([*args, "--no-hotplug"], env=env)
             exporters.append(e)
             targets.append({"targets": [f"127.0.0.1:{e.port}"], "labels": {"instance": name}})
 

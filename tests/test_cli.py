@@ -65,15 +65,76 @@ def test_config_missing_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("args,needle", [
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--web.listen"], "unrecognized arguments: --web.listen"),  # no abbreviations
     (["--collector.infiniband.device-include=("], "invalid regular expression"),
     (["--web.listen-address=nowhere"], "invalid --web.listen-address 'nowhere'"),
     (["--web.listen-address=:99999"], "invalid --web.listen-address"),
     (["--scrape.timeout=-1"], "expected a positive number of seconds"),
+    (["--scrape.timeout=inf"], "expected a positive number of seconds"),
     (["--log.level=loud"], "invalid choice: 'loud'"),
     (["--web.telemetry-path=metrics"], "--web.telemetry-path"),
+    (["--web.max-requests=-1"], "argument --web.max-requests: expected 0 or more, got '-1'"),
+    (["--web.max-requests=many"], "argument --web.max-requests: expected a whole number"),
 ])
 def test_bad_flags(args: list[str], needle: str) -> None:
-    check_user_error(run(*args), 2, needle)
+    """One line naming the problem and where to look, not forty lines of usage above it."""
+    res = run(*args)
+    check_user_error(res, 2, needle)
+    assert res.stderr.startswith("gpunet-exporter: error: ")
+    assert res.stderr.endswith(" (try `gpunet-exporter --help`)\n")
+    assert res.stderr.count("\n") == 1, res.stderr
+
+
+@pytest.mark.parametrize("flag", ["--path.sysfs", "--path.procfs"])
+def test_bad_root_paths(tmp_path: Path, flag: str) -> None:
+    """A typo in --path.sysfs or --path.procfs would start an exporter that finds no device and
+    reports every collector as successful: it is refused with the flag and the path named."""
+    kind = flag.rsplit(".", 1)[1]
+    missing = tmp_path / "nope"
+    afile = tmp_path / "file"
+    afile.write_text("")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path, problem in ((missing, "no such directory"), (afile, "not a directory"),
+                          (empty, f"not a {kind} tree")):
+        res = run(f"{flag}={path}")
+        check_user_error(res, 2, f"gpunet-exporter: {flag} '{path}': {problem}")
+        assert res.stderr.count("\n") == 1, res.stderr
+
+
+def test_sysfs_parent_given_for_the_tree_gets_a_hint() -> None:
+    """The example's folder instead of its sys/: the message says which one was meant."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "dgx-h100"
+    res = run(f"--path.sysfs={example}")
+    check_user_error(res, 2, f"--path.sysfs '{example}': not a sysfs tree (it has none of "
+                     f"class/, bus/, devices/); did you mean {example / 'sys'}?")
+
+
+def test_help_says_what_every_flag_does_and_its_default() -> None:
+    """Every flag has help text; a flag with a default value names it."""
+    from exporter.cli import build_parser
+    from exporter.registry import discover
+
+    for server in (True, False):
+        parser = build_parser(discover(), server=server)
+        for action in parser._actions:
+            if action.dest in ("help", "version"):
+                continue
+            flag = action.option_strings[0]
+            assert action.help and action.help != "==SUPPRESS==", flag
+            collector_setting = flag.startswith("--collector.") and flag.count(".") == 2
+            if action.default not in (None, False) or collector_setting:
+                assert "default" in action.help, (flag, action.help)
+    out = run("--help").stdout
+    for flag in ("--log.level LEVEL", "--log.format FORMAT", "--web.max-requests N",
+                 "--web.disable-exporter-metrics"):
+        assert flag in out
+
+
+def test_usage_names_the_doctor() -> None:
+    out = run("--help").stdout
+    assert out.startswith("usage: gpunet-exporter [FLAGS]")
+    assert "gpunet-exporter doctor [FLAGS]" in out.split("\n\n")[0]
 
 
 def test_port_in_use() -> None:
@@ -144,6 +205,25 @@ def test_http_endpoints_gzip_and_openmetrics(run_exporter) -> None:  # type: ign
     assert requests.get(f"{e.url}/-/healthy", timeout=10).status_code == 200
     assert requests.get(f"{e.url}/nope", timeout=10).status_code == 404
     assert requests.get(f"{e.url}/metrics", timeout=10).status_code == 404  # path was moved
+
+
+def test_exporter_metrics_and_their_switch(run_exporter) -> None:  # type: ignore[no-untyped-def]
+    """The exporter watches itself as node_exporter does: process_* and python_* from
+    prometheus_client's own collectors, off with --web.disable-exporter-metrics."""
+    e = run_exporter(f"--path.sysfs={SYSFS}")
+    text = e.metrics()
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds_total",
+                 "process_open_fds", "process_max_fds", "process_start_time_seconds",
+                 "python_info", "python_gc_collections_total",
+                 "gpunet_exporter_scrapes_rejected_total"):
+        assert f"\n{name}" in text, name
+    rss = next(float(ln.split()[1]) for ln in text.splitlines()
+               if ln.startswith("process_resident_memory_bytes "))
+    assert 5e6 < rss < 2e9  # this exporter's own RSS, from its /proc/self
+    off = run_exporter(f"--path.sysfs={SYSFS}", "--web.disable-exporter-metrics").metrics()
+    assert 'gpunet_scrape_collector_success{collector="infiniband"} 1.0' in off
+    assert not [ln for ln in off.splitlines()
+                if ln.startswith(("process_", "python_", "gpunet_exporter_scrapes_rejected"))]
 
 
 def test_sigterm_exits_cleanly(run_exporter) -> None:  # type: ignore[no-untyped-def]

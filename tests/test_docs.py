@@ -12,13 +12,15 @@ from collectors.infiniband import InfinibandCollector
 from collectors.link import LinkCollector
 from collectors.pfc import PfcCollector
 from exporter.ethtool import parse_stats_text
-from exporter.metricsdoc import render
+from exporter.http import SCRAPES_REJECTED
+from exporter.metricsdoc import own_metrics, render
 from exporter.registry import SCRAPE_METRICS, discover
 
 import sysfs_tree as st
 from conftest import FIXTURES, REPO, collect, make_collector, samples_of
 
-ALL_SPECS = [*SCRAPE_METRICS, *(s for c in discover().values() for s in c.metrics)]
+ALL_SPECS = [*SCRAPE_METRICS, SCRAPES_REJECTED,
+             *(s for c in discover().values() for s in c.metrics)]
 
 
 def test_metrics_md_is_fresh() -> None:
@@ -88,8 +90,9 @@ def test_naming_rules(spec) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_every_family_of_the_golden_scrape_is_documented() -> None:
-    """The golden end-to-end scrape has every collector, GPUs and topology included."""
-    documented = {s.name for s in ALL_SPECS}
+    """The golden end-to-end scrape has every collector, GPUs and topology included, and the
+    exporter's own process_* and python_* families."""
+    documented = {s.name for s in [*ALL_SPECS, *own_metrics()]}
     doc_text = (REPO / "docs" / "metrics.md").read_text()
     golden = (REPO / "tests" / "golden" / "dgx-h100-faults.prom").read_text()
     families = {line.split()[2] for line in golden.splitlines() if line.startswith("# TYPE ")}

@@ -107,13 +107,32 @@ def test_failing_collector_exits_2(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["--thresholds=/nonexistent.yml"], "thresholds file '/nonexistent.yml': cannot read"),
     (["--interval=0"], "--interval must be positive"),
-    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag (try `gpunet-exporter doctor "
+                         "--help`)"),
+    (["--path.sysfs=/nonexistent"], "--path.sysfs '/nonexistent': no such directory"),
+    # The service's flags are refused by name, not read as a request to serve.
+    (["--web.listen-address=:9999"], "--web.listen-address is a flag of the exporter service"),
+    (["--web.max-requests", "3"], "--web.max-requests is a flag of the exporter service"),
+    (["--no-hotplug"], "--no-hotplug is a flag of the exporter service"),
 ])
 def test_bad_input_one_line_exit_2(args: list[str], message: str) -> None:
     out = run(*args)
     assert out.returncode == 2
     assert message in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert out.stdout == ""
+
+
+def test_help_lists_only_the_flags_the_doctor_uses() -> None:
+    out = run("--help")
+    assert out.returncode == 0
+    for flag in ("--thresholds", "--interval", "--path.sysfs", "--config.file",
+                 "--collector.infiniband", "--scrape.timeout", "--log.level"):
+        assert flag in out.stdout
+    for flag in ("--web.listen-address", "--web.config.file", "--web.telemetry-path",
+                 "--web.max-requests", "--web.disable-exporter-metrics", "--hotplug"):
+        assert flag not in out.stdout
+    assert out.stdout.startswith("usage: gpunet-exporter doctor ")
 
 
 def test_checks_name_real_alerts_and_causes() -> None:

@@ -6,7 +6,8 @@ running as root), a procfs with two GPU processes whose environment turns NCCL's
 NVML replayed by tests/fake_nvml.py from the real H200 capture (its two GPUs placed at the DGX
 tree's first two GPU addresses, one XID event delivered), and a config with an expected rate and
 an expected MTU rule. Its /metrics, minus what varies from run to run
-(durations, ages, versions) and minus HELP text, sorted, must equal
+(durations, ages, versions, the values of the exporter's own process_* and python_* series) and
+minus HELP text, sorted, must equal
 tests/golden/dgx-h100-faults.prom.
 
 Regenerate the golden file with GPUNET_UPDATE_GOLDEN=1 (the test then rewrites it and passes);
@@ -66,7 +67,9 @@ TIME_BASED = {"gpunet_scrape_collector_duration_seconds", "gpunet_link_ibv_devin
               "gpunet_pfc_config_age_seconds", "gpunet_gpu_counters_age_seconds",
               "gpunet_gpu_xid_last_timestamp_seconds"}
 # Families whose labels carry versions; kept, with their labels dropped.
-VERSIONED = {"gpunet_exporter_build_info"}
+VERSIONED = {"gpunet_exporter_build_info", "python_info"}
+# The exporter's own process and interpreter (prometheus_client): kept without their values.
+OWN_PROCESS = ("process_", "python_")
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 DOWN, DEGRADED, SATURATED, NO_PMA = "mlx5_3", "mlx5_5", "mlx5_1", "mlx5_2"
@@ -155,6 +158,8 @@ def normalise(text: str) -> str:
             name = m.group(0)
             if name in VERSIONED:
                 line = re.sub(r"\{[^}]*\}", "", line)
+            if name.startswith(OWN_PROCESS):
+                line = line.rsplit(" ", 1)[0]
         if name not in TIME_BASED:
             out.append(line)
     return "\n".join(sorted(out)) + "\n"

@@ -380,6 +380,39 @@ def test_stuck_ethtool_costs_only_pfc(node: Node) -> None:
     assert not left, "a tool still running outlived the exporter"
 
 
+def test_max_requests_refuses_at_once(node: Node) -> None:
+    """--web.max-requests=1: while one scrape is held up (a stuck `ethtool -S` until the scrape
+    deadline), a second is answered 503 at once, as node_exporter does, and counted; the other
+    paths are not limited; once the first is done, scrapes are served again. 0 lifts the limit."""
+    tool, pids = stuck_tool(node, "ethtool")
+    node.config["pfc"]["stats_source"] = "ethtool"
+    node.config["pfc"]["ethtool"] = {"path": tool, "timeout_seconds": 30}
+    e = node.start("--scrape.timeout=4", "--web.max-requests=1")
+    first: list[requests.Response] = []
+    try:
+        held = threading.Thread(target=lambda: first.append(
+            requests.get(f"{e.url}/metrics", timeout=30)))
+        held.start()
+        deadline = time.monotonic() + 10
+        while not pids.read_text().strip():  # the held scrape is in the stuck tool
+            assert time.monotonic() < deadline, "ethtool never started"
+            time.sleep(0.02)
+        refused = requests.get(f"{e.url}/metrics", timeout=30)
+        answered_first = held.is_alive()  # refused before the held scrape was done
+        healthy = requests.get(f"{e.url}/-/healthy", timeout=30)
+        held.join(timeout=30)
+        after = e.metrics()
+    finally:
+        e.stop()
+        reap(pids)
+    assert refused.status_code == 503
+    assert refused.text == "Limit of concurrent requests reached (1), try again later.\n"
+    assert answered_first, "the refusal waited for the held scrape"
+    assert healthy.status_code == 200
+    assert [r.status_code for r in first] == [200]
+    assert value(parse(after), "gpunet_exporter_scrapes_rejected_total") == 1
+
+
 def test_blocking_nvml_call_costs_only_gpu(node: Node) -> None:
     """nvmlDeviceGetUtilizationRates blocks for 30 s on GPU 0: the gpu collector misses the
     deadline, topology (same NVML session, other calls) and the rest answer in time."""
@@ -534,7 +567,9 @@ def formats(e: Exporter) -> list[Format]:
     for fmt in out:
         resp, raw = fetch(conn, fmt.headers)
         body = fmt.decode(resp, raw)
-        fmt.tail = body[body.rindex(b"# HELP gpunet_exporter_build_info"):]
+        # The last family, whose value stays 0 while no scrape is refused (the process_*
+        # families before it change from one scrape to the next).
+        fmt.tail = body[body.rindex(b"# HELP gpunet_exporter_scrapes_rejected"):]
         s = fmt.full_parse(body)
         assert success(s) == dict.fromkeys(COLLECTORS, 1)
         fmt.series = len(s)
@@ -545,7 +580,9 @@ def formats(e: Exporter) -> list[Format]:
 
 
 def test_load_50_concurrent_scrapers(node: Node) -> None:
-    e = node.start()
+    # Every scraper is to be served: the limit of concurrent scrapes (40 by default) is raised
+    # to their number; test_max_requests_refuses_at_once covers what happens beyond it.
+    e = node.start(f"--web.max-requests={LOAD_SCRAPERS}")
     try:
         wait_for(e, background_ready)
         fmts = formats(e)

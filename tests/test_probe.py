@@ -178,6 +178,17 @@ def test_nccl_without_gpu_says_no_gpu(tmp_path: Path) -> None:
 def test_bad_arguments_one_line_exit_2(tmp_path: Path) -> None:
     r = probe("run", "--state-dir", str(tmp_path), "--sizes", "8KB")
     assert r.returncode == 2 and "8KB" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = probe("run", "--state-dir", str(tmp_path), "--no-such-flag")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("gpunet-probe: error: unrecognized arguments: --no-such-flag (try")
+
+
+def test_help_shows_the_commands_people_run() -> None:
+    r = probe("--help")
+    assert r.returncode == 0
+    assert "run" in r.stdout and "explain-log" in r.stdout
+    assert "SUPPRESS" not in r.stdout and "worker" not in r.stdout
 
 
 # -- the collector ---------------------------------------------------------------------------

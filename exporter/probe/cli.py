@@ -11,10 +11,10 @@ starts it again).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
+from exporter.flags import Parser
 from exporter.probe import runner
 
 PROG = "gpunet-probe"
@@ -26,16 +26,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from exporter.probe import explain
 
         return explain.main(args_list[1:])
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    if args_list[:1] == ["worker"]:  # one rank, started by `run`: not a command for people
+        work = Parser(prog=f"{PROG} worker")
+        runner.add_run_arguments(work)
+        return runner.worker(work.parse_args(args_list[1:]))
+    p = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,explain-log}")
     run = sub.add_parser("run", help="probe rounds, results to --state-dir")
     runner.add_run_arguments(run)
-    work = sub.add_parser("worker", help=argparse.SUPPRESS)  # one rank, started by `run`
-    runner.add_run_arguments(work)
     sub.add_parser("explain-log", help="what NCCL INFO logs say about network, transports, GDR")
     args = p.parse_args(args_list)
-    if args.cmd == "worker":
-        return runner.worker(args)
     return runner.launch(args, args_list[1:])
 
 

@@ -11,13 +11,13 @@ log, or bad arguments. Bad input gets one line naming it, never a traceback.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import sys
 from collections.abc import Iterable
 from typing import Any, TextIO
 
+from exporter.flags import Parser
 from exporter.probe.ncclog import (
     MAX_WARNINGS,
     PROBLEMS,
@@ -95,17 +95,18 @@ def describe(report: RankReport) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog=PROG, allow_abbrev=False,
+    parser = Parser(
+        prog=PROG,
         description="What NCCL_DEBUG=INFO logs say about the network, transports and GPUDirect "
                     "RDMA NCCL used, and the problems they show (docs/nccl-log.md).",
         epilog="Exit codes: 0 no problems, 1 problems found, 2 unreadable file, no NCCL log, "
                "or bad arguments.")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--json", action="store_true",
+                        help="machine-readable output (default: a report)")
     parser.add_argument("files", nargs="+", metavar="FILE", help='NCCL log file, "-" for stdin')
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse has printed the usage and the error, or the help
+    except SystemExit as exc:  # argparse has printed the error line, or the help
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
     return run(args.files, args.json, sys.stdout, sys.stderr)
 

@@ -142,15 +142,17 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-cap", type=parse_bytes, default=1 << 30,
                    help="GPU memory the probe may allocate per GPU (default 1GiB)")
     p.add_argument("--busy-utilization", type=float, default=0.5,
-                   help="a GPU above this utilization (0 to 1) counts as busy with other work")
+                   help="a GPU above this utilization (0 to 1) counts as busy with other work "
+                        "(0.5)")
     p.add_argument("--busy-min-size", type=parse_bytes, default=1 << 20,
                    help="sizes from this one up are skipped while a GPU is busy (1MiB)")
     p.add_argument("--no-skip-busy", dest="skip_busy", action="store_false",
-                   help="measure every size even while GPUs are busy with other work")
+                   help="measure every size even while GPUs are busy with other work "
+                        "(default: skip them)")
     p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds a collective may take before torch.distributed gives up")
+                   help="seconds a collective may take before torch.distributed gives up (120)")
     p.add_argument("--scope", choices=("auto", "intra", "inter"), default="auto",
-                   help="auto: inter when started by torchrun or srun, else intra")
+                   help="auto: inter when started by torchrun or srun, else intra (auto)")
 
 
 # -- intra-node launcher ---------------------------------------------------------------------
