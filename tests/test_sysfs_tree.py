@@ -5,14 +5,19 @@ from __future__ import annotations
 import os
 import re
 import stat
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from collectors.pfc_config import QOS_FILES, parse_mlnx_qos, parse_qos_sysfs
+
 import sysfs_tree as st
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "dgx-h100"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLE = EXAMPLES / "dgx-h100"
+EXAMPLE_FAULTY = EXAMPLES / "dgx-h100-faulty"
 
 IB_DEVICES = [f"mlx5_{i}" for i in range(8)]
 ROCE_DEVICES = ["mlx5_8", "mlx5_9"]
@@ -61,12 +66,69 @@ def read(path: Path) -> str:
     return path.read_text(encoding="ascii")
 
 
-def test_committed_example_matches_generator(dgx: Path) -> None:
-    assert EXAMPLE.is_dir(), "run: python tests/sysfs_tree.py examples/dgx-h100"
-    generated, committed = snapshot(dgx.parent), snapshot(EXAMPLE)
-    assert sorted(generated) == sorted(committed)
+@pytest.mark.parametrize("example, build, command", [
+    (EXAMPLE, st.build_dgx_h100, "python tests/sysfs_tree.py examples/dgx-h100"),
+    (EXAMPLE_FAULTY, st.build_dgx_h100_faulty,
+     "python tests/sysfs_tree.py --faulty examples/dgx-h100-faulty"),
+], ids=["healthy", "faulty"])
+def test_committed_example_matches_generator(
+    tmp_path: Path, example: Path, build: Callable[[Path], Path], command: str
+) -> None:
+    assert example.is_dir(), f"run: {command}"
+    build(tmp_path)
+    generated, committed = snapshot(tmp_path), snapshot(example)
+    assert sorted(generated) == sorted(committed), f"{example.name} is stale; run: {command}"
     stale = [path for path in generated if generated[path] != committed[path]]
-    assert not stale, "examples/dgx-h100 is stale; regenerate it with tests/sysfs_tree.py"
+    assert not stale, f"{example.name} is stale; run: {command}"
+
+
+def test_faulty_example_differs_by_its_faults(dgx: Path, tmp_path: Path) -> None:
+    faulty = st.build_dgx_h100_faulty(tmp_path / "faulty")
+    changed = _changes(snapshot(dgx), snapshot(faulty))
+    roce_qos = st._netdev(faulty, "mlx5_9")
+    assert read(faulty / "class/infiniband/mlx5_5/ports/1/rate") == "200 Gb/sec (2X NDR)\n"
+    assert read(faulty / "class/infiniband/mlx5_3/ports/1/state") == "1: DOWN\n"
+    assert read(faulty / "class/net/ibp94s0/operstate") == "down\n"
+    assert read(faulty / "class/net/enp41s0f0np0/mtu") == "1500\n"
+    assert read(roce_qos / "qos/trust") == "pcp\n"
+    assert "5\t\t1\n" in read(roce_qos / "qos/prio2buffer")  # lossless buffer on priority 5
+    assert read(roce_qos / "ecn/roce_np/enable/5") == "1\n"
+    assert read(roce_qos / "ecn/roce_np/enable/3") == "0\n"
+    # Nothing else differs from the healthy tree: the faults, and the OFED qos/ and ecn/ files.
+    faults = {path for variant, expected in FAULTS for path in expected
+              if variant in (st.make_port_down, st.make_port_degraded, st.make_mtu_1500)}
+    real = faulty.resolve()
+    qos_dir = roce_qos.resolve().relative_to(real).as_posix() + "/"
+    assert {p for p in changed if not p.startswith(qos_dir)} == {
+        (faulty / p).resolve().relative_to(real).as_posix() for p in faults}
+
+
+def test_faulty_example_mlnx_qos_replays_the_same_configuration(tmp_path: Path) -> None:
+    """The faulty node's recorded `mlnx_qos -i` report says what its qos/ files say (trust pcp,
+    the lossless buffer on priority 5) plus what no sysfs file holds: PFC on priority 5 only.
+    The replay script prints it for that netdev and fails, as mlnx_qos does, for any other."""
+    sys = st.build_dgx_h100_faulty(tmp_path)
+    netdev = st._netdev(sys, "mlx5_9").name
+    replay = tmp_path / "mlnx_qos" / "mlnx_qos"
+    out = subprocess.run([str(replay), "-i", netdev], capture_output=True, text=True, timeout=10)
+    assert out.returncode == 0, out.stderr
+    report = parse_mlnx_qos(out.stdout)
+    from_sysfs = parse_qos_sysfs({name: read(sys / "class/net" / netdev / "qos" / name)
+                                  for name in QOS_FILES})
+    assert report.pfc == {p: p == 5 for p in range(8)}
+    assert report.trust == from_sysfs.trust == "pcp"
+    assert report.prio_buffer == from_sysfs.prio_buffer
+    assert report.buffer_total == from_sysfs.buffer_total
+    assert report.buffer_size == from_sysfs.buffer_size
+    other = subprocess.run([str(replay), "-i", "enp41s0f0np0"], capture_output=True, text=True,
+                           timeout=10)
+    assert other.returncode == 1 and other.stdout == ""
+
+
+def test_mlnx_qos_report_with_dscp_trust_lists_the_default_map() -> None:
+    report = parse_mlnx_qos(st.mlnx_qos_report(pfc_priority=3, trust="dscp"))
+    assert report.trust == "dscp" and report.pfc[3] and not report.pfc[5]
+    assert report.dscp_prio == {d: d >> 3 for d in range(64)}
 
 
 def test_no_empty_directories(dgx: Path) -> None:
