@@ -579,6 +579,7 @@ def formats(e: Exporter) -> list[Format]:
     return out
 
 
+@pytest.mark.slow
 def test_load_50_concurrent_scrapers(node: Node) -> None:
     # Every scraper is to be served: the limit of concurrent scrapes (40 by default) is raised
     # to their number; test_max_requests_refuses_at_once covers what happens beyond it.
@@ -724,6 +725,7 @@ def per_scrape(keys: set[tuple[str, frozenset[tuple[str, str]]]]
     return {k for k in keys if not k[0].startswith("gpunet_pfc_")}
 
 
+@pytest.mark.slow
 def test_soak_devices_come_and_go(node: Node, tmp_path: Path) -> None:
     """20,000 scrapes by SOAK_CLIENTS scrapers on kept-alive connections while the main thread
     churns the tree in cycles: mlx5_1 (InfiniBand) unplugged and plugged back, mlx5_9 (RoCE,
