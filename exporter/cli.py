@@ -118,10 +118,10 @@ def build_parser(classes: dict[str, type[Collector]], server: bool = True) -> Pa
         g.add_argument(f"--no-collector.{name}", dest=f"enable__{name}", action="store_const",
                        const=False, help=f"disable the {name} collector")
         for flag, (key, help_text) in cls.flags.items():
-            default = cls.config_fields[key].default
+            setting = cls.config_fields[key].default
             g.add_argument(f"--collector.{name}.{flag}", dest=f"flag__{name}__{key}",
                            metavar="VALUE", help=f"{help_text}; overrides {name}.{key} of the "
-                           f"config file (default: {'none' if default is None else default})")
+                           f"config file (default: {'none' if setting is None else setting})")
     return p
 
 
@@ -132,8 +132,8 @@ def server_only_flags(classes: dict[str, type[Collector]]) -> set[str]:
     return flags(build_parser(classes)) - flags(build_parser(classes, server=False))
 
 
-def _fail(message: str, code: int = 2) -> NoReturn:
-    print(f"{PROG}: {message}", file=sys.stderr)
+def _fail(message: str, code: int = 2, prog: str = PROG) -> NoReturn:
+    print(f"{prog}: {message}", file=sys.stderr)
     raise SystemExit(code)
 
 
@@ -176,13 +176,13 @@ def start_collectors(args: argparse.Namespace, classes: dict[str, type[Collector
                              ("--path.procfs", args.procfs, "procfs")):
         problem = root_problem(path, kind)
         if problem:
-            _fail(f"{flag} {path!r}: {problem}")
+            _fail(f"{flag} {path!r}: {problem}", prog=parser.prog)
     config: dict[str, Any] = {}
     if args.config_file:
         try:
             config = load_file(args.config_file, config_schema(classes))
         except ConfigError as exc:
-            _fail(str(exc))
+            _fail(str(exc), prog=parser.prog)
     enabled, sections = resolve(args, classes, config, parser)
     sysfs, procfs = Root(args.sysfs), Root(args.procfs)
     collectors: dict[str, Collector] = {}

@@ -109,7 +109,8 @@ def test_failing_collector_exits_2(tmp_path: Path) -> None:
     (["--interval=0"], "--interval must be positive"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag (try `gpunet-exporter doctor "
                          "--help`)"),
-    (["--path.sysfs=/nonexistent"], "--path.sysfs '/nonexistent': no such directory"),
+    (["--path.sysfs=/nonexistent"],
+     "gpunet-exporter doctor: --path.sysfs '/nonexistent': no such directory"),
     # The service's flags are refused by name, not read as a request to serve.
     (["--web.listen-address=:9999"], "--web.listen-address is a flag of the exporter service"),
     (["--web.max-requests", "3"], "--web.max-requests is a flag of the exporter service"),
