@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -20,41 +19,13 @@ from collectors.tables import load
 from exporter import rdma
 from exporter.collector import Collector, CollectorContext, Families, MetricSpec
 from exporter.config import Field
+from exporter.rdma import BYTES_PER_GBIT, parse_rate
 from exporter.sysfs import parse_int, parse_uint
 
-BYTES_PER_GBIT = 125_000_000
 STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
 PHYS_STATES = {1: "Sleep", 2: "Polling", 3: "Disabled", 4: "PortConfigurationTraining",
                5: "LinkUp", 6: "LinkErrorRecovery", 7: "Phy Test"}
 ACTIVE = (4, 5)
-# "%d%s Gb/sec (%dX%s)": rate, lanes, optional speed name (absent on old kernels for SDR).
-_RATE = re.compile(r"^(\d+)(\.5)? Gb/sec \((\d+)X(?: (\w+))?\)$")
-
-
-@dataclass(frozen=True)
-class Rate:
-    gbps: float
-    lanes: int
-    speed: str
-
-    @property
-    def bytes_per_second(self) -> float:
-        return self.gbps * BYTES_PER_GBIT
-
-    @property
-    def lane_bytes_per_second(self) -> float:
-        return self.bytes_per_second / self.lanes
-
-
-def parse_rate(text: str) -> Rate | None:
-    """Parse a ``rate`` file, e.g. "400 Gb/sec (4X NDR)" or the old "10 Gb/sec (4X)"."""
-    m = _RATE.match(text)
-    if not m:
-        return None
-    gbps, lanes = parse_uint(m.group(1)), parse_uint(m.group(3))
-    if gbps is None or not lanes:  # numbers int() refuses or beyond 20 digits; no lanes
-        return None
-    return Rate(gbps + (0.5 if m.group(2) else 0.0), lanes, m.group(4) or "SDR")
 
 
 def parse_state(text: str) -> int | None:

@@ -2,12 +2,14 @@
 
 The collector never imports torch. With ``runner: intra`` (default) a supervisor thread starts
 ``gpunet-probe run`` in its own process group, which keeps running rounds every
-``interval_seconds``. A round that has not finished ``timeout_seconds`` after it started, or a
-runner that has not started its first round by then, has its whole process group killed (a hung
-NCCL never blocks anything) and the runner is started again, as it is after any exit. Results
-come from the files the runner writes atomically into ``state_dir`` (exporter/probe/results.py);
-cluster-mode ranks started by torchrun or srun write ``inter.json`` there, and the collector
-exports whatever it finds, so ``runner: none`` serves those alone.
+``interval_seconds``: the ``intra`` scope (the GPUs among themselves, with two or more) and the
+``net`` scope (the GPUs through the node's NICs). The launcher kills a group whose start or round
+takes longer than ``timeout_seconds`` itself; a launcher whose status file has not moved for
+that long and a grace period more has its whole process group killed (a hung NCCL never blocks
+anything) and is started again, as it is after any exit. Results come from the files the runner
+writes atomically into ``state_dir`` (exporter/probe/results.py); cluster-mode ranks started by
+torchrun or srun write ``inter.json`` there, and the collector exports whatever it finds, so
+``runner: none`` serves those alone.
 
 Scrapes read only what the supervisor thread cached: every value is from the last round, whose
 time and success come with it.
@@ -36,18 +38,20 @@ from exporter.config import Field
 from exporter.probe import results
 from exporter.probe.results import Result
 
-REASONS = ("timeout", "crash", "bad_result", *results.FAILURE_REASONS)
+REASONS = (*results.FAILURE_REASONS, "bad_result")
 _S = ("scope",)
 _CACHED = (" Cached: from the probe's last round (every probe.interval_seconds; "
            "gpunet_probe_last_round_timestamp_seconds says when)")
 _FILE = "<probe.state_dir>/<scope>.json, written by gpunet-probe"
 POLL_SECONDS = 0.5
 RESTART_BACKOFF_MAX = 60.0
+GRACE_MAX = 10.0  # seconds past a phase's own limit before the supervisor kills the launcher
 
 SUCCESS = MetricSpec(
     "gpunet_probe_success", "gauge",
     "1 if the last probe round finished with results, else 0 (timeout, error, no GPU); scope "
-    "intra: this node's GPUs, inter: a cluster-mode round across nodes", _S, "boolean", _FILE)
+    "intra: this node's GPUs among themselves (NVLink/P2P, SHM), net: this node's GPUs through "
+    "its NICs (NIC loopback), inter: a cluster-mode round across nodes", _S, "boolean", _FILE)
 LAST_ROUND = MetricSpec(
     "gpunet_probe_last_round_timestamp_seconds", "gauge",
     "Unix time the last probe round ended, successful or not", _S, "seconds", _FILE)
@@ -71,9 +75,10 @@ RUNNING = MetricSpec(
     "boolean", "the probe supervisor")
 LATENCY = MetricSpec(
     "gpunet_probe_allreduce_seconds", "gauge",
-    "All-reduce time per message size: median, p99 or max over the timed iterations, each "
-    "iteration as long as its slowest rank" + _CACHED, ("scope", "size", "stat"), "seconds",
-    _FILE)
+    "All-reduce time per message size: median, p99 or max over the timed iterations; an "
+    "iteration's time is the collective once every rank arrived (the shortest of the ranks' "
+    "own times: waiting for a late rank is gpunet_probe_straggler_wait_seconds)" + _CACHED,
+    ("scope", "size", "stat"), "seconds", _FILE)
 ALGBW = MetricSpec(
     "gpunet_probe_allreduce_algorithm_bandwidth_bytes_per_second", "gauge",
     "Algorithm bandwidth: message bytes / median time" + _CACHED, ("scope", "size"),
@@ -86,10 +91,40 @@ SKIPPED = MetricSpec(
     "gpunet_probe_size_skipped", "gauge",
     "1 when the last round skipped this size because a GPU was busy with other work",
     ("scope", "size"), "boolean", _FILE)
-LATENESS = MetricSpec(
-    "gpunet_probe_slowest_rank_lateness_ratio", "gauge",
-    "How much longer the slowest rank's median all-reduce time is than the median rank's (0.5: "
-    "50% longer), at the largest size measured" + _CACHED, _S, "ratio", _FILE)
+STRAGGLER_WAIT = MetricSpec(
+    "gpunet_probe_straggler_wait_seconds", "gauge",
+    "What the other ranks wait for the rank that arrives last at the all-reduce: the median over "
+    "iterations of their time in the collective minus that rank's, at the largest size measured"
+    + _CACHED, _S, "seconds", _FILE)
+STRAGGLER_RATIO = MetricSpec(
+    "gpunet_probe_straggler_wait_ratio", "gauge",
+    "That wait as a share of the other ranks' time in the collective (0.5: they took twice as "
+    "long as the collective itself)" + _CACHED, _S, "ratio", _FILE)
+STRAGGLER = MetricSpec(
+    "gpunet_probe_straggler_info", "gauge",
+    "Always 1, on the node of the late rank only, while the others wait at least "
+    "probe.straggler_min_ratio of their time for it: its rank and local GPU index" + _CACHED,
+    ("scope", "rank", "gpu"), "", _FILE)
+LINK = MetricSpec(
+    "gpunet_probe_link_bandwidth_bytes_per_second", "gauge",
+    "The bus bandwidth the links allow: over the RDMA ports the ranks used, the lowest link rate "
+    "divided by the ranks sharing that port" + _CACHED, _S, "bytes per second",
+    _FILE + ", from /sys/class/infiniband/<device>/ports/<port>/rate")
+LINK_RATIO = MetricSpec(
+    "gpunet_probe_bus_bandwidth_link_ratio", "gauge",
+    "Bus bandwidth of the largest size over gpunet_probe_link_bandwidth_bytes_per_second (the "
+    "documented target is at least 0.8); absent when that size was skipped" + _CACHED, _S,
+    "ratio", _FILE)
+HCA_RANKS = MetricSpec(
+    "gpunet_probe_hca_ranks", "gauge",
+    "This node's probe ranks whose NCCL used this RDMA port in the last round (net scope: "
+    "each rank is pinned to the ACTIVE port nearest its GPU)" + _CACHED,
+    ("scope", "device", "port"), "ranks", _FILE + ", from NCCL's INFO log")
+HCA_GDR = MetricSpec(
+    "gpunet_probe_hca_gdr_active", "gauge",
+    "1 when the NET channels of the ranks on this RDMA port used GPUDirect RDMA, 0 when not; "
+    "absent without NET channels" + _CACHED, ("scope", "device", "port"), "boolean",
+    "NCCL INFO log, /GDRDMA on NET channels")
 WORLD = MetricSpec("gpunet_probe_world_size", "gauge", "Ranks in the last probe round", _S,
                    "ranks", _FILE)
 INFO = MetricSpec(
@@ -132,7 +167,8 @@ class ProbeCollector(Collector):
                    "scrape: latency, bus bandwidth, stragglers, NCCL transport and GDR")
     default_enabled = False  # it puts work on the GPUs: an operator turns it on
     metrics = (SUCCESS, LAST_ROUND, LAST_SUCCESS, DURATION, FAILURES, RUNNING, LATENCY, ALGBW,
-               BUSBW, SKIPPED, LATENESS, WORLD, INFO, TRANSPORT, GDR, SOCKET_FALLBACK, PROBLEM)
+               BUSBW, SKIPPED, STRAGGLER_WAIT, STRAGGLER_RATIO, STRAGGLER, LINK, LINK_RATIO,
+               HCA_RANKS, HCA_GDR, WORLD, INFO, TRANSPORT, GDR, SOCKET_FALLBACK, PROBLEM)
     config_fields: ClassVar[Mapping[str, Field]] = {
         "state_dir": Field("str", "where the runner and cluster-mode ranks write results",
                            default="/var/lib/gpunet-exporter/probe"),
@@ -142,8 +178,16 @@ class ProbeCollector(Collector):
                          item=Field("str")),
         "backend": Field("str", "nccl (GPUs) or gloo (CPUs)", default="nccl",
                          choices=("nccl", "gloo")),
-        "nprocs": Field("int", "ranks (0: one per visible GPU; 2 for gloo)", default=0,
-                        minimum=0),
+        "nprocs": Field("int", "local GPUs to probe (0: every visible GPU; gloo: 2 stand-ins)",
+                        default=0, minimum=0),
+        "scopes": Field("list", "what the node's rounds measure: intra (GPUs among themselves, "
+                        "needs two), net (GPUs through the NICs)", default=["intra", "net"],
+                        item=Field("str", choices=("intra", "net"))),
+        "pin_hca": Field("bool", "net scope: pin each rank to the ACTIVE RDMA port nearest its "
+                         "GPU (NCCL_IB_HCA), so that every NIC is exercised", default=True),
+        "straggler_min_ratio": Field("number", "the late rank is named when the others wait "
+                                     "at least this share of their collective time for it",
+                                     default=0.2, minimum=0, maximum=1),
         "sizes": Field("list", "all-reduce message sizes in bytes (multiples of 4: float32)",
                        item=Field("int", minimum=4, multiple_of=4),
                        default=[8 << 10, 1 << 20, 64 << 20]),
@@ -170,6 +214,7 @@ class ProbeCollector(Collector):
         self._proc: subprocess.Popen[bytes] | None = None
         self._proc_started_wall = 0.0  # time.time() the current runner was started
         self._restarts = 0
+        self._phase_scope = ""  # the scope the launcher's status file names
         self._thread: threading.Thread | None = None
 
     # -- the runner ------------------------------------------------------------------------
@@ -178,7 +223,10 @@ class ProbeCollector(Collector):
         cfg = self.ctx.config
         base = list(cfg.get("command") or [sys.executable, "-m", "exporter.probe.cli"])
         return [*base, "run", "--state-dir", self.state_dir, "--backend", cfg["backend"],
-                "--nprocs", str(cfg["nprocs"]),
+                "--nprocs", str(cfg["nprocs"]), "--scopes", ",".join(cfg["scopes"]),
+                "--path.sysfs", self.ctx.sysfs.root,
+                "--straggler-min-ratio", str(cfg["straggler_min_ratio"]),
+                *([] if cfg["pin_hca"] else ["--no-pin-hca"]),
                 "--sizes", ",".join(str(s) for s in cfg["sizes"]),
                 "--warmup", str(cfg["warmup"]), "--iterations", str(cfg["iterations"]),
                 "--interval", str(cfg["interval_seconds"]),
@@ -219,15 +267,32 @@ class ProbeCollector(Collector):
             self._on_exit(rc)
             self._restarts += 1
             return now + self._backoff()
-        timeout = float(self.ctx.config["timeout_seconds"])
-        state, since = self._round_state()
-        if state == "between":  # the next round is due one interval after this one started
-            timeout += float(self.ctx.config["interval_seconds"])
-        if time.time() - since > timeout:
-            self._count("intra", "timeout")
-            self._kill(f"probe {state} exceeded {timeout:g}s")
+        allowed, phase, since = self._allowed()
+        if time.time() - since > allowed:
+            self._count(self._runner_scope(), "timeout")
+            self._kill(f"probe {phase} exceeded {allowed:g}s")
             return now + self._backoff()
         return next_start
+
+    def _allowed(self) -> tuple[float, str, float]:
+        """How long the runner may stay in what it does now, what that is, and since when. The
+        launcher ends a group's start or round after timeout_seconds itself; the supervisor
+        kills it only when it misses that by a grace period (a hung launcher), or sleeps past
+        the next round's start."""
+        timeout = float(self.ctx.config["timeout_seconds"])
+        grace = min(GRACE_MAX, timeout)
+        phase, scope, since = self._round_state()
+        self._phase_scope = scope
+        if phase == "sleep":
+            return float(self.ctx.config["interval_seconds"]) + grace, phase, since
+        return timeout + grace, phase, since
+
+    def _runner_scope(self) -> str:
+        """Where a failure of the launcher itself counts: the scope its status names, else the
+        first configured one."""
+        if self._phase_scope in results.SCOPES:
+            return self._phase_scope
+        return str((self.ctx.config.get("scopes") or ["intra"])[0])
 
     def _backoff(self) -> float:
         """Seconds before the next start: 2, 4, 8 ... up to RESTART_BACKOFF_MAX."""
@@ -249,7 +314,7 @@ class ProbeCollector(Collector):
             nvml.own_session(self._proc.pid, started=True)
         except OSError as exc:
             self.ctx.log_once(logging.ERROR, "probe: cannot start the runner: %s", exc)
-            self._count("intra", "crash")
+            self._count(self._runner_scope(), "crash")
             self._proc = None
         finally:
             if not isinstance(log, int):
@@ -257,31 +322,29 @@ class ProbeCollector(Collector):
         self._proc_started_wall = time.time()
         self.ctx.logger.info("probe runner started: %s", " ".join(self.command()))
 
-    def _round_state(self) -> tuple[str, float]:
-        """("start", when the runner started) before its first round; ("round", when it
-        started) while a round runs; ("between", when the last round started) between rounds."""
+    def _round_state(self) -> tuple[str, str, float]:
+        """(phase, scope, since) from the launcher's status file: ``init``, ``round`` or
+        ``sleep``; ("start", "", when the runner started) before this runner wrote one."""
         try:
             with open(os.path.join(self.state_dir, results.STATUS), encoding="utf-8") as fh:
                 status = json.load(fh)
-            started = float(status["round_started"])
+            since = float(status["since"])
+            phase, scope = str(status["phase"]), str(status.get("scope", ""))
         # ValueError: not JSON, digits beyond int()'s limit, not a number; OverflowError: an int
         # beyond the float range; RecursionError: nesting too deep for json.
         except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
-            started = 0.0
-        if not math.isfinite(started):  # "nan" or "inf" would stop the hung-round timeout
-            started = 0.0
-        if started < self._proc_started_wall:  # none yet, or a previous runner's
-            return "start", self._proc_started_wall
-        last = self._scopes["intra"].last
-        if last is not None and last.started >= started:
-            return "between", started
-        return "round", started
+            since, phase, scope = 0.0, "start", ""
+        if not math.isfinite(since):  # "nan" or "inf" would stop the hung-launcher timeout
+            since = 0.0
+        if since < self._proc_started_wall or phase not in ("init", "round", "sleep"):
+            return "start", "", self._proc_started_wall  # none yet, or a previous runner's
+        return phase, scope, since
 
     def _on_exit(self, rc: int) -> None:
-        last = self._scopes["intra"].last
-        said = last is not None and not last.success and last.time >= self._proc_started_wall
+        said = any(st.last is not None and not st.last.success
+                   and st.last.time >= self._proc_started_wall for st in self._scopes.values())
         if not said:  # the runner died without writing why
-            self._count("intra", "crash")
+            self._count(self._runner_scope(), "crash")
         tail = self._log_tail()
         self.ctx.log_once(logging.WARNING, "probe runner exited with status %d%s", rc,
                           f": {tail}" if tail else "")
@@ -336,8 +399,7 @@ class ProbeCollector(Collector):
                 st.last = res
                 if res.success:
                     st.good = res
-                    if scope == "intra":
-                        self._restarts = 0  # the backoff starts over after a good round
+                    self._restarts = 0  # the backoff starts over after a good round
                     if res.skipped_busy:
                         st.failures["skipped_busy"] += 1
                 else:
@@ -355,8 +417,8 @@ class ProbeCollector(Collector):
             scopes = {s: (st.last, st.good, dict(st.failures)) for s, st in self._scopes.items()}
         rdma_active: bool | None = None
         for scope, (last, good, failures) in scopes.items():
-            if last is None and not any(failures.values()) and scope == "inter":
-                continue  # no cluster-mode rounds on this node
+            if last is None and not any(failures.values()):
+                continue  # this scope does not run here (inter: no cluster-mode rounds)
             for reason, n in failures.items():
                 fams.add(FAILURES, [scope, reason], n)
             if last is None:
@@ -365,33 +427,10 @@ class ProbeCollector(Collector):
             fams.add(LAST_ROUND, [scope], last.time)
             if good is None:
                 continue
-            fams.add(LAST_SUCCESS, [scope], good.time)
-            fams.add(DURATION, [scope], max(0.0, good.time - good.started))
-            fams.add(WORLD, [scope], good.world_size)
-            fams.add(INFO, [scope, good.backend, good.nccl_version], 1)
-            if good.slowest_rank_lateness_ratio is not None:
-                fams.add(LATENESS, [scope], good.slowest_rank_lateness_ratio)
-            for s in good.sizes:
-                size = str(s.bytes)
-                fams.add(SKIPPED, [scope, size], int(s.skipped))
-                if s.skipped:
-                    continue
-                for stat, v in (("median", s.median_seconds), ("p99", s.p99_seconds),
-                                ("max", s.max_seconds)):
-                    fams.add(LATENCY, [scope, size, stat], v)
-                fams.add(ALGBW, [scope, size], s.algbw_bytes_per_second)
-                fams.add(BUSBW, [scope, size], s.busbw_bytes_per_second)
+            self._export_result(fams, scope, good)
             if good.backend != "nccl":
                 continue
-            for t in good.transports:
-                nets = good.net_transports if t == "NET" else ("",)
-                for net in nets or ("",):
-                    fams.add(TRANSPORT, [scope, t, net], 1)
-            if good.gdr is not None:
-                fams.add(GDR, [scope], int(good.gdr))
-            for problem in good.problems:
-                fams.add(PROBLEM, [scope, problem], 1)
-            if scope == "intra":
+            if scope == "intra":  # the GPUs' own paths should carry it, not the network
                 fallback = "NET" in good.transports
             else:
                 if rdma_active is None:
@@ -399,6 +438,52 @@ class ProbeCollector(Collector):
                 fallback = "Socket" in good.net_transports and rdma_active
             fams.add(SOCKET_FALLBACK, [scope], int(fallback))
         yield from fams
+
+    @staticmethod
+    def _export_result(fams: Families, scope: str, good: Result) -> None:
+        fams.add(LAST_SUCCESS, [scope], good.time)
+        fams.add(DURATION, [scope], max(0.0, good.time - good.started))
+        fams.add(WORLD, [scope], good.world_size)
+        fams.add(INFO, [scope, good.backend, good.nccl_version], 1)
+        if good.world_size < 2:
+            return  # one rank reduces nothing: no latency or bandwidth worth a number
+        st = good.straggler
+        if st is not None:
+            fams.add(STRAGGLER_WAIT, [scope], st.wait_seconds)
+            fams.add(STRAGGLER_RATIO, [scope], st.wait_ratio)
+            if st.rank is not None and st.local:
+                fams.add(STRAGGLER, [scope, str(st.rank),
+                                     "" if st.gpu is None else str(st.gpu)], 1)
+        for s in good.sizes:
+            size = str(s.bytes)
+            fams.add(SKIPPED, [scope, size], int(s.skipped))
+            if s.skipped:
+                continue
+            for stat, v in (("median", s.median_seconds), ("p99", s.p99_seconds),
+                            ("max", s.max_seconds)):
+                fams.add(LATENCY, [scope, size, stat], v)
+            fams.add(ALGBW, [scope, size], s.algbw_bytes_per_second)
+            fams.add(BUSBW, [scope, size], s.busbw_bytes_per_second)
+        link = good.link_bytes_per_second
+        if link:
+            fams.add(LINK, [scope], link)
+            largest = max(good.sizes, key=lambda x: x.bytes, default=None)
+            if largest is not None and not largest.skipped:
+                fams.add(LINK_RATIO, [scope], largest.busbw_bytes_per_second / link)
+        for h in good.hcas:
+            fams.add(HCA_RANKS, [scope, h.device, h.port], len(h.ranks))
+            if h.gdr is not None:
+                fams.add(HCA_GDR, [scope, h.device, h.port], int(h.gdr))
+        if good.backend != "nccl":
+            return
+        for t in good.transports:
+            nets = good.net_transports if t == "NET" else ("",)
+            for net in nets or ("",):
+                fams.add(TRANSPORT, [scope, t, net], 1)
+        if good.gdr is not None:
+            fams.add(GDR, [scope], int(good.gdr))
+        for problem in good.problems:
+            fams.add(PROBLEM, [scope, problem], 1)
 
     def _rdma_active(self) -> bool:
         root = self.ctx.sysfs

@@ -18,7 +18,7 @@ import logging
 import os
 import re
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import ClassVar
 
 from prometheus_client.core import Metric
@@ -26,16 +26,12 @@ from prometheus_client.core import Metric
 from exporter import nvml, rdma
 from exporter.collector import Collector, CollectorContext, Families, MetricSpec
 from exporter.config import Field
+from exporter.pcie import PATHS, PCI_ADDRESS, RANK, Endpoint, endpoint, relation
 from exporter.sysfs import parse_int, parse_uint
 
-_PCI_ADDRESS = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
-_HOST_BRIDGE = re.compile(r"pci[0-9a-f]{4,8}:[0-9a-f]{2}")
 _NVIDIA = "0x10de"
 _GPU_CLASSES = ("0x0300", "0x0302")  # VGA compatible controller, 3D controller
 
-# nvidia-smi topo's names, nearest first (NCCL's PIX < PXB < PHB < SYS, with NODE between).
-PATHS = ("PIX", "PXB", "PHB", "NODE", "SYS")
-_RANK = {p: i for i, p in enumerate(PATHS)}
 
 # GPUDirect RDMA peer-memory clients, by module name: the files NCCL's ncclIbGdrSupport checks.
 PEERMEM_FILES = (
@@ -133,54 +129,6 @@ NCCL_ENV_PROCESSES = MetricSpec(
     "processes need root or CAP_SYS_PTRACE with CAP_DAC_READ_SEARCH, and the host PID "
     "namespace)", ("result",), "processes",
     "NVML compute processes, /proc/<pid>/environ")
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """A GPU or NIC PCI function and its place in the PCIe tree."""
-
-    name: str  # the label: GPU index, or RDMA device name
-    host: str  # host bridge, "pci0000:17"
-    chain: tuple[str, ...]  # PCI addresses below the host bridge: root port ... the function
-    dirs: tuple[str, ...]  # sysfs directory (relative to the root) of each chain element
-    numa: int  # -1: unknown
-
-
-@dataclass(frozen=True)
-class Relation:
-    path: str  # one of PATHS
-    bridges: tuple[str, ...]  # directories of the bridges crossed below the shared component
-
-
-def endpoint(name: str, rel: str, numa: int) -> Endpoint | None:
-    """The endpoint of a function at sysfs path ``rel`` (resolved, relative to the root), or
-    None when the path does not end in a PCI function below a host bridge."""
-    parts = rel.split("/")
-    host = next((i for i, p in enumerate(parts) if _HOST_BRIDGE.fullmatch(p)), None)
-    if host is None or not _PCI_ADDRESS.fullmatch(parts[-1]):
-        return None
-    keep = [i for i in range(host + 1, len(parts)) if _PCI_ADDRESS.fullmatch(parts[i])]
-    return Endpoint(name, parts[host], tuple(parts[i] for i in keep),
-                    tuple("/".join(parts[: i + 1]) for i in keep), numa)
-
-
-def relation(a: Endpoint, b: Endpoint) -> Relation:
-    """nvidia-smi topo's distance between two functions, and the bridges between them."""
-    shared = 0
-    if a.host == b.host:
-        while (shared < min(len(a.chain), len(b.chain))
-               and a.chain[shared] == b.chain[shared]):
-            shared += 1
-    # Bridges strictly below the last shared component, not the endpoints themselves.
-    below_a, below_b = a.dirs[shared:-1], b.dirs[shared:-1]
-    if a.host != b.host:
-        same_node = a.numa == b.numa or a.numa < 0 or b.numa < 0
-        path = "NODE" if same_node else "SYS"
-    elif shared == 0:
-        path = "PHB"
-    else:
-        path = "PIX" if len(below_a) <= 1 and len(below_b) <= 1 else "PXB"
-    return Relation(path, below_a + below_b)
 
 
 def _little_endian(raw: bytes, size: int) -> int:
@@ -451,7 +399,7 @@ class TopologyCollector(Collector):
             return self._sysfs_gpu_cache[1]  # the same PCI functions as last time
         found = []
         for address in names:
-            if not _PCI_ADDRESS.fullmatch(address):
+            if not PCI_ADDRESS.fullmatch(address):
                 continue
             try:
                 attrs = self.ctx.sysfs.read_many(f"bus/pci/devices/{address}",
@@ -487,7 +435,7 @@ class TopologyCollector(Collector):
             for nic in nics:
                 rel = relation(gpu, nic)
                 fams.add(GPU_NIC_PATH, [gpu.name, nic.name, rel.path], 1)
-                key = (_RANK[rel.path], len(rel.bridges), nic.name)
+                key = (RANK[rel.path], len(rel.bridges), nic.name)
                 if best is None or key < best:
                     best, best_nic = key, nic
                 redirects = 0

@@ -16,6 +16,9 @@ CLASS = "class/infiniband"
 _PCI_ADDRESS = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 # A RoCE port's GID table has up to 255 slots; the netdev is nearly always in slot 0 or 1.
 _GID_SLOTS_TRIED = 8
+BYTES_PER_GBIT = 125_000_000
+# "%d%s Gb/sec (%dX%s)": rate, lanes, optional speed name (absent on old kernels for SDR).
+_RATE = re.compile(r"^(\d+)(\.5)? Gb/sec \((\d+)X(?: (\w+))?\)$")
 
 
 @dataclass(frozen=True)
@@ -126,3 +129,29 @@ def all_ports(root: Root, include: re.Pattern[str] | None = None,
                 ll = ""
             out.append(Port(dev, p, ll, netdev(root, dev, p, ll)))
     return out
+
+
+@dataclass(frozen=True)
+class Rate:
+    gbps: float
+    lanes: int
+    speed: str
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.gbps * BYTES_PER_GBIT
+
+    @property
+    def lane_bytes_per_second(self) -> float:
+        return self.bytes_per_second / self.lanes
+
+
+def parse_rate(text: str) -> Rate | None:
+    """Parse a ``rate`` file, e.g. "400 Gb/sec (4X NDR)" or the old "10 Gb/sec (4X)"."""
+    m = _RATE.match(text)
+    if not m:
+        return None
+    gbps, lanes = parse_uint(m.group(1)), parse_uint(m.group(3))
+    if gbps is None or not lanes:  # numbers int() refuses or beyond 20 digits; no lanes
+        return None
+    return Rate(gbps + (0.5 if m.group(2) else 0.0), lanes, m.group(4) or "SDR")

@@ -110,7 +110,7 @@ from prometheus_client.core import Metric
 
 from collectors import tables
 from collectors.gpu import GpuCollector
-from collectors.infiniband import InfinibandCollector, parse_rate, parse_state
+from collectors.infiniband import InfinibandCollector, parse_state
 from collectors.link import LinkCollector, parse_ibv_devinfo, roce_active_mtu
 from collectors.pfc import NAMES, PfcCollector, _plan
 from collectors.pfc_config import (
@@ -154,6 +154,7 @@ from exporter.ethtool import (
 )
 from exporter.probe import ncclog, results
 from exporter.probe.runner import Cluster, cluster_from_env, parse_bytes, parse_sizes
+from exporter.rdma import parse_rate
 from exporter.sysfs import Root, parse_int, parse_uint
 from exporter.webconfig import BasicAuth, _schema, load_web_config, wrap
 
@@ -1200,7 +1201,7 @@ DIGIT_LIMIT: dict[str, Callable[[], object]] = {
     "sysfs.parse_uint": lambda: parse_uint(HUGE),
     "sysfs.parse_int": lambda: parse_int("-" + HUGE),
     "infiniband.parse_state": lambda: parse_state(f"{HUGE}: ACTIVE"),
-    "infiniband.parse_rate": lambda: parse_rate(f"1 Gb/sec ({HUGE}X)"),
+    "rdma.parse_rate": lambda: parse_rate(f"1 Gb/sec ({HUGE}X)"),
     "link.parse_ibv_devinfo": lambda: parse_ibv_devinfo(
         f"hca_id:\tmlx5_0\n\t\tport:\t1\n\t\t\tactive_mtu:\t\t{HUGE} (5)\n"),
     "ethtool.parse_stats_text": lambda: parse_stats_text(f"NIC statistics:\n     rx_bytes: {HUGE}"),

@@ -1,5 +1,6 @@
-"""The probe: runner arithmetic, result files, two real gloo ranks through the real runner
-(intra-node and under torchrun), and the collector supervising it (timeouts, crashes, garbage)."""
+"""The probe: runner arithmetic, result files, real gloo ranks through the real runner (a node's
+intra and net scopes, a one-device node, a planted straggler, torchrun cluster mode), and the
+collector supervising it (timeouts, crashes, garbage)."""
 
 from __future__ import annotations
 
@@ -45,19 +46,50 @@ def test_bus_bandwidth_is_nccl_tests_formula() -> None:
     assert runner.bus_bandwidth(100.0, 1) == 100.0
 
 
-def test_summarize_times_takes_the_slowest_rank_per_iteration() -> None:
+def test_summarize_times_takes_the_collective_without_the_wait() -> None:
     matrix = [[1.0, 2.0, 3.0, 4.0], [2.0, 1.0, 5.0, 1.0]]  # rows: ranks
-    stats, medians = runner.summarize_times(matrix, 1000, 2)
-    assert stats.median_seconds == 3.0  # of 2, 2, 5, 4
-    assert stats.max_seconds == 5.0 and stats.p99_seconds == 5.0
-    assert stats.algbw_bytes_per_second == 1000 / 3.0
-    assert medians == [2.5, 1.5]
+    stats = runner.summarize_times(matrix, 1000, 2)
+    assert stats.median_seconds == 1.0  # of 1, 1, 3, 1: the last to arrive waited least
+    assert stats.max_seconds == 3.0 and stats.p99_seconds == 3.0
+    assert stats.algbw_bytes_per_second == 1000 / 1.0
 
 
-def test_lateness_of_the_slowest_rank() -> None:
-    assert runner.lateness([1.0, 1.0, 1.0, 2.0]) == 1.0
-    assert runner.lateness([1.0, 1.1]) == pytest.approx((1.1 - 1.05) / 1.05)
-    assert runner.lateness([1.0]) is None
+def test_straggler_is_the_rank_that_waits_least() -> None:
+    """The issue's numbers: rank 2 made 5 ms late; per-rank medians [11.8, 11.7, 6.4, 11.8] ms.
+    The old lateness named rank 0; the late rank is the one with the shortest time."""
+    base = [[11.8, 11.9, 11.7], [11.7, 11.6, 11.8], [6.4, 6.5, 6.3], [11.8, 11.8, 11.9]]
+    s = runner.straggler([[t / 1e3 for t in row] for row in base])
+    assert s is not None and s.rank == 2 and s.late_share == 1.0
+    assert s.wait_seconds == pytest.approx(5.4e-3, abs=1e-4)
+    assert s.wait_ratio == pytest.approx(5.4 / 11.8, abs=0.01)
+
+
+def test_straggler_in_a_fair_run_waits_for_nobody() -> None:
+    fair = [[1.00, 1.02, 0.99, 1.01], [1.01, 0.99, 1.00, 1.02], [0.99, 1.01, 1.02, 1.00]]
+    s = runner.straggler(fair)
+    assert s is not None and s.wait_ratio < 0.05 and s.late_share <= 0.5
+    assert runner.straggler([[1.0, 2.0]]) is None  # one rank
+
+
+def test_plan_of_a_node() -> None:
+    assert runner.plan(["intra", "net"], 8) == {"intra": list(range(8)), "net": list(range(8))}
+    # One GPU: no intra scope (nothing to reduce with), two net ranks on that GPU.
+    assert runner.plan(["intra", "net"], 1) == {"net": [0, 0]}
+    assert runner.plan(["intra"], 1) == {}
+    assert runner.plan(["net"], 0) == {}
+
+
+def test_hca_usage_divides_the_link_among_its_ranks() -> None:
+    g = 50e9
+    per_rank = [("a", [{"device": "mlx5_0", "port": "1", "gdr": True, "rate": g}]),
+                ("a", [{"device": "mlx5_0", "port": "1", "gdr": False, "rate": g}]),
+                ("a", [{"device": "mlx5_1", "port": "1", "gdr": True, "rate": g / 2}]),
+                ("b", [{"device": "mlx5_0", "port": "1", "gdr": True, "rate": g}])]
+    hcas, link = runner.hca_usage(per_rank, "a")
+    assert [(h["device"], h["ranks"], h["gdr"]) for h in hcas] == [
+        ("mlx5_0", [0, 1], False), ("mlx5_1", [2], True)]  # host b's port is not this node's
+    assert link == g / 2  # mlx5_0: 50 GB/s for two ranks; mlx5_1: 25 GB/s for one
+    assert runner.hca_usage([("a", [])], "a") == ([], None)
 
 
 def test_percentile_nearest_rank() -> None:
@@ -91,13 +123,15 @@ def test_cluster_environment() -> None:
 def good_result(**over: Any) -> dict[str, Any]:
     now = time.time()
     data: dict[str, Any] = {
-        "version": 1, "scope": "intra", "started": now - 0.2, "time": now, "success": True,
+        "version": 2, "scope": "intra", "started": now - 0.2, "time": now, "success": True,
         "backend": "nccl", "world_size": 2, "nccl_version": "2.28.9",
         "sizes": [{"bytes": 8192, "skipped": False, "median_seconds": 2e-5, "p99_seconds": 3e-5,
                    "max_seconds": 4e-5, "algbw_bytes_per_second": 4.1e8,
                    "busbw_bytes_per_second": 4.1e8},
                   {"bytes": 67108864, "skipped": True}],
-        "slowest_rank_lateness_ratio": 0.02, "net": "Socket", "transports": ["P2P"],
+        "straggler": {"wait_seconds": 1e-6, "wait_ratio": 0.05, "late_share": 0.5,
+                      "rank": None, "gpu": None, "local": False},
+        "net": "Socket", "transports": ["P2P"],
         "net_transports": [], "gdr": None, "problems": []}
     data.update(over)
     return data
@@ -113,11 +147,16 @@ def test_result_round_trip(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"version": 2}, "version"), ({"scope": "cluster"}, "scope"), ({"success": "yes"}, "success"),
+    ({"version": 1}, "version"), ({"scope": "cluster"}, "scope"), ({"success": "yes"}, "success"),
     ({"success": False, "failure": "gremlins"}, "failure"), ({"time": -1}, "'time'"),
     ({"sizes": [{"bytes": 0}]}, "bytes"), ({"sizes": {}}, "sizes"),
     ({"sizes": [{"bytes": 8, "median_seconds": float("nan")}]}, "median_seconds"),
     ({"gdr": "on"}, "gdr"), ({"transports": "P2P"}, "transports"),
+    ({"straggler": {"wait_seconds": 1, "wait_ratio": 2, "late_share": 0}}, "wait_ratio"),
+    ({"straggler": {"wait_seconds": 1, "wait_ratio": 0, "late_share": 0, "rank": -1}}, "rank"),
+    ({"hcas": [{"device": "mlx5_0", "port": "1 2"}]}, "hcas"),
+    ({"hcas": [{"device": "x" * 65, "port": "1"}]}, "hcas"),
+    ({"link_bytes_per_second": "fast"}, "link_bytes_per_second"),
 ])
 def test_bad_results_are_named(tmp_path: Path, change: dict[str, Any], message: str) -> None:
     path = tmp_path / "intra.json"
@@ -135,22 +174,59 @@ def test_garbage_only_ever_raises_bad_result(data: bytes) -> None:
 # -- the real runner: two gloo ranks on CPU ---------------------------------------------------
 
 
-def test_two_gloo_ranks_intra_node(tmp_path: Path) -> None:
+def test_two_gloo_ranks_intra_and_net(tmp_path: Path) -> None:
     r = probe("run", "--backend", "gloo", "--nprocs", "2", "--sizes", "4KiB,256KiB",
               "--warmup", "1", "--iterations", "8", "--rounds", "2", "--interval", "0.2",
               "--state-dir", str(tmp_path))
     assert r.returncode == 0, r.stderr
-    res = results.read(str(tmp_path / "intra.json"))
-    assert res.success and res.scope == "intra" and res.world_size == 2
-    assert [s.bytes for s in res.sizes] == [4096, 262144]
-    for s in res.sizes:
-        assert 0 < s.median_seconds <= s.p99_seconds <= s.max_seconds
-        assert s.algbw_bytes_per_second == pytest.approx(s.bytes / s.median_seconds)
-        assert s.busbw_bytes_per_second == pytest.approx(s.algbw_bytes_per_second)  # n = 2
-    assert res.slowest_rank_lateness_ratio is not None and res.slowest_rank_lateness_ratio >= 0
-    assert res.backend == "gloo" and res.transports == () and res.gdr is None
+    intra = results.read(str(tmp_path / "intra.json"))
+    net = results.read(str(tmp_path / "net.json"))
+    for res, scope in ((intra, "intra"), (net, "net")):
+        assert res.success and res.scope == scope and res.world_size == 2
+        assert [s.bytes for s in res.sizes] == [4096, 262144]
+        for s in res.sizes:
+            assert 0 < s.median_seconds <= s.p99_seconds <= s.max_seconds
+            assert s.algbw_bytes_per_second == pytest.approx(s.bytes / s.median_seconds)
+            assert s.busbw_bytes_per_second == pytest.approx(s.algbw_bytes_per_second)  # n = 2
+        assert res.straggler is not None and 0 <= res.straggler.wait_ratio <= 1
+        assert res.backend == "gloo" and res.transports == () and res.gdr is None
+    assert intra.time <= net.started  # one group after the other, never both at once
     status = json.loads((tmp_path / "status.json").read_text())
-    assert status["round"] == 1 and status["round_started"] == res.started  # the second round
+    assert status["round"] == 1 and status["phase"] == "round" and status["scope"] == "net"
+    assert status["since"] == net.started  # the second round's net group
+    # NCCL's logs live in the state directory, private; nothing is left in /tmp.
+    assert (tmp_path / "nccl").stat().st_mode & 0o777 == 0o700
+
+
+def test_one_device_node_has_no_intra_scope(tmp_path: Path) -> None:
+    """One GPU: a 1-rank intra "all-reduce" would export a bandwidth that means nothing (the
+    issue measured 1.94e12 B/s on an H100). Only the net scope runs, two ranks on the GPU."""
+    r = probe("run", "--backend", "gloo", "--nprocs", "1", "--sizes", "4KiB",
+              "--warmup", "1", "--iterations", "4", "--rounds", "1", "--state-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "intra.json").exists()
+    assert "the intra scope needs two" in r.stderr
+    net = results.read(str(tmp_path / "net.json"))
+    assert net.success and net.world_size == 2
+
+
+@pytest.mark.parametrize("late", [2, None], ids=["rank-2-late", "fair"])
+def test_planted_straggler_is_named_and_a_fair_run_names_none(tmp_path: Path,
+                                                              late: int | None) -> None:
+    """Four real gloo ranks; rank 2 sleeps 20 ms before every timed all-reduce (the runner's
+    documented test hook). The late rank must be the one named, and a fair run names none."""
+    env = {runner.DELAY_ENV: f"{late}:0.02"} if late is not None else {}
+    r = probe("run", "--backend", "gloo", "--nprocs", "4", "--scopes", "net", "--sizes", "1MiB",
+              "--warmup", "2", "--iterations", "12", "--rounds", "1",
+              "--state-dir", str(tmp_path), env=env)
+    assert r.returncode == 0, r.stderr
+    st = results.read(str(tmp_path / "net.json")).straggler
+    assert st is not None
+    if late is None:
+        assert st.rank is None and st.wait_ratio < 0.2, st
+    else:
+        assert st.rank == late and st.gpu == late and st.local, st
+        assert st.wait_seconds == pytest.approx(0.02, rel=0.5) and st.late_share >= 0.75
 
 
 def test_two_gloo_ranks_under_torchrun_cluster_mode(tmp_path: Path) -> None:
@@ -163,7 +239,7 @@ def test_two_gloo_ranks_under_torchrun_cluster_mode(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     res = results.read(str(tmp_path / "inter.json"))
     assert res.success and res.scope == "inter" and res.world_size == 2
-    assert not (tmp_path / "intra.json").exists()
+    assert not (tmp_path / "intra.json").exists() and not (tmp_path / "net.json").exists()
 
 
 def test_nccl_without_gpu_says_no_gpu(tmp_path: Path) -> None:
@@ -171,8 +247,9 @@ def test_nccl_without_gpu_says_no_gpu(tmp_path: Path) -> None:
               env={"CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == runner.EXIT_NO_GPU
     assert "no CUDA device visible" in r.stderr and "Traceback" not in r.stderr
-    res = results.read(str(tmp_path / "intra.json"))
-    assert not res.success and res.failure == "no_gpu"
+    for scope in ("intra", "net"):
+        res = results.read(str(tmp_path / f"{scope}.json"))
+        assert not res.success and res.failure == "no_gpu"
 
 
 def test_bad_arguments_one_line_exit_2(tmp_path: Path) -> None:
@@ -192,6 +269,10 @@ def test_help_shows_the_commands_people_run() -> None:
 
 
 # -- the collector ---------------------------------------------------------------------------
+
+
+def scoped(s: Samples, name: str, scope: str) -> list[frozenset[tuple[str, str]]]:
+    return [lbl for lbl in series(s, name) if ("scope", scope) in lbl]
 
 
 class Probe:
@@ -225,16 +306,20 @@ def collector(request: pytest.FixtureRequest, sysfs: Path, tmp_path: Path) -> It
 
 @pytest.mark.parametrize("collector", [GLOO], indirect=True)
 def test_collector_runs_the_real_runner(collector: Probe) -> None:
-    s = collector.wait("gpunet_probe_success", scope="intra")
+    collector.wait("gpunet_probe_success", scope="intra")
+    s = collector.wait("gpunet_probe_success", scope="net")
     assert value(s, "gpunet_probe_runner_running") == 1
-    assert value(s, "gpunet_probe_world_size", scope="intra") == 2
-    for size in ("4096", "65536"):
-        for stat in ("median", "p99", "max"):
-            assert (value(s, "gpunet_probe_allreduce_seconds", scope="intra", size=size,
-                          stat=stat) or 0) > 0
-        assert (value(s, "gpunet_probe_allreduce_bus_bandwidth_bytes_per_second",
-                      scope="intra", size=size) or 0) > 0
-    assert value(s, "gpunet_probe_info", scope="intra", backend="gloo", nccl_version="") == 1
+    for scope in ("intra", "net"):
+        assert value(s, "gpunet_probe_world_size", scope=scope) == 2
+        for size in ("4096", "65536"):
+            for stat in ("median", "p99", "max"):
+                assert (value(s, "gpunet_probe_allreduce_seconds", scope=scope, size=size,
+                              stat=stat) or 0) > 0
+            assert (value(s, "gpunet_probe_allreduce_bus_bandwidth_bytes_per_second",
+                          scope=scope, size=size) or 0) > 0
+        assert value(s, "gpunet_probe_info", scope=scope, backend="gloo", nccl_version="") == 1
+        assert value(s, "gpunet_probe_straggler_wait_ratio", scope=scope) is not None
+    assert not scoped(s, "gpunet_probe_failures_total", "inter")  # no cluster mode here
     assert {dict(lbl)["reason"] for lbl in series(s, "gpunet_probe_failures_total")} == set(
         REASONS)
     assert not series(s, "gpunet_probe_transport_info")  # gloo: no NCCL log
@@ -256,7 +341,8 @@ def test_collector_runs_the_real_runner(collector: Probe) -> None:
 HANG = """import json, os, sys, time
 d = sys.argv[sys.argv.index("--state-dir") + 1]
 os.makedirs(d, exist_ok=True)
-json.dump({"round_started": time.time(), "round": 0}, open(os.path.join(d, "status.json"), "w"))
+json.dump({"phase": "round", "scope": "net", "since": time.time(), "round": 0},
+          open(os.path.join(d, "status.json"), "w"))
 child = os.fork()
 time.sleep(1000)
 """
@@ -265,8 +351,9 @@ time.sleep(1000)
 @pytest.mark.parametrize("collector", [{
     "command": [sys.executable, "-c", HANG], "timeout_seconds": 1}], indirect=True)
 def test_hung_round_is_killed_with_its_process_group(collector: Probe) -> None:
-    s = collector.wait("gpunet_probe_failures_total", scope="intra", reason="timeout")
-    assert value(s, "gpunet_probe_success", scope="intra") is None  # no round ever finished
+    # The status names the net group's round: the timeout counts there.
+    s = collector.wait("gpunet_probe_failures_total", scope="net", reason="timeout")
+    assert value(s, "gpunet_probe_success", scope="net") is None  # no round ever finished
     # The whole group went: no process of the stand-in (nor its forked child) is left.
     time.sleep(0.5)
     out = subprocess.run(["pgrep", "-f", "time.sleep\\(1000\\)"], capture_output=True, text=True)
@@ -281,8 +368,9 @@ IDLE = """import json, os, sys, time
 d = sys.argv[sys.argv.index("--state-dir") + 1]
 os.makedirs(d, exist_ok=True)
 now = time.time()
-json.dump({"round_started": now, "round": 0}, open(os.path.join(d, "status.json"), "w"))
-json.dump({"version": 1, "scope": "intra", "started": now, "time": now + 0.01,
+json.dump({"phase": "sleep", "scope": "", "since": now + 0.01, "round": 1},
+          open(os.path.join(d, "status.json"), "w"))
+json.dump({"version": 2, "scope": "intra", "started": now, "time": now + 0.01,
            "success": True, "backend": "gloo", "world_size": 2, "sizes": []},
           open(os.path.join(d, "intra.json"), "w"))
 time.sleep(1000)
@@ -342,15 +430,64 @@ def test_socket_fallback_and_transports(collector: Probe, tmp_path: Path) -> Non
         problems=["gdr_disabled", "socket_fallback"]))
     # Intra-node on P2P only: no fallback.
     results.write_atomic(str(state / "intra.json"), good_result())
+    # NIC loopback on sockets while RDMA ports are ACTIVE: fallback too.
+    results.write_atomic(str(state / "net.json"), good_result(
+        scope="net", transports=["NET"], net_transports=["Socket"], gdr=False))
     s = collector.wait("gpunet_probe_success", scope="inter")
     assert value(s, "gpunet_probe_socket_fallback", scope="inter") == 1
     assert value(s, "gpunet_probe_socket_fallback", scope="intra") == 0
+    assert value(collector.wait("gpunet_probe_success", scope="net"),
+                 "gpunet_probe_socket_fallback", scope="net") == 1
     assert value(s, "gpunet_probe_transport_info", scope="inter", transport="NET",
                  net="Socket") == 1
     assert value(s, "gpunet_probe_transport_info", scope="inter", transport="P2P", net="") == 1
     assert value(s, "gpunet_probe_gdr_active", scope="inter") == 0
     assert value(s, "gpunet_probe_gdr_active", scope="intra") is None
     assert value(s, "gpunet_probe_nccl_problem", scope="inter", problem="socket_fallback") == 1
+
+
+@pytest.mark.parametrize("collector", [{"runner": "none"}], indirect=True)
+def test_net_scope_hcas_link_ratio_and_straggler(collector: Probe, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    sizes = [{"bytes": 8192, "skipped": False, "median_seconds": 3e-5, "p99_seconds": 4e-5,
+              "max_seconds": 5e-5, "algbw_bytes_per_second": 2.7e8,
+              "busbw_bytes_per_second": 2.7e8},
+             {"bytes": 67108864, "skipped": False, "median_seconds": 2e-3, "p99_seconds": 3e-3,
+              "max_seconds": 3e-3, "algbw_bytes_per_second": 3.3e10,
+              "busbw_bytes_per_second": 3.0e10}]
+    results.write_atomic(str(state / "net.json"), good_result(
+        scope="net", sizes=sizes, transports=["NET"], net_transports=["IB"], gdr=False,
+        hcas=[{"device": "mlx5_0", "port": "1", "ranks": [0], "gdr": True,
+               "rate_bytes_per_second": 5e10},
+              {"device": "mlx5_5", "port": "1", "ranks": [1], "gdr": False,
+               "rate_bytes_per_second": 2.5e10}],
+        link_bytes_per_second=2.5e10,
+        straggler={"wait_seconds": 4e-3, "wait_ratio": 0.66, "late_share": 1.0, "rank": 1,
+                   "gpu": 1, "local": True}))
+    s = collector.wait("gpunet_probe_success", scope="net")
+    assert value(s, "gpunet_probe_link_bandwidth_bytes_per_second", scope="net") == 2.5e10
+    assert value(s, "gpunet_probe_bus_bandwidth_link_ratio", scope="net") == pytest.approx(1.2)
+    assert value(s, "gpunet_probe_hca_ranks", scope="net", device="mlx5_5", port="1") == 1
+    assert value(s, "gpunet_probe_hca_gdr_active", scope="net", device="mlx5_0", port="1") == 1
+    assert value(s, "gpunet_probe_hca_gdr_active", scope="net", device="mlx5_5", port="1") == 0
+    assert value(s, "gpunet_probe_straggler_info", scope="net", rank="1", gpu="1") == 1
+    assert value(s, "gpunet_probe_straggler_wait_ratio", scope="net") == 0.66
+    assert value(s, "gpunet_probe_socket_fallback", scope="net") == 0  # IB carried it
+    # A remote late rank (cluster mode, another node's) is not named here; a skipped largest
+    # size gives no link ratio; a one-rank round no latency or bandwidth at all.
+    results.write_atomic(str(state / "inter.json"), good_result(
+        scope="inter", link_bytes_per_second=2.5e10,
+        straggler={"wait_seconds": 4e-3, "wait_ratio": 0.66, "late_share": 1.0, "rank": 9,
+                   "gpu": 1, "local": False}))
+    results.write_atomic(str(state / "intra.json"), good_result(world_size=1))
+    s = collector.wait("gpunet_probe_success", scope="inter")
+    s = collector.wait("gpunet_probe_world_size", scope="intra")
+    assert not scoped(s, "gpunet_probe_straggler_info", "inter")
+    assert value(s, "gpunet_probe_straggler_wait_ratio", scope="inter") == 0.66
+    assert value(s, "gpunet_probe_bus_bandwidth_link_ratio", scope="inter") is None
+    assert not scoped(s, "gpunet_probe_allreduce_bus_bandwidth_bytes_per_second", "intra")
+    assert not scoped(s, "gpunet_probe_allreduce_seconds", "intra")
 
 
 def test_socket_fallback_needs_an_active_rdma_port(tmp_path: Path) -> None:

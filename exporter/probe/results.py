@@ -1,11 +1,12 @@
 """Probe result files: how the runner hands a round's results to the exporter.
 
-One JSON file per scope in the state directory (``intra.json`` for the node's own GPUs,
-``inter.json`` for a cluster-mode round across nodes), replaced atomically (written to a
+One JSON file per scope in the state directory (``intra.json`` for the node's GPUs among
+themselves, ``net.json`` for the node's GPUs through its NICs, ``inter.json`` for a cluster-mode
+round across nodes), replaced atomically (written to a
 temporary file in the same directory, fsynced, renamed), so a reader sees the previous round or
-the new one, never half a file. ``status.json`` says when the current round started, which is how
-the exporter's supervisor tells a hung round from a slow interval. No torch here: the exporter
-imports this module.
+the new one, never half a file. ``status.json`` says what the node's launcher does now and since
+when, which is how the exporter's supervisor tells a hung launcher from a slow interval. No
+torch here: the exporter imports this module.
 """
 
 from __future__ import annotations
@@ -14,16 +15,19 @@ import contextlib
 import json
 import math
 import os
+import re
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-VERSION = 1
-SCOPES = ("intra", "inter")
+VERSION = 2
+SCOPES = ("intra", "net", "inter")
 STATUS = "status.json"
-# Why a round did not produce numbers; the exporter adds timeout, crash and bad_result.
-FAILURE_REASONS = ("nccl_error", "no_gpu", "init_error", "error", "skipped_busy")
+# Why a round did not produce numbers; the exporter adds bad_result. timeout and crash come
+# from the launcher (a group it killed, or one that died without saying why) or the exporter.
+FAILURE_REASONS = ("timeout", "crash", "nccl_error", "no_gpu", "init_error", "error",
+                   "skipped_busy")
 
 
 def result_path(state_dir: str, scope: str) -> str:
@@ -60,6 +64,25 @@ class SizeResult:
 
 
 @dataclass(frozen=True)
+class Straggler:
+    wait_seconds: float  # what the other ranks waited for the last to arrive (median)
+    wait_ratio: float  # that wait over the others' time in the collective, 0 to 1
+    late_share: float  # share of iterations in which that rank arrived last
+    rank: int | None = None  # named only when wait_ratio reached the runner's minimum
+    gpu: int | None = None  # its local GPU index
+    local: bool = False  # it runs on this node
+
+
+@dataclass(frozen=True)
+class Hca:
+    device: str
+    port: str
+    ranks: tuple[int, ...]  # the ranks on this node that used it
+    gdr: bool | None  # their NET channels used GPUDirect RDMA; None: no NET channel
+    rate_bytes_per_second: float | None  # the port's link rate when measured
+
+
+@dataclass(frozen=True)
 class Result:
     scope: str
     time: float  # Unix time the round ended
@@ -71,13 +94,15 @@ class Result:
     world_size: int = 0
     nccl_version: str = ""
     sizes: tuple[SizeResult, ...] = ()
-    slowest_rank_lateness_ratio: float | None = None
+    straggler: Straggler | None = None
     net: str = ""  # the network NCCL chose (IB, Socket, plugin name)
     transports: tuple[str, ...] = ()  # P2P, SHM, NET, COLLNET
     net_transports: tuple[str, ...] = ()  # IB, Socket, ... of the NET channels
     gdr: bool | None = None  # None: no NET channel
     problems: tuple[str, ...] = ()
     skipped_busy: bool = False  # sizes were skipped because a GPU was busy with other work
+    hcas: tuple[Hca, ...] = ()  # RDMA ports this node's ranks used
+    link_bytes_per_second: float | None = None  # the link bandwidth a rank can expect
 
 
 class BadResult(ValueError):
@@ -153,18 +178,70 @@ def parse(data: Any, where: str = "result") -> Result:
     if gdr is not None and not isinstance(gdr, bool):
         raise BadResult(f"{where}: 'gdr' must be true, false or null")
     world = _num(data, "world_size", where) if "world_size" in data else 0
-    lateness = _num(data, "slowest_rank_lateness_ratio", where, allow_none=True)
+    link = _num(data, "link_bytes_per_second", where, allow_none=True)
     return Result(
         scope=scope, time=float(_num(data, "time", where)),
         started=float(_num(data, "started", where)), success=success, failure=failure,
         error=str(data.get("error", ""))[:500], backend=str(data.get("backend", "")),
         world_size=int(world), nccl_version=str(data.get("nccl_version", ""))[:32],
         sizes=tuple(sizes),
-        slowest_rank_lateness_ratio=None if lateness is None else float(lateness),
+        straggler=_straggler(data.get("straggler"), f"{where}: straggler"),
         net=str(data.get("net", ""))[:64], transports=_strs(data, "transports", where),
         net_transports=_strs(data, "net_transports", where), gdr=gdr,
         problems=_strs(data, "problems", where),
-        skipped_busy=data.get("skipped_busy") is True)
+        skipped_busy=data.get("skipped_busy") is True, hcas=_hcas(data.get("hcas"), where),
+        link_bytes_per_second=None if link is None else float(link))
+
+
+def _index(d: Mapping[str, Any], key: str, where: str) -> int | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 20:
+        raise BadResult(f"{where}: {key!r} must be a small non-negative integer or null")
+    return v
+
+
+def _straggler(data: Any, where: str) -> Straggler | None:
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise BadResult(f"{where}: expected an object or null")
+    ratio, share = _num(data, "wait_ratio", where), _num(data, "late_share", where)
+    if ratio > 1 or share > 1:
+        raise BadResult(f"{where}: 'wait_ratio' and 'late_share' must be from 0 to 1")
+    return Straggler(float(_num(data, "wait_seconds", where)), float(ratio), float(share),
+                     _index(data, "rank", where), _index(data, "gpu", where),
+                     data.get("local") is True)
+
+
+_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def _hcas(data: Any, where: str) -> tuple[Hca, ...]:
+    if data is None:
+        return ()
+    if not isinstance(data, list) or len(data) > 256:
+        raise BadResult(f"{where}: 'hcas' must be a list (of at most 256)")
+    out = []
+    for i, h in enumerate(data):
+        w = f"{where}: hcas[{i}]"
+        if not isinstance(h, dict):
+            raise BadResult(f"{w}: expected an object")
+        device, port = h.get("device"), h.get("port")
+        if not (isinstance(device, str) and _NAME.fullmatch(device)
+                and isinstance(port, str) and port.isdigit() and len(port) < 4):
+            raise BadResult(f"{w}: 'device' must be an RDMA device name and 'port' a number")
+        ranks = h.get("ranks", [])
+        if not isinstance(ranks, list) or len(ranks) > 4096 or not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
+            raise BadResult(f"{w}: 'ranks' must be a list of rank numbers")
+        gdr = h.get("gdr")
+        if gdr is not None and not isinstance(gdr, bool):
+            raise BadResult(f"{w}: 'gdr' must be true, false or null")
+        rate = _num(h, "rate_bytes_per_second", w, allow_none=True)
+        out.append(Hca(device, port, tuple(ranks), gdr, None if rate is None else float(rate)))
+    return tuple(out)
 
 
 def read(path: str) -> Result:

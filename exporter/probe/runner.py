@@ -1,20 +1,28 @@
-"""The probe runner: rounds of micro all-reduces through torch.distributed, results to a file.
+"""The probe runner: rounds of micro all-reduces through torch.distributed, results to files.
 
-Two ways to start it, one code path:
-- intra-node (``gpunet-probe run``, what the exporter starts): a launcher spawns one worker
-  process per local GPU (NCCL) or ``--nprocs`` CPU workers (gloo), joined over 127.0.0.1;
+Two ways to start it, one code path for the measurement:
+- on a node (``gpunet-probe run``, what the exporter starts): a launcher keeps up to two groups of
+  worker processes and drives their rounds one after the other, so they never share the GPUs:
+  - ``intra``: one rank per local GPU over NCCL's intra-node paths (NVLink/P2P, SHM); only with
+    at least two GPUs;
+  - ``net``: the same GPUs (two ranks on one GPU when the node has one), each rank with its own
+    ``NCCL_HOSTID``: NCCL takes them for separate hosts and must carry the all-reduce over its
+    network, each rank pinned to the ACTIVE RDMA port nearest its GPU (``NCCL_IB_HCA``), so
+    every NIC, GPUDirect RDMA and the path through the switch are exercised (NIC loopback);
 - cluster mode: the same ``gpunet-probe run`` started by torchrun or srun on every node (their
   standard variables: RANK/WORLD_SIZE/LOCAL_RANK, or SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID with
-  MASTER_ADDR/MASTER_PORT); each node's local rank 0 writes the round's result for its node.
+  MASTER_ADDR/MASTER_PORT); each node's local rank 0 writes the round's ``inter`` result.
 
-A worker keeps its process group between rounds (NCCL is initialised once); any failure ends
-the process with the failure written to the result file, and the exporter starts it again.
+A worker keeps its process group between rounds (NCCL is initialised once); a group that fails
+or hangs is killed, its failure written to its result file, and started again next round.
 Each round: for each message size, warm-up all-reduces, then timed ones (CUDA events on GPUs, the
-monotonic clock on CPU). Every rank's per-iteration times are gathered; an iteration takes as
-long as its slowest rank. Per size: median, p99 and max; algorithm bandwidth = bytes / median;
-bus bandwidth = algbw x 2(n-1)/n (nccl-tests' all-reduce formula); the slowest rank's median over
-the median of all ranks' medians is the straggler lateness. NCCL logs at INFO into a private
-directory, and the parser (ncclog.py) says which network and transports carried the round.
+monotonic clock on CPU), every rank timing its own wait in the collective. An iteration's
+collective time is the shortest of its ranks' times: the rank that arrived last waited least,
+and its time is the collective once everybody was there. The difference to the others is the
+wait that rank imposed: the straggler (``straggler()``). Per size: median, p99 and max; algorithm
+bandwidth = bytes / median; bus bandwidth = algbw x 2(n-1)/n (nccl-tests' all-reduce formula).
+NCCL logs at INFO into ``<state-dir>/nccl``, and the parser (ncclog.py) says which network,
+transports and HCAs carried the round.
 """
 
 from __future__ import annotations
@@ -31,7 +39,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -79,30 +86,61 @@ def bus_bandwidth(algbw: float, world_size: int) -> float:
     return algbw * 2 * (world_size - 1) / world_size if world_size > 1 else algbw
 
 
+def collective_times(matrix: Sequence[Sequence[float]]) -> list[float]:
+    """Each iteration's collective time from every rank's own time (rows are ranks): the
+    shortest, which is the time of the rank that arrived last, once everybody was there."""
+    return [min(col) for col in zip(*matrix, strict=True)]
+
+
 def summarize_times(matrix: Sequence[Sequence[float]], nbytes: int,
-                    world_size: int) -> tuple[results.SizeResult, list[float]]:
-    """Per-size statistics from every rank's per-iteration times (rows are ranks), and each
-    rank's median."""
-    iterations = [max(col) for col in zip(*matrix, strict=True)]
+                    world_size: int) -> results.SizeResult:
+    """Per-size statistics from every rank's per-iteration times (rows are ranks)."""
+    iterations = collective_times(matrix)
     med = statistics.median(iterations)
     algbw = nbytes / med if med > 0 else 0.0
     return results.SizeResult(
         nbytes, False, med, percentile(iterations, 99), max(iterations), algbw,
-        bus_bandwidth(algbw, world_size)), [statistics.median(r) for r in matrix]
+        bus_bandwidth(algbw, world_size))
 
 
-def lateness(rank_medians: Sequence[float]) -> float | None:
-    """How much later than the median rank the slowest rank is, as a ratio (0.5: 50 %)."""
-    if len(rank_medians) < 2:
+@dataclass(frozen=True)
+class Straggler:
+    rank: int  # the rank that arrived last most often
+    wait_seconds: float  # median over iterations of what the others waited for it
+    wait_ratio: float  # that wait over the others' median time in the collective (0 to 1)
+    late_share: float  # share of iterations in which it was the last to arrive
+
+
+def straggler(matrix: Sequence[Sequence[float]]) -> Straggler | None:
+    """Who arrives last and how long the others wait for it, from every rank's own time in
+    each iteration (rows are ranks; no clock is shared between ranks, so this works across
+    nodes too). In each iteration the rank that arrived last has the shortest time; the
+    candidate is the rank that does so most often (the lowest among equals). Its wait is the
+    median over iterations of (the other ranks' median time - its time), at least 0, and the
+    ratio divides that by the others' median time: 0.5 means the others spent half their time
+    in the collective waiting for it, i.e. they took twice as long. None with one rank."""
+    if len(matrix) < 2 or not matrix[0]:
         return None
-    mid = statistics.median(rank_medians)
-    return (max(rank_medians) - mid) / mid if mid > 0 else None
+    cols = list(zip(*matrix, strict=True))
+    late = [min(range(len(col)), key=lambda r, c=col: (c[r], r)) for col in cols]  # type: ignore[misc]
+    counts = {r: late.count(r) for r in set(late)}
+    cand = min(counts, key=lambda r: (-counts[r], r))
+    waits, others = [], []
+    for col in cols:
+        rest = statistics.median(t for r, t in enumerate(col) if r != cand)
+        waits.append(rest - col[cand])
+        others.append(rest)
+    wait = max(0.0, statistics.median(waits))
+    total = statistics.median(others)
+    return Straggler(cand, wait, min(1.0, wait / total) if total > 0 else 0.0,
+                     counts[cand] / len(cols))
 
 
 # -- arguments -------------------------------------------------------------------------------
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gib": 1 << 30}
+LAUNCHED_SCOPES = ("intra", "net")
 
 
 def parse_bytes(text: str) -> int:
@@ -126,12 +164,35 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
+def parse_scopes(text: str) -> list[str]:
+    scopes = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in scopes if s not in LAUNCHED_SCOPES]
+    if bad or not scopes:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {', '.join(LAUNCHED_SCOPES)}, got {text!r}")
+    return [s for s in LAUNCHED_SCOPES if s in scopes]
+
+
+def parse_ratio(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a ratio from 0 to 1, got {text!r}")
+    return v
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", required=True, help="where result files are written")
     p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
                    help="nccl on GPUs (default), gloo on CPUs (tests, machines without GPUs)")
     p.add_argument("--nprocs", type=int, default=0,
-                   help="workers for an intra-node run (default: one per visible GPU; 2 for gloo)")
+                   help="local GPUs to probe (default: every visible GPU); with gloo, how many "
+                        "GPUs to stand in for (default 2)")
+    p.add_argument("--scopes", type=parse_scopes, default=list(LAUNCHED_SCOPES),
+                   help="what a node's rounds measure: intra (the GPUs' own paths, with two "
+                        "GPUs or more), net (through the NICs) (default intra,net)")
     p.add_argument("--sizes", type=parse_sizes, default=[8 << 10, 1 << 20, 64 << 20],
                    help="all-reduce message sizes (default 8KiB,1MiB,64MiB)")
     p.add_argument("--warmup", type=int, default=5, help="untimed all-reduces per size (5)")
@@ -150,12 +211,24 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure every size even while GPUs are busy with other work "
                         "(default: skip them)")
     p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds a collective may take before torch.distributed gives up (120)")
-    p.add_argument("--scope", choices=("auto", "intra", "inter"), default="auto",
-                   help="auto: inter when started by torchrun or srun, else intra (auto)")
+                   help="seconds a group's start or round may take before it is killed (120)")
+    p.add_argument("--scope", choices=("auto", "intra", "net", "inter"), default="auto",
+                   help="auto: inter when started by torchrun or srun (default auto)")
+    p.add_argument("--straggler-min-ratio", type=parse_ratio, default=0.2,
+                   help="the late rank is named when the others wait at least this share of "
+                        "their collective time for it (default 0.2)")
+    p.add_argument("--path.sysfs", dest="sysfs", default="/sys",
+                   help="sysfs mount point, for the RDMA ports and their rates (default /sys)")
+    p.add_argument("--no-pin-hca", dest="pin_hca", action="store_false",
+                   help="net scope: let NCCL choose the HCAs instead of pinning each rank to "
+                        "the ACTIVE RDMA port nearest its GPU (default: pin)")
 
 
-# -- intra-node launcher ---------------------------------------------------------------------
+# -- the node's launcher ---------------------------------------------------------------------
+
+CONTROL_ENV = "GPUNET_PROBE_CONTROL"  # "<command fd>,<reply fd>" of a launched worker
+DELAY_ENV = "GPUNET_PROBE_DELAY"  # test hook "<rank>:<seconds>": that rank arrives late
+LOG_SUBDIR = "nccl"
 
 
 def _free_port() -> int:
@@ -173,111 +246,327 @@ def _visible_gpus() -> int:
     return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
-def _fail(state_dir: str, scope: str, reason: str, error: str, backend: str) -> None:
+def _fail(state_dir: str, scope: str, reason: str, error: str, backend: str,
+          started: float | None = None) -> None:
     now = time.time()
     results.write_atomic(results.result_path(state_dir, scope), {
-        "version": results.VERSION, "scope": scope, "time": now, "started": now,
-        "success": False, "failure": reason, "error": error[:500], "backend": backend})
+        "version": results.VERSION, "scope": scope, "time": now,
+        "started": now if started is None else started, "success": False, "failure": reason,
+        "error": error[:500], "backend": backend})
+
+
+def _said_since(state_dir: str, scope: str, since: float) -> bool:
+    """Whether the scope's result file already tells of a round that ended after ``since``."""
+    try:
+        return results.read(results.result_path(state_dir, scope)).time >= since
+    except (OSError, results.BadResult):
+        return False
+
+
+def write_status(state_dir: str, phase: str, scope: str, since: float, round_no: int) -> None:
+    """What the launcher does now, for the exporter's supervisor: ``init`` (a group starts),
+    ``round`` (a group measures) or ``sleep`` (until the next round), since when."""
+    results.write_atomic(os.path.join(state_dir, results.STATUS), {
+        "version": results.VERSION, "phase": phase, "scope": scope, "since": since,
+        "round": round_no, "pid": os.getpid()})
+
+
+def plan(scopes: Sequence[str], devices: int) -> dict[str, list[int]]:
+    """Each scope's ranks, as the local device of each rank: intra needs two devices; net runs
+    on every device, two ranks on one device when there is only one."""
+    out: dict[str, list[int]] = {}
+    if devices <= 0:
+        return out
+    if "intra" in scopes and devices >= 2:
+        out["intra"] = list(range(devices))
+    if "net" in scopes:
+        out["net"] = [r % devices for r in range(max(devices, 2))]
+    return out
+
+
+class _Group:
+    """The worker processes of one scope, driven over a pipe each: the launcher writes
+    ``round <time>`` lines and reads ``ready``, ``done`` or ``failed`` lines."""
+
+    def __init__(self, scope: str, devices: list[int], argv: Sequence[str], logdir: str,
+                 backend: str) -> None:
+        self.scope, self.devices, self.argv, self.logdir = scope, devices, argv, logdir
+        self.backend = backend
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.commands: list[int] = []
+        self.replies: list[int] = []
+
+    @property
+    def running(self) -> bool:
+        return bool(self.procs)
+
+    def start(self) -> None:
+        port = _free_port()
+        n = len(self.devices)
+        command = [sys.executable, "-m", "exporter.probe.cli", "worker", *self.argv]
+        for rank, device in enumerate(self.devices):
+            cmd_r, cmd_w = os.pipe()
+            rep_r, rep_w = os.pipe()
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(n),
+                   "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "GPUNET_PROBE_LOG_DIR": self.logdir, "GPUNET_PROBE_SCOPE": self.scope,
+                   "GPUNET_PROBE_DEVICE": str(device), CONTROL_ENV: f"{cmd_r},{rep_w}"}
+            if self.scope == "net":
+                # Separate hosts for NCCL (docs/probe.md "net scope"): no P2P, SHM or NVLS
+                # between them, and no multi-node NVLink either, or it would not be the NIC.
+                env["NCCL_HOSTID"] = f"gpunet-probe-net-{rank}"
+                env.setdefault("NCCL_MNNVL_ENABLE", "0")
+            try:
+                self.procs.append(subprocess.Popen(command, env=env, pass_fds=(cmd_r, rep_w)))
+            finally:
+                os.close(cmd_r)
+                os.close(rep_w)
+            self.commands.append(cmd_w)
+            self.replies.append(rep_r)
+
+    def send(self, line: str) -> bool:
+        for fd in self.commands:
+            try:
+                os.write(fd, (line + "\n").encode())
+            except OSError:
+                return False
+        return True
+
+    def wait(self, expect: str, deadline: float, parent: int) -> str:
+        """Until every worker replied ``expect``: "ok"; a worker failed or exited: "failed";
+        past the deadline: "timeout"; whoever started the launcher is gone: "orphaned"."""
+        import select
+
+        pending = dict(zip(self.replies, self.procs, strict=True))
+        buffers = dict.fromkeys(pending, b"")
+        while pending:
+            if os.getppid() != parent:
+                return "orphaned"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout"
+            ready, _, _ = select.select(list(pending), [], [], min(left, 0.2))
+            for fd in ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:  # the worker closed its end: it exited
+                    return "failed"
+                buffers[fd] += chunk
+                while b"\n" in buffers[fd]:
+                    line, _, buffers[fd] = buffers[fd].partition(b"\n")
+                    if line.strip() == b"failed":
+                        return "failed"
+                    if line.strip() == expect.encode():
+                        pending.pop(fd, None)
+            if any(p.poll() is not None for p in pending.values()):
+                return "failed"
+        return "ok"
+
+    def stop(self) -> None:
+        for fd in self.commands:  # EOF: the workers leave their loop and exit
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for fd in self.replies:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.procs, self.commands, self.replies = [], [], []
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        self.stop()
 
 
 def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Run the workers of an intra-node probe and wait for them; returns the exit status.
-    ``argv`` are the run arguments, passed on to each worker."""
+    """Run a node's probe groups round after round; returns the exit status. ``argv`` are the
+    run arguments, passed on to each worker."""
     os.makedirs(args.state_dir, exist_ok=True)
     cluster = cluster_from_env(os.environ)
     if cluster is not None:  # started by torchrun or srun: this process is a rank itself
         return worker(args, cluster)
-    n = args.nprocs
     if args.backend == "nccl":
-        gpus = _visible_gpus()
-        if gpus == 0:
-            _fail(args.state_dir, "intra", "no_gpu", "no CUDA device visible", args.backend)
+        devices = _visible_gpus()
+        if devices == 0:
+            for scope in args.scopes:
+                _fail(args.state_dir, scope, "no_gpu", "no CUDA device visible", args.backend)
             print("gpunet-probe: no CUDA device visible (CUDA_VISIBLE_DEVICES="
                   f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})", file=sys.stderr)
             return EXIT_NO_GPU
-        n = n or gpus
-    n = n or 2
-    logdir = tempfile.mkdtemp(prefix="gpunet-probe-")  # private (0700): NCCL logs
-    port = _free_port()
-    procs = []
-    command = [sys.executable, "-m", "exporter.probe.cli", "worker", *argv]
+        devices = min(devices, args.nprocs) if args.nprocs > 0 else devices
+    else:
+        devices = args.nprocs if args.nprocs > 0 else 2
+    # NCCL's logs of this launcher's workers, private (0700), cleared at every start: a
+    # launcher killed with its process group leaves nothing behind anywhere else.
+    logdir = os.path.join(args.state_dir, LOG_SUBDIR)
+    shutil.rmtree(logdir, ignore_errors=True)
+    os.makedirs(logdir, mode=0o700, exist_ok=True)
+    groups = {scope: _Group(scope, devs, argv, logdir, args.backend)
+              for scope, devs in plan(args.scopes, devices).items()}
+    if "intra" in args.scopes and "intra" not in groups:
+        print(f"gpunet-probe: {devices} GPU: the intra scope needs two; measuring the net "
+              "scope only", file=sys.stderr)
+    if not groups:
+        return 0
     parent = os.getppid()
+    round_no, failed_last = 0, False
+    with contextlib.suppress(KeyboardInterrupt):
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        for rank in range(n):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(n),
-                   "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "GPUNET_PROBE_LOG_DIR": logdir, "GPUNET_PROBE_SCOPE": "intra"}
-            procs.append(subprocess.Popen(command, env=env))
         while True:
-            codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                return failed[0]
-            if all(c == 0 for c in codes):
-                return 0
-            if os.getppid() != parent:  # whoever started us (the exporter) is gone
-                return 143
-            time.sleep(0.2)
+            started = time.time()
+            failed_last = False
+            for scope, group in groups.items():
+                outcome = _group_round(args, scope, group, round_no, parent)
+                if outcome == "orphaned":
+                    return 143
+                failed_last |= outcome != "ok"
+            round_no += 1
+            if args.rounds and round_no >= args.rounds:
+                return EXIT_ROUND_FAILED if failed_last else 0
+            write_status(args.state_dir, "sleep", "", time.time(), round_no)
+            while time.time() < started + args.interval:
+                if os.getppid() != parent:  # whoever started us (the exporter) is gone
+                    return 143
+                time.sleep(min(0.2, max(0.0, started + args.interval - time.time())))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        shutil.rmtree(logdir, ignore_errors=True)
+        for group in groups.values():
+            if group.running:
+                group.kill()
+
+
+def _group_round(args: argparse.Namespace, scope: str, group: _Group, round_no: int,
+                 parent: int) -> str:
+    """One round of one group, starting it first when it is not running. A group that fails
+    is killed (the next round starts it again) and its failure written unless it said why."""
+    since = time.time()
+    if not group.running:
+        write_status(args.state_dir, "init", scope, since, round_no)
+        group.start()
+        outcome = group.wait("ready", time.monotonic() + args.timeout, parent)
+        if outcome != "ok":
+            return _group_failed(args, scope, group, outcome, since, "start")
+    since = time.time()
+    write_status(args.state_dir, "round", scope, since, round_no)
+    outcome = group.wait("done", time.monotonic() + args.timeout, parent) if group.send(
+        f"round {since!r}") else "failed"
+    return outcome if outcome == "ok" else _group_failed(args, scope, group, outcome, since,
+                                                         "round")
+
+
+def _group_failed(args: argparse.Namespace, scope: str, group: _Group, outcome: str,
+                  since: float, what: str) -> str:
+    group.kill()
+    if outcome == "orphaned":
+        return outcome
+    if not _said_since(args.state_dir, scope, since):
+        reason = "timeout" if outcome == "timeout" else "crash"
+        error = (f"the {scope} probe's {what} took longer than {args.timeout:g}s" if
+                 outcome == "timeout" else f"a {scope} probe worker exited during its {what}")
+        _fail(args.state_dir, scope, reason, error, args.backend, since)
+    print(f"gpunet-probe: {scope}: {what} {outcome}; the group starts again next round",
+          file=sys.stderr)
+    return outcome
 
 
 # -- worker ----------------------------------------------------------------------------------
 
 
+class _Control:
+    """A launched worker's pipes: commands in, replies out."""
+
+    def __init__(self, spec: str) -> None:
+        cmd, rep = (int(x) for x in spec.split(","))
+        self.commands = os.fdopen(cmd, "r", encoding="ascii")
+        self.reply_fd = rep
+
+    def reply(self, word: str) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self.reply_fd, f"{word}\n".encode())
+
+    def next_round(self) -> float | None:
+        """The next round's start time; None at EOF (the launcher stops us)."""
+        for line in self.commands:
+            parts = line.split()
+            if len(parts) == 2 and parts[0] == "round":
+                return float(parts[1])
+        return None
+
+
+def host_key() -> str:
+    """What NCCL calls this rank's host: NCCL_HOSTID, else the host name and boot id."""
+    if os.environ.get("NCCL_HOSTID"):
+        return os.environ["NCCL_HOSTID"]
+    boot = ""
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as fh:
+        boot = fh.read().strip()
+    return socket.gethostname() + boot
+
+
 def worker(args: argparse.Namespace, cluster: Cluster | None = None) -> int:
-    """One rank: init the process group once, then rounds until --rounds or a failure."""
+    """One rank: init the process group once, then rounds: on the launcher's command when it
+    has one, else every --interval until --rounds (cluster mode), or until a failure."""
     cluster = cluster or cluster_from_env(os.environ)
     if cluster is None:
         print("gpunet-probe worker: RANK and WORLD_SIZE are not set", file=sys.stderr)
         return 2
+    control = _Control(os.environ[CONTROL_ENV]) if os.environ.get(CONTROL_ENV) else None
     scope = args.scope if args.scope != "auto" else os.environ.get(
-        "GPUNET_PROBE_SCOPE", "intra" if cluster.launcher == "intra" else "inter")
+        "GPUNET_PROBE_SCOPE", "intra" if control else "inter")
     writer = cluster.local_rank == 0  # rank 0 of the node writes the node's result
-    logdir = os.environ.get("GPUNET_PROBE_LOG_DIR") or tempfile.mkdtemp(prefix="gpunet-probe-")
+    logdir = os.environ.get("GPUNET_PROBE_LOG_DIR") or os.path.join(args.state_dir, LOG_SUBDIR)
+    os.makedirs(logdir, mode=0o700, exist_ok=True)
     if args.backend == "nccl":
         os.environ["NCCL_DEBUG"] = "INFO"  # into the private directory, whatever the exporter has
-        os.environ["NCCL_DEBUG_FILE"] = os.path.join(logdir, "nccl.%h.%p.log")
+        os.environ["NCCL_DEBUG_FILE"] = os.path.join(logdir, f"nccl.{scope}.%h.%p.log")
     warnings.filterwarnings("ignore", message=".*NumPy.*")
-    started = time.time()
     try:
-        probe = _Probe(args, cluster, scope)
+        probe = _Probe(args, cluster, scope, control is not None)
     except Exception as exc:
         if writer:
             reason = "no_gpu" if isinstance(exc, _NoGpu) else "init_error"
             _fail(args.state_dir, scope, reason, f"{type(exc).__name__}: {exc}", args.backend)
-        print(f"gpunet-probe: rank {cluster.rank}: cannot start: {exc}", file=sys.stderr)
+        print(f"gpunet-probe: {scope} rank {cluster.rank}: cannot start: {exc}", file=sys.stderr)
+        if control:
+            control.reply("failed")
         return EXIT_NO_GPU if isinstance(exc, _NoGpu) else EXIT_ROUND_FAILED
     with contextlib.suppress(KeyboardInterrupt):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     round_no = 0
     try:
+        if control:
+            control.reply("ready")
         while True:
-            started = time.time()
-            if writer:
-                results.write_atomic(os.path.join(args.state_dir, results.STATUS), {
-                    "version": results.VERSION, "scope": scope, "round_started": started,
-                    "round": round_no, "pid": os.getpid()})
+            if control:
+                started = control.next_round()
+                if started is None:
+                    return 0
+            else:
+                started = time.time()
             try:
                 result = probe.round(started, logdir)
             except Exception as exc:
                 if writer:
                     text = f"{type(exc).__name__}: {exc}"
                     reason = "nccl_error" if "nccl" in text.lower() else "error"
-                    _fail(args.state_dir, scope, reason, text, args.backend)
-                print(f"gpunet-probe: rank {cluster.rank}: round failed: {exc}", file=sys.stderr)
+                    _fail(args.state_dir, scope, reason, text, args.backend, started)
+                print(f"gpunet-probe: {scope} rank {cluster.rank}: round failed: {exc}",
+                      file=sys.stderr)
+                if control:
+                    control.reply("failed")
                 return EXIT_ROUND_FAILED
             if writer:
                 results.write_atomic(results.result_path(args.state_dir, scope), result)
+            if control:
+                control.reply("done")
+                continue
             round_no += 1
             if args.rounds and round_no >= args.rounds:
                 return 0
@@ -290,22 +579,41 @@ class _NoGpu(RuntimeError):
     pass
 
 
+def _delay(rank: int) -> float:
+    """The test hook: seconds this rank sleeps before each timed all-reduce (DELAY_ENV)."""
+    spec = os.environ.get(DELAY_ENV, "")
+    who, _, seconds = spec.partition(":")
+    try:
+        return float(seconds) if who.strip() and int(who) == rank else 0.0
+    except ValueError:
+        return 0.0
+
+
 class _Probe:
     """A rank's persistent state: process group, device, buffers, NVML for the busy check."""
 
-    def __init__(self, args: argparse.Namespace, cluster: Cluster, scope: str) -> None:
+    def __init__(self, args: argparse.Namespace, cluster: Cluster, scope: str,
+                 launched: bool) -> None:
         import torch
         import torch.distributed as dist
+
+        from exporter.sysfs import Root
 
         # Typed loosely: torch's own annotations differ between the versions the probe runs on.
         self.torch: Any = torch
         self.dist: Any = dist
-        self.args, self.cluster, self.scope = args, cluster, scope
+        self.args, self.cluster, self.scope, self.launched = args, cluster, scope, launched
         self.cuda = args.backend == "nccl"
+        self.sysfs = Root(args.sysfs)
+        self.delay = _delay(cluster.rank)
+        self.gpu = parse_uint(os.environ.get("GPUNET_PROBE_DEVICE", "")) if launched else None
+        self.pinned: Any = None  # placement.HcaPort this rank's NCCL uses, when pinned
         if self.cuda:
             if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
                 raise _NoGpu("no CUDA device visible")
-            index = cluster.local_rank % torch.cuda.device_count()
+            index = (self.gpu if self.gpu is not None else cluster.local_rank) \
+                % torch.cuda.device_count()
+            self.gpu = index
             torch.cuda.set_device(index)
             self.device = torch.device("cuda", index)
             total = torch.cuda.get_device_properties(index).total_memory
@@ -313,6 +621,8 @@ class _Probe:
             if max(args.sizes) > args.memory_cap // 2:
                 raise ValueError(f"largest size {max(args.sizes)} does not fit the memory cap "
                                  f"{args.memory_cap} (needs twice the size)")
+            if scope == "net" and args.pin_hca and "NCCL_IB_HCA" not in os.environ:
+                self._pin_hca(index)
         else:
             self.device = torch.device("cpu")
         from datetime import timedelta
@@ -320,11 +630,29 @@ class _Probe:
             args.backend, rank=cluster.rank, world_size=cluster.world_size,
             timeout=timedelta(seconds=args.timeout), device_id=self.device if self.cuda else None)
         self.world = cluster.world_size
-        self.pids = {int(p[0]) for p in self._gather([float(os.getpid())])}
+        self.host = host_key()
+        self.peers = self._gather_json({"pid": os.getpid(), "host": self.host, "gpu": self.gpu})
+        self.pids = {int(p["pid"]) for p in self.peers}
         self.nvml: Any = None
         self.handle: Any = None
         if self.cuda and args.skip_busy:
             self._open_nvml(index)
+
+    def _pci_address(self, index: int) -> str:
+        props = self.torch.cuda.get_device_properties(index)
+        bus = getattr(props, "pci_bus_id", None)
+        if bus is None:
+            return ""
+        return (f"{getattr(props, 'pci_domain_id', 0):04x}:{bus:02x}:"
+                f"{getattr(props, 'pci_device_id', 0):02x}.0")
+
+    def _pin_hca(self, index: int) -> None:
+        from exporter.probe import placement
+
+        port = placement.nearest_port(self.sysfs, self._pci_address(index))
+        if port is not None:  # NCCL's net plugin reads it at its first communicator
+            os.environ["NCCL_IB_HCA"] = port.nccl_ib_hca
+            self.pinned = port
 
     def _open_nvml(self, index: int) -> None:
         try:
@@ -338,6 +666,18 @@ class _Probe:
             print(f"gpunet-probe: rank {self.cluster.rank}: no NVML busy check: {exc}",
                   file=sys.stderr)
 
+    def _own(self, pid: int) -> bool:
+        """A process of the probe's: a rank of this group, or (launched by the node's
+        launcher) anything in the launcher's session, such as the other scope's ranks."""
+        if pid in self.pids:
+            return True
+        if not self.launched:
+            return False
+        try:
+            return os.getsid(pid) == os.getsid(0)
+        except OSError:
+            return False
+
     def _busy(self) -> bool:
         """This rank's GPU is busy with other work: utilization above the threshold or a
         compute process that is not one of the probe's."""
@@ -348,8 +688,7 @@ class _Probe:
             procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
         except self.nvml.NVMLError:
             return False
-        return util > self.args.busy_utilization or any(
-            int(p.pid) not in self.pids for p in procs)
+        return util > self.args.busy_utilization or any(not self._own(int(p.pid)) for p in procs)
 
     def _sync(self) -> None:
         if self.cuda:
@@ -363,6 +702,8 @@ class _Probe:
         self._sync()
         times = []
         for _ in range(self.args.iterations):
+            if self.delay:
+                time.sleep(self.delay)
             if self.cuda:
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
@@ -404,27 +745,38 @@ class _Probe:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank must skip the same sizes
         busy = bool(flag.item())
         sizes: list[dict[str, Any]] = []
-        rank_medians: list[float] | None = None
+        last: list[list[float]] | None = None
         for nbytes in self.args.sizes:
             if busy and self.args.skip_busy and nbytes >= self.args.busy_min_size:
                 sizes.append({"bytes": nbytes, "skipped": True})
                 continue
-            stats, medians = summarize_times(self._gather(self._time_size(nbytes)), nbytes,
-                                             self.world)
-            rank_medians = medians  # the largest size measured decides stragglers
+            matrix = self._gather(self._time_size(nbytes))
+            last = matrix  # the largest size measured decides stragglers
+            stats = summarize_times(matrix, nbytes, self.world)
             sizes.append({"bytes": nbytes, "skipped": False, **{
                 k: getattr(stats, k) for k in (
                     "median_seconds", "p99_seconds", "max_seconds", "algbw_bytes_per_second",
                     "busbw_bytes_per_second")}})
-        transport = self._transport(logdir)
         out: dict[str, Any] = {
             "version": results.VERSION, "scope": self.scope, "started": started,
-            "time": time.time(), "success": True, "backend": self.args.backend,
-            "world_size": self.world, "nccl_version": self._nccl_version(),
-            "sizes": sizes, "slowest_rank_lateness_ratio":
-                None if rank_medians is None else lateness(rank_medians),
-            "skipped_busy": busy and any(s["skipped"] for s in sizes), **transport}
+            "success": True, "backend": self.args.backend,
+            "world_size": self.world, "nccl_version": self._nccl_version(), "sizes": sizes,
+            "straggler": self._straggler(last),
+            "skipped_busy": busy and any(s["skipped"] for s in sizes),
+            **self._transport(logdir)}
+        out["time"] = time.time()
         return out
+
+    def _straggler(self, matrix: list[list[float]] | None) -> dict[str, Any] | None:
+        s = straggler(matrix) if matrix else None
+        if s is None:
+            return None
+        named = s.wait_ratio >= self.args.straggler_min_ratio
+        peer = self.peers[s.rank]
+        return {"rank": s.rank if named else None, "wait_seconds": s.wait_seconds,
+                "wait_ratio": s.wait_ratio, "late_share": s.late_share,
+                "gpu": peer.get("gpu") if named else None,
+                "local": named and (self.launched or peer.get("host") == self.host)}
 
     def _nccl_version(self) -> str:
         if not self.cuda:
@@ -433,22 +785,38 @@ class _Probe:
         return ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
 
     def _transport(self, logdir: str) -> dict[str, Any]:
-        """What NCCL says it used, from every rank's INFO log, merged across ranks."""
+        """What NCCL says it used, from every rank's INFO log, merged across ranks; and the
+        RDMA ports this node's ranks used, with their link rates and GDR."""
         if not self.cuda:
             return {}
-        from exporter.probe import ncclog
+        from exporter.probe import ncclog, placement
 
         mine: list[Any] = []
         for name in os.listdir(logdir):
             if name.endswith(f".{os.getpid()}.log"):
                 with contextlib.suppress(OSError):
                     mine += ncclog.parse_file(os.path.join(logdir, name))
-        gathered = self._gather_json([r.to_dict() for r in mine])
-        reports = [ncclog.RankReport.from_dict(row) for per_rank in gathered for row in per_rank]
+        ports: list[list[Any]] = []
+        if self.pinned is not None:
+            ports.append([self.pinned.device, self.pinned.port])
+        else:
+            for r in mine:
+                for dev in r.hcas:
+                    port = placement.first_active_port(self.sysfs, dev)
+                    if port is not None and [dev, port] not in ports:
+                        ports.append([dev, port])
+        gdr = ncclog.summarize(mine).get("gdr")
+        used = [{"device": d, "port": p, "gdr": gdr,
+                 "rate": placement.port_rate(self.sysfs, d, p)} for d, p in ports]
+        gathered = self._gather_json({"host": self.host, "reports": [r.to_dict() for r in mine],
+                                      "ports": used})
+        reports = [ncclog.RankReport.from_dict(row) for g in gathered for row in g["reports"]]
         s = ncclog.summarize(reports)
+        hcas, link = hca_usage([(g["host"], g["ports"]) for g in gathered], self.host)
         return {"net": s.get("net", ""), "transports": sorted(s.get("transports", [])),
                 "net_transports": sorted(s.get("net_transports", [])), "gdr": s.get("gdr"),
-                "problems": sorted(s.get("problems", []))}
+                "problems": sorted(s.get("problems", [])), "hcas": hcas,
+                "link_bytes_per_second": link}
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -456,3 +824,24 @@ class _Probe:
         if self.nvml is not None:
             with contextlib.suppress(Exception):
                 self.nvml.nvmlShutdown()
+
+
+def hca_usage(per_rank: Sequence[tuple[str, Sequence[Mapping[str, Any]]]],
+              host: str) -> tuple[list[dict[str, Any]], float | None]:
+    """The RDMA ports the ranks on ``host`` used (device, port, their ranks, GDR, link rate),
+    and the link bandwidth one rank can expect: over every host's ports, the lowest rate
+    divided by the ranks sharing that port (a ring all-reduce sends and receives its bus
+    bandwidth through each rank's NIC). None when no port's rate is known."""
+    ports: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for rank, (h, used) in enumerate(per_rank):
+        for u in used:
+            e = ports.setdefault((h, str(u["device"]), str(u["port"])), {
+                "device": str(u["device"]), "port": str(u["port"]), "ranks": [],
+                "gdr": u.get("gdr"), "rate_bytes_per_second": u.get("rate")})
+            e["ranks"].append(rank)
+            if u.get("gdr") is False or e["gdr"] is None:
+                e["gdr"] = u.get("gdr")
+    shares = [e["rate_bytes_per_second"] / len(e["ranks"]) for e in ports.values()
+              if e["rate_bytes_per_second"]]
+    mine = [e for (h, _, _), e in sorted(ports.items()) if h == host]
+    return mine, (min(shares) if shares else None)

@@ -1,0 +1,92 @@
+"""Which RDMA port each probe rank uses, and how fast that port's link is.
+
+The net scope pins each rank to the ACTIVE RDMA port nearest its GPU on the PCIe tree (the
+distance nvidia-smi topo and the topology collector use, exporter/pcie.py), through
+``NCCL_IB_HCA==<device>:<port>``, so a node with eight GPUs and eight HCAs exercises all eight
+rails and a result can be told apart per HCA. The link rate comes from the port's ``rate`` file
+(docs/formats.md §1.3). No torch here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from exporter import pcie, rdma
+from exporter.sysfs import Root
+
+_ACTIVE = "ACTIVE"
+
+
+@dataclass(frozen=True)
+class HcaPort:
+    device: str
+    port: str
+    path: str  # nvidia-smi topo distance to the GPU (PIX ... SYS), "" when unknown
+
+    @property
+    def nccl_ib_hca(self) -> str:
+        """The NCCL_IB_HCA value that selects exactly this port ("=" means exact names)."""
+        return f"={self.device}:{self.port}"
+
+
+def _endpoint(root: Root, name: str, rel: str) -> pcie.Endpoint | None:
+    try:
+        real = os.path.realpath(root.path(rel), strict=True)
+    except OSError:
+        return None
+    base = os.path.realpath(root.root)
+    if not real.startswith(base + "/"):
+        return None
+    return pcie.endpoint(name, real[len(base) + 1:], -1)
+
+
+def active_ports(root: Root) -> list[tuple[str, str]]:
+    """(device, port) of every RDMA port whose state is ACTIVE, in name order."""
+    out = []
+    for dev in sorted(rdma.devices(root)):
+        try:
+            ports = rdma.ports(root, dev)
+        except OSError:
+            continue
+        for port in ports:
+            try:
+                if root.read(f"{rdma.CLASS}/{dev}/ports/{port}/state").endswith(_ACTIVE):
+                    out.append((dev, port))
+            except OSError:
+                continue
+    return out
+
+
+def nearest_port(root: Root, gpu_pci_address: str) -> HcaPort | None:
+    """The ACTIVE RDMA port nearest the GPU at ``gpu_pci_address`` ("0000:1b:00.0"): fewest
+    PCIe hops by nvidia-smi topo's order, then fewest bridges, then name. None without one."""
+    ports = active_ports(root)
+    if not ports:
+        return None
+    gpu = _endpoint(root, "gpu", f"bus/pci/devices/{gpu_pci_address.lower()}")
+    best: tuple[tuple[int, int, str, int], HcaPort] | None = None
+    for dev, port in ports:
+        nic = _endpoint(root, dev, f"{rdma.CLASS}/{dev}/device")
+        if gpu is None or nic is None:
+            key, path = (len(pcie.PATHS), 0, dev, int(port)), ""
+        else:
+            rel = pcie.relation(gpu, nic)
+            key, path = (pcie.RANK[rel.path], len(rel.bridges), dev, int(port)), rel.path
+        if best is None or key < best[0]:
+            best = (key, HcaPort(dev, port, path))
+    return best[1] if best else None
+
+
+def port_rate(root: Root, device: str, port: str) -> float | None:
+    """The port's link rate in bytes per second, None when unreadable."""
+    try:
+        rate = rdma.parse_rate(root.read(f"{rdma.CLASS}/{device}/ports/{port}/rate"))
+    except OSError:
+        return None
+    return rate.bytes_per_second if rate else None
+
+
+def first_active_port(root: Root, device: str) -> str | None:
+    """A device's first ACTIVE port (for HCAs NCCL chose itself, whose log names no port)."""
+    return next((p for d, p in active_ports(root) if d == device), None)
