@@ -2,12 +2,17 @@
 
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/probe_bench.py
 
+With BENCH_HOSTID_PER_RANK=1 every rank gets its own NCCL_HOSTID (the probe's net scope: NCCL
+goes through its network), and ranks may share a GPU (local rank modulo the GPUs).
+
 Every rank builds the runner's own probe state (exporter/probe/runner.py ``_Probe``: one process
 group, its memory cap, its timing loop) and, in the same process on the same GPUs:
 
 1. accuracy: the probe's bus bandwidth at 256 MiB (median of per-iteration CUDA-event times,
    slowest rank per iteration) against a tight loop: 50 back-to-back all-reduces between two
-   CUDA events, no synchronisation in between (the nccl-tests way); target within 10 %;
+   CUDA events, no synchronisation in between (the nccl-tests way); target within 10 %. The
+   probe's iteration time is the shortest of the ranks' own times (the collective once all
+   arrived), the tight loop's the slowest rank's average;
 2. cost: a default round (8 KiB, 1 MiB, 64 MiB; 5 warm-up and 20 timed iterations each) after
    warm-up: the GPU time of its all-reduces (sum of CUDA-event times) and wall time, and the
    GPU memory it holds: PyTorch's peak allocation and the process's total as NVML reports it
@@ -23,6 +28,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -58,23 +64,27 @@ def main() -> None:
     cluster = runner.cluster_from_env(os.environ)
     assert cluster is not None, "start me with torch.distributed.run"
     os.environ.setdefault("NCCL_DEBUG", "WARN")
+    net = os.environ.get("BENCH_HOSTID_PER_RANK") == "1"
+    if net:
+        os.environ["NCCL_HOSTID"] = f"gpunet-bench-{cluster.rank}"
     big = 256 << 20
     import torch as torch_
 
-    torch_.cuda.set_device(cluster.local_rank)
+    gpu = cluster.local_rank % torch_.cuda.device_count()
+    torch_.cuda.set_device(gpu)
     torch_.zeros(1, device="cuda")  # the CUDA context alone
-    memory = {"context": process_memory(cluster.local_rank)}
+    memory = {"context": process_memory(gpu)}
     # One process group for both parts (the runner keeps one too), with the default 1 GiB cap.
-    probe = runner._Probe(args_for([big], 5, 20), cluster, "intra")
+    probe = runner._Probe(args_for([big], 5, 20), cluster, "net" if net else "intra", False)
     torch, dist = probe.torch, probe.dist
-    memory["process group"] = process_memory(cluster.local_rank)
+    memory["process group"] = process_memory(gpu)
     world = probe.world
     out: dict[str, Any] = {"world_size": world, "gpu": torch.cuda.get_device_name(probe.device),
                            "nccl": probe._nccl_version(), "torch": torch.__version__}
 
     # 1. accuracy at 256 MiB
     matrix = probe._gather(probe._time_size(big))
-    stats, _ = runner.summarize_times(matrix, big, world)
+    stats = runner.summarize_times(matrix, big, world)
     buf = torch.zeros(big // 4, dtype=torch.float32, device=probe.device)
     for _ in range(5):
         dist.all_reduce(buf)
@@ -100,9 +110,9 @@ def main() -> None:
     # 2. cost of a default round, after a warm-up round
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    memory["after 256 MiB runs, cache emptied"] = process_memory(cluster.local_rank)
+    memory["after 256 MiB runs, cache emptied"] = process_memory(gpu)
     probe.args = args_for([8 << 10, 1 << 20, 64 << 20], 5, 20)
-    logdir = "/tmp"
+    logdir = tempfile.mkdtemp(prefix="probe-bench-")
     probe.round(time.time(), logdir)  # warm-up round
     gpu_seconds = 0.0
     original = probe._time_size
@@ -120,7 +130,7 @@ def main() -> None:
     # Warm-up iterations are not event-timed: scale the timed GPU time by (warm-up + timed) /
     # timed for the whole round's all-reduce GPU time.
     gpu_total = gpu_seconds * (5 + 20) / 20
-    used = process_memory(cluster.local_rank)
+    used = process_memory(gpu)
     memory["after a default round"] = used
     per_rank = probe._gather([gpu_total, wall, float(torch.cuda.max_memory_allocated()),
                               float(used or 0)])

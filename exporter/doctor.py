@@ -13,6 +13,7 @@ bad input). ``--json`` prints one JSON document instead of the report.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
@@ -231,8 +232,8 @@ def check_transport(c: Check) -> None:
     b = c.b
     for lbl, v in b.all("gpunet_probe_socket_fallback"):
         if v == 1:
-            c.add("nccl_tcp", "GpunetNcclSocketFallback", f"{lbl['scope']}-node probe",
-                  "NCCL used TCP sockets although RDMA ports are up",
+            c.add("nccl_tcp", "GpunetNcclSocketFallback", f"{lbl['scope']} probe",
+                  "NCCL runs over TCP sockets although RDMA should carry it",
                   "gpunet-probe explain-log <the job's NCCL_DEBUG=INFO log>")
     for lbl, v in b.all("gpunet_topology_nccl_env_findings"):
         if v > 0:
@@ -247,8 +248,9 @@ def check_transport(c: Check) -> None:
               "lsmod | grep -E 'nvidia_peermem|nv_peer_mem'; cat /proc/driver/nvidia/version")
     for lbl, v in b.all("gpunet_probe_gdr_active"):
         if v == 0:
-            c.add("gdr_off", "GpunetGdrInactive", f"{lbl['scope']}-node probe",
-                  "NCCL's network channels did not use GPUDirect RDMA",
+            c.add("gdr_off", "GpunetGdrInactive", f"{lbl['scope']} probe",
+                  "NCCL's network channels do not use GPUDirect RDMA while RDMA ports are up: "
+                  "data is staged through host memory",
                   "NCCL_DEBUG=INFO: look for /GDRDMA on the NET/IB channel lines")
 
 
@@ -303,7 +305,7 @@ def check_collectives(c: Check) -> None:
     for lbl, v in b.all("gpunet_probe_allreduce_seconds", size=str(p["latency_size_bytes"]),
                         stat="median"):
         if v > p["latency_seconds"]:
-            c.add("collective", "GpunetAllreduceLatencyHigh", f"{lbl['scope']}-node probe",
+            c.add("collective", "GpunetAllreduceLatencyHigh", f"{lbl['scope']} probe",
                   f"{lbl['size']}-byte all-reduce takes {v * 1e3:.3g} ms "
                   f"(limit {p['latency_seconds'] * 1e3:g} ms)",
                   "cat /var/lib/gpunet-exporter/probe/*.json")
@@ -312,19 +314,27 @@ def check_collectives(c: Check) -> None:
                         size=str(p["bandwidth_size_bytes"])):
         want = expected.get(lbl["scope"], 0)
         if want > 0 and v < p["bus_bandwidth_ratio"] * want:
-            c.add("collective", "GpunetBusBandwidthLow", f"{lbl['scope']}-node probe",
+            c.add("collective", "GpunetBusBandwidthLow", f"{lbl['scope']} probe",
                   f"bus bandwidth {v / 1e9:.3g} GB/s, expected {want / 1e9:.3g} GB/s",
                   "cat /var/lib/gpunet-exporter/probe/*.json")
     for lbl, v in b.all("gpunet_probe_success"):
         if v == 0:
-            c.add("collective", "GpunetProbeFailing", f"{lbl['scope']}-node probe",
+            c.add("collective", "GpunetProbeFailing", f"{lbl['scope']} probe",
                   "the last probe round failed",
                   "tail /var/lib/gpunet-exporter/probe/runner.log")
-    for lbl, v in b.all("gpunet_probe_slowest_rank_lateness_ratio"):
-        if v > p["straggler_lateness_ratio"]:
-            c.add("collective", "GpunetStragglerRank", f"{lbl['scope']}-node probe",
-                  f"the slowest rank takes {v:.0%} longer than the median rank",
-                  "cat /var/lib/gpunet-exporter/probe/*.json")
+    for lbl, v in b.all("gpunet_probe_bus_bandwidth_link_ratio"):
+        if v < p["link_ratio"]:
+            c.add("collective", "GpunetBusBandwidthBelowLinkRate", f"{lbl['scope']} probe",
+                  f"the all-reduce reaches {v:.0%} of what its RDMA links allow "
+                  f"(limit {p['link_ratio']:.0%})",
+                  "cat /var/lib/gpunet-exporter/probe/net.json  # hcas, link_bytes_per_second")
+    for lbl, _ in b.all("gpunet_probe_straggler_info"):
+        v = b.get("gpunet_probe_straggler_wait_ratio", scope=lbl["scope"]) or 0.0
+        if v > p["straggler_wait_ratio"]:
+            c.add("collective", "GpunetStragglerRank", f"{lbl['scope']} probe",
+                  f"rank {lbl['rank']} (GPU {lbl['gpu']}) arrives late: the other ranks spend "
+                  f"{v:.0%} of their all-reduce time waiting for it",
+                  "cat /var/lib/gpunet-exporter/probe/*.json  # straggler")
 
 
 CHECKS: tuple[Callable[[Check], None], ...] = (
@@ -338,13 +348,16 @@ def _progress(quiet: bool, message: str) -> None:
 
 
 def _wait_for_probe(probe: Collector, timeout: float, quiet: bool) -> None:
-    """Until the probe collector has an intra-node result (it only reads its cache, so asking
-    it alone is cheap; the other collectors are not run meanwhile)."""
+    """Until the probe collector has a result of the scope a round ends with (net, the NICs;
+    intra when net is not configured). It only reads its cache, so asking it alone is cheap;
+    the other collectors are not run meanwhile."""
+    scopes = probe.ctx.config.get("scopes") or ["intra"]
+    last = "net" if "net" in scopes else str(scopes[-1])
     _progress(quiet, f"waiting for the probe's round (up to {timeout:g} s)")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         s = Snapshot(probe.collect())
-        if s.get("gpunet_probe_success", scope="intra") is not None:
+        if s.get("gpunet_probe_success", scope=last) is not None:
             return
         time.sleep(0.5)
     _progress(quiet, "no probe result in time; the probe is not checked")
@@ -388,6 +401,11 @@ def main(argv: Sequence[str]) -> int:
                    help="print the findings as JSON (default: a report for a person)")
     d.add_argument("--interval", type=float, default=5.0, metavar="SECONDS",
                    help="time between the two readings that give counter rates (default 5)")
+    d.add_argument("--probe", action="store_true",
+                   help="run one probe round through this node's NICs (the probe collector's "
+                        "net scope; intra too with two GPUs or more) and check it; needs torch "
+                        "(pip install 'gpunet-exporter[probe]') (default: only when the probe "
+                        "collector is on)")
     d.add_argument("--probe-wait", type=float, default=120.0, metavar="SECONDS",
                    help="how long to wait for the probe's round when the probe is on "
                         "(default 120)")
@@ -407,6 +425,12 @@ def main(argv: Sequence[str]) -> int:
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
+    early: list[str] = []
+    if args.probe:
+        if importlib.util.find_spec("torch") is None:
+            early.append("the probe needs torch: pip install 'gpunet-exporter[probe]'")
+        else:
+            args.enable__probe = True
     collectors, _, enabled = start_collectors(args, classes, parser)
     scraper = Scraper(collectors, args.scrape_timeout)
     quiet = args.json
@@ -425,7 +449,7 @@ def main(argv: Sequence[str]) -> int:
     for fn in CHECKS:
         fn(check)
     checked = {lbl["collector"]: v == 1 for lbl, v in b.all("gpunet_scrape_collector_success")}
-    problems = [f"collector {n} failed" for n, ok in checked.items() if not ok]
+    problems = early + [f"collector {n} failed" for n, ok in checked.items() if not ok]
     problems += [f"collector {n} did not start" for n in enabled if n not in collectors]
     hardware = any(b.all("gpunet_infiniband_port_state_id")) or any(b.all("gpunet_gpu_info"))
     if not hardware:

@@ -69,7 +69,7 @@ def _busbw_low(t: T) -> str:
     parts = []
     expected = p["expected_bus_bandwidth_bytes_per_second"]
     fleet = []
-    for scope in ("intra", "inter"):
+    for scope in ("intra", "net", "inter"):
         if expected[scope] > 0:
             parts.append(f'{metric}, scope="{scope}"}} < {ratio} * {_g(expected[scope])}')
         else:
@@ -104,7 +104,7 @@ _NODE = "on {{ $labels.instance }}"
 _PORT = "{{ $labels.device }} port {{ $labels.port }} " + _NODE
 _IF = "{{ $labels.interface }} " + _NODE
 _GPU = "GPU {{ $labels.gpu }} " + _NODE
-_SCOPE = "({{ $labels.scope }}-node probe) " + _NODE
+_SCOPE = "({{ $labels.scope }} probe) " + _NODE
 
 ALERTS: tuple[Alert, ...] = (
     # --- link: port state, rate, errors, MTU --------------------------------------------------
@@ -315,12 +315,20 @@ ALERTS: tuple[Alert, ...] = (
           "All-reduce bus bandwidth below the expected",
           f"The {{{{ $labels.size }}}}-byte all-reduce reaches {{{{ $value | humanize }}}}B/s "
           f"bus bandwidth {_SCOPE}, below the expected."),
+    Alert("GpunetBusBandwidthBelowLinkRate", "collective", "warning", "10m",
+          lambda t: ("gpunet_probe_bus_bandwidth_link_ratio < "
+                     f"{_g(t['probe']['link_ratio'])}"),
+          "All-reduce through the NICs well below the link rate",
+          f"The probe's all-reduce {_SCOPE} reaches {{{{ $value | humanizePercentage }}}} of "
+          "what its RDMA links allow (gpunet_probe_link_bandwidth_bytes_per_second)."),
     Alert("GpunetStragglerRank", "collective", "warning", "10m",
-          lambda t: ("gpunet_probe_slowest_rank_lateness_ratio > "
-                     f"{_g(t['probe']['straggler_lateness_ratio'])}"),
+          lambda t: ("gpunet_probe_straggler_wait_ratio\n  * on (instance, scope) group_left "
+                     "(rank, gpu) gpunet_probe_straggler_info\n  > "
+                     f"{_g(t['probe']['straggler_wait_ratio'])}"),
           "A straggler rank slows the collective",
-          f"The slowest rank {_SCOPE} takes {{{{ $value | humanizePercentage }}}} longer than "
-          "the median rank."),
+          f"Rank {{{{ $labels.rank }}}} (GPU {{{{ $labels.gpu }}}}) {_SCOPE} arrives late: the "
+          "other ranks spend {{ $value | humanizePercentage }} of their all-reduce time waiting "
+          "for it."),
     Alert("GpunetProbeTimeVariance", "collective", "warning", "15m",
           _variation,
           "All-reduce time varies from round to round",

@@ -97,15 +97,19 @@ SCHEMA_FIELDS: dict[str, Field] = {
                                      minimum=4, multiple_of=4),
         "bus_bandwidth_ratio": _ratio(
             "fraction of the expected bus bandwidth under which bandwidth alerts", 0.8),
+        "link_ratio": _ratio(
+            "fraction of the link rate under which the bus bandwidth through the NICs alerts",
+            0.8),
         "expected_bus_bandwidth_bytes_per_second": Field(
             "map", "expected bus bandwidth per scope; 0 (the default) compares with the "
             "fleet's median of the same scope and size instead", default={}, fields={
                 "intra": _num("intra-node", 0),
+                "net": _num("through the node's NICs", 0),
                 "inter": _num("across nodes", 0),
             }),
-        "straggler_lateness_ratio": _num(
-            "how much longer than the median rank the slowest rank may be (1: twice as long)",
-            1.0),
+        "straggler_wait_ratio": _ratio(
+            "share of their collective time the other ranks may spend waiting for the late "
+            "rank (0.5: they take twice as long as the collective itself)", 0.5),
         "variation_ratio": _ratio(
             "coefficient of variation of the per-round median time over the window", 0.1),
         "variation_window": Field("str", "window of the round-to-round variation",

@@ -23,8 +23,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import bcrypt
-
 from exporter.config import ConfigError, Field, read_yaml, text_problem, validate
 from exporter.http import StartResponse, WSGIApp
 
@@ -256,6 +254,9 @@ class BasicAuth:
     """
 
     def __init__(self, users: Mapping[str, str]) -> None:
+        import bcrypt  # only basic auth needs it: an exporter without users starts without it
+
+        self.bcrypt = bcrypt
         self.users = {u.encode(): h.encode() for u, h in users.items()}
         m = _BCRYPT.match(next(iter(users.values()), ""))
         cost = int(m.group(1)) if m else 10
@@ -281,7 +282,7 @@ class BasicAuth:
             if expiry is not None and expiry > now:
                 return True
         try:
-            ok = bcrypt.checkpw(password, hashed or self.dummy) and hashed is not None
+            ok = self.bcrypt.checkpw(password, hashed or self.dummy) and hashed is not None
         except ValueError:  # bcrypt 5 refuses passwords over 72 bytes
             ok = False
         if ok:

@@ -83,6 +83,11 @@ OK_RED = steps(("green", None), ("red", 1))
 OK_ORANGE = steps(("green", None), ("orange", 1))
 NEUTRAL = steps(("blue", None))
 STALE = steps(("green", None), ("yellow", 180), ("red", 600))  # probe interval is 60 s
+# Straggler wait ratio: probe.straggler_min_ratio (0.2) names the late rank, GpunetStragglerRank
+# fires above 0.5.
+STRAGGLER_STEPS = steps(("green", None), ("orange", 0.2), ("red", 0.5))
+# Bus bandwidth over link bandwidth: the target is 0.8, GpunetBusBandwidthBelowLinkRate fires below.
+LINK_RATE_STEPS = steps(("red", None), ("green", 0.8))
 
 
 def mapping(*entries: tuple[int | str, str, str]) -> list[Json]:
@@ -265,6 +270,29 @@ def table(title: str, description: str, targets: list[Json], unit: str, *,
                  transformations=steps_, options=options)
 
 
+def straggler_table(*matchers: str) -> Json:
+    """The late rank each node hosts (gpunet_probe_straggler_info) with the wait it imposes."""
+    info = sel("gpunet_probe_straggler_info", *matchers)
+
+    def named(metric: str) -> str:
+        return (f"{sel(metric, *matchers)} * on (instance, job, scope) group_left (rank, gpu) "
+                f"{info}")
+
+    return table(
+        "Straggler ranks", "The rank the others wait for, on the node that runs it, with its "
+        "local GPU: named while the others wait at least probe.straggler_min_ratio (20%) of "
+        "their all-reduce time for it. wait ratio is that share (red above 50%: "
+        "GpunetStragglerRank), wait the median seconds at the largest size. Empty is healthy. "
+        "A rank named round after round: check that GPU's clocks and PCIe link, and its NIC.",
+        [target(named("gpunet_probe_straggler_wait_ratio"), table=True),
+         target(named("gpunet_probe_straggler_wait_seconds"), table=True)], "percentunit",
+        rename={"Value #A": "wait ratio", "Value #B": "wait"},
+        order=["instance", "scope", "rank", "gpu", "wait ratio", "wait"],
+        thresholds=STRAGGLER_STEPS, sort_by="wait ratio",
+        overrides=[override("wait ratio", ("custom.cellOptions", {"type": "color-text"})),
+                   override("wait", ("unit", "s"))])
+
+
 # ---------------------------------------------------------------------------------------------
 # Layout
 
@@ -409,7 +437,8 @@ def fleet() -> Json:
                  thresholds=OK_RED), 4, 4)
     lay.add(stat("Nodes with NCCL socket fallback", "Nodes whose last probe saw NCCL send "
                  "over TCP sockets although an RDMA port is ACTIVE (or intra-node traffic on "
-                 "the network). Orders of magnitude slower; needs the probe collector.",
+                 "the network). Orders of magnitude slower; the net scope checks every node's "
+                 "own NICs. Needs the probe collector; see the Collectives dashboard.",
                  [target(count_or_zero("max by (instance) ("
                                        + sel("gpunet_probe_socket_fallback") + ") == 1"))],
                  "short", thresholds=OK_RED), 4, 4)
@@ -440,18 +469,42 @@ def fleet() -> Json:
                  [target(count_or_zero("min by (instance) ("
                                        + sel("gpunet_scrape_collector_success") + ") == 0"))],
                  "short", thresholds=OK_ORANGE), 4, 4)
+    lay.add(stat("Nodes below 80% of the link rate", "Nodes whose probe all-reduce through "
+                 "the RDMA ports reaches less than 80% of the bus bandwidth those links allow "
+                 "(gpunet_probe_bus_bandwidth_link_ratio < 0.8; GpunetBusBandwidthBelowLinkRate "
+                 "after 10 minutes). Check the nodes in the bottom 10 below: GPUDirect RDMA "
+                 "off, a GPU far from its NIC, PFC pauses or a slow PCIe link.",
+                 [target(count_or_zero("min by (instance) ("
+                                       + sel("gpunet_probe_bus_bandwidth_link_ratio")
+                                       + ") < 0.8"))], "short", thresholds=OK_RED), 4, 4)
+    lay.add(stat("Nodes with a straggler rank", "Nodes that run a probe rank the others wait "
+                 "for more than half of their all-reduce time (the condition of "
+                 "GpunetStragglerRank): that GPU, its PCIe link or its NIC is slow. The "
+                 "Straggler ranks table below names rank and GPU.",
+                 [target(count_or_zero(
+                     "count by (instance) (" + sel("gpunet_probe_straggler_wait_ratio")
+                     + " * on (instance, job, scope) group_left (rank, gpu) "
+                     + sel("gpunet_probe_straggler_info") + " > 0.5)"))], "short",
+                 thresholds=OK_RED), 4, 4)
     lay.add(stat("Lowest probe bus bandwidth at $size B", "Lowest all-reduce bus bandwidth "
                  "over the selected nodes at the message size chosen above (defaults to the "
                  "largest), per scope. Compare with the fleet's usual value; the Collectives "
                  "dashboard has the detail.",
                  [target("min by (scope) (" + sel(
                      "gpunet_probe_allreduce_bus_bandwidth_bytes_per_second", 'size=~"$size"')
-                     + ")", "{{scope}}")], "Bps", text_mode="value_and_name"), 4, 4)
+                     + ")", "{{scope}}")], "Bps", text_mode="value_and_name"), 8, 4)
+    lay.add(stat("Lowest bus bandwidth / link rate", "Per scope, the lowest share of the "
+                 "link rate a node's probe all-reduce reached at the largest size (bus "
+                 "bandwidth over the lowest RDMA port rate per rank). 80% or more is the "
+                 "target; red below. Scopes that use no RDMA port (intra) have no value.",
+                 [target("min by (scope) (" + sel("gpunet_probe_bus_bandwidth_link_ratio")
+                         + ")", "{{scope}}")], "percentunit", thresholds=LINK_RATE_STEPS,
+                 text_mode="value_and_name"), 8, 4)
     lay.add(stat("Oldest successful probe", "Longest time since a node's last successful "
                  "probe round. Rounds run every minute by default: minutes old means the "
                  "probe is failing or stuck.",
                  [target("max(time() - " + sel("gpunet_probe_last_success_timestamp_seconds")
-                         + ")")], "s", thresholds=STALE), 4, 4)
+                         + ")")], "s", thresholds=STALE), 8, 4)
 
     lay.row("Health matrix")
     cells = override("instance\\class", ("displayName", "node"), ("links", NODE_LINK),
@@ -593,14 +646,26 @@ def fleet() -> Json:
             "gpunet_probe_allreduce_bus_bandwidth_bytes_per_second", 'size=~"$size"') + "))",
                 "{{instance}} {{scope}}")], "Bps"), 12, 8)
     lay.add(timeseries(
-        "Slowest rank lateness (top 10 nodes)", "How much longer the slowest rank's median "
-        "all-reduce takes than the median rank's. 0.5 = 50% longer: a straggler GPU, PCIe "
-        "link or NIC on that node.",
-        [target("topk(10, max by (instance, scope) ("
-                + sel("gpunet_probe_slowest_rank_lateness_ratio") + "))",
-                "{{instance}} {{scope}}")], "percentunit",
-        thresholds=steps(("green", None), ("orange", 0.2), ("red", 0.5)),
+        "Bus bandwidth / link rate (bottom 10 nodes)", "The ten nodes whose probe all-reduce "
+        "at the largest size gets the least of what their RDMA links allow (bus bandwidth "
+        "over the lowest port rate per rank sharing it). net: the node's GPUs through its own "
+        "NICs. Below 80% (red line) for 10 minutes fires GpunetBusBandwidthBelowLinkRate: "
+        "check GPUDirect RDMA, the GPU-NIC path, PFC pauses and the NIC's PCIe link.",
+        [target("bottomk(10, min by (instance, scope) ("
+                + sel("gpunet_probe_bus_bandwidth_link_ratio") + "))",
+                "{{instance}} {{scope}}")], "percentunit", thresholds=LINK_RATE_STEPS,
         show_thresholds=True), 12, 8)
+    lay.add(timeseries(
+        "Straggler wait (top 10 nodes)", "Share of their all-reduce time the other ranks "
+        "spend waiting for the rank that arrives last (largest size, median over "
+        "iterations). 0.5 = they took twice as long as the collective itself; above 50% "
+        "(red line) for 10 minutes fires GpunetStragglerRank. In the inter scope every node "
+        "of the round shows the same wait; the table beside names the late rank's node.",
+        [target("topk(10, max by (instance, scope) ("
+                + sel("gpunet_probe_straggler_wait_ratio") + "))",
+                "{{instance}} {{scope}}")], "percentunit", thresholds=STRAGGLER_STEPS,
+        show_thresholds=True, max_value=1), 12, 8)
+    lay.add(straggler_table(), 12, 8)
 
     lay.row("Exporter health", collapsed=True)
     lay.add(table(
@@ -988,35 +1053,52 @@ def collectives() -> Json:
     lay.add(stat("Probe rounds failing", "Nodes and scopes whose last probe round gave no "
                  "results (timeout, NCCL error, no GPU). See failures by reason below.",
                  [target(count_or_zero(sel("gpunet_probe_success", *probe) + " == 0"))],
-                 "short", thresholds=OK_RED), 4, 4)
+                 "short", thresholds=OK_RED), 6, 4)
     lay.add(stat("Oldest successful probe", "Longest time since a successful round. Rounds "
                  "run every minute by default; minutes old: the probe is failing or stuck, "
                  "and the panels below show stale values.",
                  [target("max(time() - " + sel("gpunet_probe_last_success_timestamp_seconds",
-                                               *probe) + ")")], "s", thresholds=STALE), 4, 4)
-    lay.add(stat("Socket fallback", "Nodes where NCCL used TCP sockets although an RDMA "
-                 "port is ACTIVE (or the network for intra-node traffic). Far slower; check "
-                 "NCCL_IB_* settings and the IB stack.",
+                                               *probe) + ")")], "s", thresholds=STALE), 6, 4)
+    lay.add(stat("Socket fallback", "Node scopes where NCCL used TCP sockets although an "
+                 "RDMA port is ACTIVE (or the network for intra-node traffic). The net scope "
+                 "checks every node's own NICs. Far slower; check NCCL_IB_* settings and the "
+                 "IB stack.",
                  [target(count_or_zero(sel("gpunet_probe_socket_fallback", *probe) + " == 1"))],
-                 "short", thresholds=OK_RED), 4, 4)
-    lay.add(stat("GPUDirect RDMA inactive", "Nodes whose NCCL network channels did not use "
-                 "GPUDirect RDMA: data is staged through host memory.",
+                 "short", thresholds=OK_RED), 6, 4)
+    lay.add(stat("GPUDirect RDMA inactive", "Node scopes whose NCCL network channels did not "
+                 "use GPUDirect RDMA (net and inter; intra has no network channels): data is "
+                 "staged through host memory. The RDMA ports table below says which port.",
                  [target(count_or_zero(sel("gpunet_probe_gdr_active", *probe) + " == 0"))],
-                 "short", thresholds=OK_RED), 4, 4)
-    lay.add(stat("Worst straggler", "Largest slowest-rank lateness: 0.5 means the slowest "
-                 "rank's all-reduce takes 50% longer than the median rank's.",
-                 [target("max(" + sel("gpunet_probe_slowest_rank_lateness_ratio", *probe)
-                         + ")")], "percentunit",
-                 thresholds=steps(("green", None), ("orange", 0.2), ("red", 0.5))), 4, 4)
+                 "short", thresholds=OK_RED), 6, 4)
+    lay.add(stat("Worst straggler wait", "Largest share of their all-reduce time the other "
+                 "ranks spend waiting for the rank that arrives last. 0.5: they took twice as "
+                 "long as the collective itself (GpunetStragglerRank fires above); from 20% the "
+                 "late rank is named in the Straggler ranks table.",
+                 [target("max(" + sel("gpunet_probe_straggler_wait_ratio", *probe) + ")")],
+                 "percentunit", thresholds=STRAGGLER_STEPS), 6, 4)
+    lay.add(stat("Below 80% of the link rate", "Node scopes whose all-reduce at the largest "
+                 "size reaches less than 80% of the bus bandwidth their RDMA links allow "
+                 "(GpunetBusBandwidthBelowLinkRate after 10 minutes). See Bus bandwidth / link "
+                 "rate and the RDMA ports table.",
+                 [target(count_or_zero(sel("gpunet_probe_bus_bandwidth_link_ratio", *probe)
+                                       + " < 0.8"))], "short", thresholds=OK_RED), 6, 4)
+    lay.add(stat("Lowest bus bandwidth / link rate", "Per scope, the lowest share of the "
+                 "link rate reached over the selected nodes. 80% or more is the target; red "
+                 "below. Scopes that use no RDMA port (intra) have no value.",
+                 [target("min by (scope) (" + sel("gpunet_probe_bus_bandwidth_link_ratio",
+                                                  *probe) + ")", "{{scope}}")],
+                 "percentunit", thresholds=LINK_RATE_STEPS, text_mode="value_and_name"), 6, 4)
     lay.add(stat("Ranks per round", "Ranks in the last round (largest over the selected "
-                 "nodes). Fewer than the node's GPUs: a GPU was left out.",
+                 "nodes). intra and net: one per local GPU, fewer means a GPU was left out "
+                 "(a one-GPU node runs no intra scope); inter: ranks across the nodes.",
                  [target("max by (scope) (" + sel("gpunet_probe_world_size", *probe) + ")",
-                         "{{scope}}")], "short", text_mode="value_and_name"), 4, 4)
+                         "{{scope}}")], "short", text_mode="value_and_name"), 6, 4)
 
     lay.row("Latency and bandwidth")
     lay.add(timeseries("All-reduce latency, median", "Median time of one all-reduce per "
-                       "message size (each iteration as long as its slowest rank). Small "
-                       "sizes are latency-bound and jitter by up to 2x between rounds.",
+                       "message size, counted once every rank arrived (waiting for a late "
+                       "rank is the straggler wait below). Small sizes are latency-bound and "
+                       "jitter by up to 2x between rounds.",
                        [target(sel("gpunet_probe_allreduce_seconds", *sized, 'stat="median"'),
                                sized_legend)], "s", log_scale=True), 12, 9)
     lay.add(timeseries("All-reduce latency, p99", "99th percentile all-reduce time per "
@@ -1046,13 +1128,31 @@ def collectives() -> Json:
                                + " / ignoring (stat) "
                                + sel("gpunet_probe_allreduce_seconds", *sized,
                                      'stat="median"'), sized_legend)], "none"), 12, 8)
-    lay.add(timeseries("Slowest rank lateness", "How much longer the slowest rank's median "
-                       "all-reduce takes than the median rank's, at the largest size. A "
-                       "persistent straggler is one GPU, PCIe link or NIC.",
-                       [target(sel("gpunet_probe_slowest_rank_lateness_ratio", *probe), who)],
-                       "percentunit",
-                       thresholds=steps(("green", None), ("orange", 0.2), ("red", 0.5)),
-                       show_thresholds=True), 12, 8)
+    lay.add(timeseries(
+        "Bus bandwidth / link rate", "Bus bandwidth of the largest size over the bus "
+        "bandwidth the RDMA links allow (lowest port rate per rank sharing it), per node and "
+        "scope. net: the node's GPUs through its own NICs (NIC loopback). 80% or more is the "
+        "target; below (red line) for 10 minutes fires GpunetBusBandwidthBelowLinkRate: check "
+        "GPUDirect RDMA, the GPU-NIC PCIe path, PFC pauses and the ports table below.",
+        [target(sel("gpunet_probe_bus_bandwidth_link_ratio", *probe), who)], "percentunit",
+        thresholds=LINK_RATE_STEPS, show_thresholds=True), 12, 8)
+
+    lay.row("Stragglers")
+    lay.add(timeseries("Straggler wait, share of collective time", "Share of their "
+                       "all-reduce time the other ranks spend waiting for the rank that "
+                       "arrives last (largest size, median over iterations). 0.5: they took "
+                       "twice as long as the collective itself; above 50% (red line) for 10 "
+                       "minutes fires GpunetStragglerRank. A persistent straggler is one GPU, "
+                       "PCIe link or NIC; the table below names it.",
+                       [target(sel("gpunet_probe_straggler_wait_ratio", *probe), who)],
+                       "percentunit", thresholds=STRAGGLER_STEPS, show_thresholds=True,
+                       max_value=1), 12, 8)
+    lay.add(timeseries("Straggler wait", "What the other ranks wait for the last rank to "
+                       "arrive, in seconds (median over iterations at the largest size). "
+                       "Compare with the median all-reduce time above.",
+                       [target(sel("gpunet_probe_straggler_wait_seconds", *probe), who)],
+                       "s"), 12, 8)
+    lay.add(straggler_table(*probe), 24, 6)
 
     lay.row("Path: transports, GPUDirect RDMA, fallback")
     net_col = override("net", ("mappings", mapping(("IB", "IB", "green"),
@@ -1069,9 +1169,35 @@ def collectives() -> Json:
                   [target(sel("gpunet_probe_nccl_problem", *probe), table=True)], "none",
                   order=["instance", "scope", "problem"],
                   overrides=[override("Value", ("custom.hidden", True))]), 12, 8)
+    hca = sel("gpunet_probe_hca_ranks", *probe)
+    lay.add(table("RDMA ports used by the probe", "Per node, scope and RDMA port: how many "
+                  "of the node's ranks NCCL ran through it (net: each rank pinned to the "
+                  "ACTIVE port nearest its GPU, so usually 1), whether their network channels "
+                  "used GPUDirect RDMA (NO in red: staged through host memory; check "
+                  "nvidia_peermem/DMA-BUF and the GPU-NIC path) and the port's rate. Ranks "
+                  "sharing a port divide its rate.",
+                  [target(hca, table=True),
+                   target(sel("gpunet_probe_hca_gdr_active", *probe), table=True),
+                   target(f"{hca} * 0 + on (instance, job, device, port) group_left () "
+                          f"{sel('gpunet_infiniband_port_rate_bytes_per_second')}",
+                          table=True)], "none",
+                  rename={"Value #A": "ranks", "Value #B": "GPUDirect RDMA",
+                          "Value #C": "port rate"},
+                  order=["instance", "scope", "device", "port", "ranks", "GPUDirect RDMA",
+                         "port rate"],
+                  overrides=[override("GPUDirect RDMA", ("mappings", GOOD_WHEN_1),
+                                      ("custom.cellOptions", {"type": "color-text"})),
+                             override("port rate", ("unit", "Bps"))]),
+            12, 8)
+    lay.add(timeseries("Link bandwidth", "The bus bandwidth the RDMA links allow each node "
+                       "and scope: over the ports the ranks used, the lowest link rate "
+                       "divided by the ranks sharing that port. A drop is a port trained "
+                       "down, or ranks crowded onto fewer ports.",
+                       [target(sel("gpunet_probe_link_bandwidth_bytes_per_second", *probe),
+                               who)], "Bps"), 12, 8)
     lay.add(state_timeline("GPUDirect RDMA active", "OFF (red): NCCL's network channels did "
-                           "not register GPU memory with the NIC. Absent without network "
-                           "channels (single-node P2P/SHM).",
+                           "not register GPU memory with the NIC. The net scope has network "
+                           "channels on every node; intra (P2P/SHM) has none, so no value.",
                            [target(sel("gpunet_probe_gdr_active", *probe), who)],
                            mappings=mapping((1, "on", "green"), (0, "OFF", "red"))), 12, 7)
     lay.add(state_timeline("Socket fallback", "FALLBACK (red): NCCL sent over TCP sockets "
@@ -1102,9 +1228,9 @@ def collectives() -> Json:
                        "Growing toward probe.timeout_seconds (120 s) ends in timeouts.",
                        [target(sel("gpunet_probe_duration_seconds", *probe), who)], "s"),
             12, 7)
-    lay.add(state_timeline("Probe runner alive", "Whether the exporter's intra-node probe "
-                           "runner process is alive. DEAD while the probe collector is on: "
-                           "no new rounds.",
+    lay.add(state_timeline("Probe runner alive", "Whether the exporter's probe runner "
+                           "process (intra and net scopes) is alive. DEAD while the probe "
+                           "collector is on: no new rounds.",
                            [target(sel("gpunet_probe_runner_running"), "{{instance}}")],
                            mappings=mapping((1, "alive", "green"), (0, "DEAD", "red"))), 12, 6)
     lay.add(state_timeline("Sizes skipped (GPU busy)", "SKIPPED: the round left this size "

@@ -190,7 +190,7 @@ def test_thresholds_override_one_place(tmp_path: Path) -> None:
     assert 'up{job="gpu-nodes"}' in by_name["GpunetExporterDown"]["expr"]
     busbw = by_name["GpunetBusBandwidthLow"]["expr"]
     assert 'scope="inter"} < 0.8 * 320000000000' in busbw
-    assert 'scope=~"intra"' in busbw  # intra still compares with the fleet median
+    assert 'scope=~"intra|net"' in busbw  # intra and net still compare with the fleet median
     # Unchanged values stay the defaults.
     assert "> 120" in by_name["GpunetPortSymbolErrors"]["expr"]
 
@@ -212,7 +212,7 @@ def test_configured_expected_bandwidth_fires_below_80_percent(tmp_path: Path) ->
                                  "exp_annotations": {
                                      "summary": "All-reduce bus bandwidth below the expected",
                                      "description": "The 67108864-byte all-reduce reaches 70GB/s"
-                                     " bus bandwidth (inter-node probe) on slow, below the "
+                                     " bus bandwidth (inter probe) on slow, below the "
                                      "expected.",
                                      "runbook_url": thresholds.defaults()["runbook_url"]
                                      + "#gpunetbusbandwidthlow"}}]}]}])
@@ -265,9 +265,9 @@ def test_bad_thresholds_file_one_line_exit_2(tmp_path: Path, content: str, messa
 def test_values_at_the_bounds_are_accepted(tmp_path: Path) -> None:
     f = tmp_path / "t.yml"
     f.write_text("pfc: {roce_priority: 7, pause_ratio: 1}\ngpu: {busy_utilization_ratio: 0}\n"
-                 "probe: {straggler_lateness_ratio: 3}\nfor: {GpunetPortDown: 0s}\n")
+                 "probe: {straggler_wait_ratio: 0.3}\nfor: {GpunetPortDown: 0s}\n")
     t = thresholds.load(str(f), rules.ALERT_NAMES)
-    assert t["pfc"]["roce_priority"] == 7 and t["probe"]["straggler_lateness_ratio"] == 3
+    assert t["pfc"]["roce_priority"] == 7 and t["probe"]["straggler_wait_ratio"] == 0.3
 
 
 def test_missing_thresholds_file(tmp_path: Path) -> None:
@@ -373,7 +373,8 @@ def test_exponent_numbers_read_as_numbers(tmp_path: Path) -> None:
     f = tmp_path / "t.yml"
     f.write_text("probe: {expected_bus_bandwidth_bytes_per_second: {inter: 1.0e11, intra: 4e11}}\n")
     t = thresholds.load(str(f))
-    assert t["probe"]["expected_bus_bandwidth_bytes_per_second"] == {"inter": 1e11, "intra": 4e11}
+    assert t["probe"]["expected_bus_bandwidth_bytes_per_second"] == {
+        "inter": 1e11, "intra": 4e11, "net": 0}
     f.write_text("probe: {latency_seconds: 2ms}\n")
     with pytest.raises(thresholds.ConfigError, match="expected a number, got '2ms'"):
         thresholds.load(str(f))

@@ -89,12 +89,13 @@ probe:
 
 
 def probe_result(scope: str, *, socket: bool) -> dict[str, Any]:
-    """A successful probe round as the runner writes it: 8 KiB, 1 MiB and 64 MiB; over
-    NET/IB with GPUDirect RDMA, or (socket) over NET/Socket without it, at TCP speeds."""
+    """A successful probe round as the runner writes it: 8 KiB, 1 MiB and 64 MiB; intra over
+    P2P; net (the node's 8 GPUs through their 8 HCAs) and inter over NET/IB with GPUDirect RDMA,
+    or (socket) over NET/Socket without it, at TCP speeds."""
     now = time.time()
-    inter = scope == "inter"
-    busbw = {8192: 4.1e8, 1 << 20: 2.1e10, 64 << 20: 3.6e11 if not inter else 4.4e10}
-    latency = {8192: 4e-5 if not inter else 1.2e-4, 1 << 20: 1e-4, 64 << 20: 3.7e-4}
+    fabric = scope != "intra"
+    busbw = {8192: 4.1e8, 1 << 20: 2.1e10, 64 << 20: 3.6e11 if not fabric else 4.4e10}
+    latency = {8192: 4e-5 if not fabric else 1.2e-4, 1 << 20: 1e-4, 64 << 20: 3.7e-4}
     if socket:
         busbw = {8192: 1.5e7, 1 << 20: 1.1e9, 64 << 20: 2.9e9}
         latency = {8192: 3.1e-3, 1 << 20: 1.9e-3, 64 << 20: 4.6e-2}
@@ -102,15 +103,24 @@ def probe_result(scope: str, *, socket: bool) -> dict[str, Any]:
               "p99_seconds": latency[b] * 1.3, "max_seconds": latency[b] * 1.6,
               "algbw_bytes_per_second": busbw[b] / 1.75, "busbw_bytes_per_second": busbw[b]}
              for b in busbw]
-    transports = ["NET", "P2P"] if inter else ["P2P"]
-    return {"version": 1, "scope": scope, "started": now - 2.0, "time": now, "success": True,
-            "backend": "nccl", "world_size": 16 if inter else 8, "nccl_version": "2.28.9",
-            "sizes": sizes, "slowest_rank_lateness_ratio": 0.03,
-            "net": ("Socket" if socket else "IB") if inter else "",
+    transports = {"intra": ["P2P"], "net": ["NET"], "inter": ["NET", "P2P"]}[scope]
+    hcas = [{"device": f"mlx5_{i}", "port": "1", "ranks": [i], "gdr": not socket,
+             "rate_bytes_per_second": 5e10} for i in range(8)] if fabric and not socket else []
+    return {"version": 2, "scope": scope, "started": now - 2.0, "time": now, "success": True,
+            "backend": "nccl", "world_size": 16 if scope == "inter" else 8,
+            "nccl_version": "2.28.9", "sizes": sizes,
+            # The faulty node's cluster-mode round names a local late rank below the alert.
+            "straggler": {"wait_seconds": 1.4e-2, "wait_ratio": 0.3, "late_share": 0.9,
+                          "rank": 3, "gpu": 3, "local": True} if socket else {
+                "wait_seconds": 1e-5, "wait_ratio": 0.03, "late_share": 0.4, "rank": None,
+                "gpu": None, "local": False},
+            "net": ("Socket" if socket else "IB") if fabric else "",
             "transports": transports,
-            "net_transports": (["Socket"] if socket else ["IB"]) if inter else [],
-            "gdr": (not socket) if inter else None,
-            "problems": ["gdr_disabled", "socket_fallback"] if socket else []}
+            "net_transports": (["Socket"] if socket else ["IB"]) if fabric else [],
+            "gdr": (not socket) if fabric else None,
+            "problems": ["gdr_disabled", "socket_fallback"] if socket else [],
+            # On sockets NCCL's log names no HCA: no link to compare with.
+            "hcas": hcas, "link_bytes_per_second": 5e10 if hcas else None}
 
 
 RUNNER = """\

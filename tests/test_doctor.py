@@ -142,6 +142,30 @@ def test_checks_name_real_alerts_and_causes() -> None:
     names = set(doctor_module.SEVERITY)
     source = Path(doctor_module.__file__).read_text()
     used = set(re.findall(r'"(Gpunet[A-Za-z]+)"', source))
-    assert used <= names and len(used) == 37
+    assert used <= names and len(used) == 38
     causes = set(re.findall(r'c\.add\("(\w+)"', source))
     assert causes <= set(doctor_module.CAUSES)
+
+
+def test_probe_flag_runs_one_round_through_the_nics(tmp_path: Path) -> None:
+    """`doctor --probe` turns the probe on for one check: the real runner (gloo ranks on CPU,
+    the same code path as NCCL) runs its net-scope round, and the doctor waits for it."""
+    sysfs = st.build_dgx_h100(tmp_path / "tree")
+    cfg = tmp_path / "c.yml"
+    cfg.write_text("probe:\n  backend: gloo\n  nprocs: 1\n  sizes: [4096]\n  warmup: 1\n"
+                   f"  iterations: 4\n  state_dir: {json.dumps(str(tmp_path / 'state'))}\n")
+    out = run(f"--path.sysfs={sysfs}", f"--config.file={cfg}", "--collector.disable-defaults",
+              "--collector.infiniband", "--probe", "--json", "--probe-wait", "120")
+    result = json.loads(out.stdout)
+    assert result["checked"].get("probe") is True, out.stderr
+    net = json.loads((tmp_path / "state" / "net.json").read_text())
+    assert net["success"] and net["world_size"] == 2  # one device: two ranks, net scope
+    assert not (tmp_path / "state" / "intra.json").exists()
+
+
+def test_doctor_speaks_like_the_alerts(faulty: tuple[list[str], dict[str, str]]) -> None:
+    args, env = faulty
+    text = run(*args, env=env).stdout
+    assert "inter probe: NCCL runs over TCP sockets although RDMA should carry it" in text
+    assert ("inter probe: NCCL's network channels do not use GPUDirect RDMA while RDMA ports "
+            "are up: data is staged through host memory") in text

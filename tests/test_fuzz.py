@@ -90,6 +90,7 @@ import copy
 import ctypes
 import errno
 import json
+import math
 import os
 import re
 import struct
@@ -733,9 +734,14 @@ def test_nccl_log_file_bytes(raw: bytes) -> None:
 # ---- probe result files ------------------------------------------------------------------------
 
 GOOD_RESULT: dict[str, Any] = {
-    "version": 1, "scope": "intra", "time": 1700000060.5, "started": 1700000000.25,
+    "version": 2, "scope": "net", "time": 1700000060.5, "started": 1700000000.25,
     "success": True, "failure": "", "error": "", "backend": "nccl", "world_size": 2,
-    "nccl_version": "2.28.9", "slowest_rank_lateness_ratio": 0.12, "net": "IB",
+    "nccl_version": "2.28.9", "net": "IB",
+    "straggler": {"wait_seconds": 4e-3, "wait_ratio": 0.6, "late_share": 1.0, "rank": 1,
+                  "gpu": 1, "local": True},
+    "hcas": [{"device": "mlx5_0", "port": "1", "ranks": [0, 1], "gdr": True,
+              "rate_bytes_per_second": 5e10}],
+    "link_bytes_per_second": 2.5e10,
     "transports": ["NET", "P2P"], "net_transports": ["IB"], "gdr": True, "problems": [],
     "skipped_busy": False,
     "sizes": [{"bytes": 8192, "median_seconds": 2e-5, "p99_seconds": 3e-5, "max_seconds": 4e-5,
@@ -754,6 +760,8 @@ def test_probe_result_structure(data: Any) -> None:
     assert res.scope in results.SCOPES and isinstance(res.success, bool)
     assert res.success or res.failure in results.FAILURE_REASONS
     assert all(s.bytes > 0 for s in res.sizes)
+    assert res.straggler is None or 0 <= res.straggler.wait_ratio <= 1
+    assert all(h.port.isdigit() and len(h.device) <= 64 for h in res.hcas)
 
 
 @fuzz(80)
@@ -768,14 +776,16 @@ def test_probe_result_file(raw: bytes) -> None:
 
 
 @fuzz(60)
-@given(hs.fixed_dictionaries({"round_started": JSON}).map(json.dumps).flatmap(mutated_bytes)
-       | hs.binary(max_size=100))
+@given(hs.fixed_dictionaries({"phase": hs.sampled_from(("init", "round", "sleep")) | JSON,
+                              "scope": JSON, "since": JSON}).map(json.dumps)
+       .flatmap(mutated_bytes) | hs.binary(max_size=100))
 def test_probe_status_file(raw: bytes) -> None:
     with tempfile.TemporaryDirectory() as d:
         Path(d, results.STATUS).write_bytes(raw)
         c = make_collector(ProbeCollector, d, {"state_dir": d, "runner": "none"})
-        state, since = c._round_state()  # type: ignore[attr-defined]
-        assert state in ("start", "round", "between") and isinstance(since, float)
+        phase, scope, since = c._round_state()  # type: ignore[attr-defined]
+        assert phase in ("start", "init", "round", "sleep") and isinstance(since, float)
+        assert isinstance(scope, str) and math.isfinite(since)
 
 
 @fuzz(150)

@@ -816,3 +816,33 @@ def test_placement_cache_follows_hot_plug(dgx: Path, proc: Path) -> None:
         assert nearest(s)["0"] == ("mlx5_4", "PIX") and len(nearest(s)) == 8
     finally:
         c.close()
+
+
+# ---- the probe's HCA pinning (exporter/probe/placement.py) ------------------------------------
+
+
+def test_probe_pins_each_gpu_to_the_nearest_active_port(dgx: Path) -> None:
+    """The net scope pins each rank to the ACTIVE RDMA port nearest its GPU: the same device
+    the topology collector names, a PIX pair on a DGX H100, eight GPUs on eight HCAs."""
+    from exporter.probe import placement
+
+    s, _ = run(dgx)
+    named = nearest(s)
+    root = Root(str(dgx))
+    pinned = {}
+    for i, bus in enumerate(st.DGX_GPU_BUSES):
+        port = placement.nearest_port(root, f"0000:{bus:02x}:00.0")
+        assert port is not None
+        pinned[str(i)] = port
+        assert (port.device, port.path) == named[str(i)]
+        assert port.nccl_ib_hca == f"={port.device}:{port.port}"
+    assert len({p.device for p in pinned.values()}) == 8
+    assert placement.port_rate(root, pinned["0"].device, "1") == 400 * 125_000_000
+    # A port that goes down is skipped: that GPU falls back to the next nearest ACTIVE one.
+    state = dgx / "class" / "infiniband" / pinned["0"].device / "ports" / "1" / "state"
+    state.write_text("1: DOWN\n")
+    moved = placement.nearest_port(root, f"0000:{st.DGX_GPU_BUSES[0]:02x}:00.0")
+    assert moved is not None and moved.device != pinned["0"].device
+    assert moved.path in ("NODE", "PHB", "PXB")
+    # No RDMA port at all: nothing to pin (NCCL finds no IB device and falls back).
+    assert placement.nearest_port(Root(str(dgx.parent / "nowhere")), "0000:1b:00.0") is None

@@ -635,6 +635,7 @@ class _Probe:
         self.pids = {int(p["pid"]) for p in self.peers}
         self.nvml: Any = None
         self.handle: Any = None
+        self.rounds = 0
         if self.cuda and args.skip_busy:
             self._open_nvml(index)
 
@@ -688,7 +689,11 @@ class _Probe:
             procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
         except self.nvml.NVMLError:
             return False
-        return util > self.args.busy_utilization or any(not self._own(int(p.pid)) for p in procs)
+        # NVML's utilization covers the last fraction of a second to a second: right after the
+        # group started, that is the probe's own NCCL setup (the likely cause of the one round
+        # skipped as busy on an H100, docs/probe.md), so the first round goes by processes alone.
+        busy = self.rounds > 0 and util > self.args.busy_utilization
+        return busy or any(not self._own(int(p.pid)) for p in procs)
 
     def _sync(self) -> None:
         if self.cuda:
@@ -765,6 +770,7 @@ class _Probe:
             "skipped_busy": busy and any(s["skipped"] for s in sizes),
             **self._transport(logdir)}
         out["time"] = time.time()
+        self.rounds += 1
         return out
 
     def _straggler(self, matrix: list[list[float]] | None) -> dict[str, Any] | None:
