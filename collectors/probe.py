@@ -181,8 +181,9 @@ class ProbeCollector(Collector):
         "nprocs": Field("int", "local GPUs to probe (0: every visible GPU; gloo: 2 stand-ins)",
                         default=0, minimum=0),
         "scopes": Field("list", "what the node's rounds measure: intra (GPUs among themselves, "
-                        "needs two), net (GPUs through the NICs)", default=["intra", "net"],
-                        item=Field("str", choices=("intra", "net"))),
+                        "needs two), net (GPUs through the NICs)",
+                        default=list(results.NODE_SCOPES),
+                        item=Field("str", choices=results.NODE_SCOPES)),
         "pin_hca": Field("bool", "net scope: pin each rank to the ACTIVE RDMA port nearest its "
                          "GPU (NCCL_IB_HCA), so that every NIC is exercised", default=True),
         "straggler_min_ratio": Field("number", "the late rank is named when the others wait "
@@ -214,7 +215,6 @@ class ProbeCollector(Collector):
         self._proc: subprocess.Popen[bytes] | None = None
         self._proc_started_wall = 0.0  # time.time() the current runner was started
         self._restarts = 0
-        self._phase_scope = ""  # the scope the launcher's status file names
         self._thread: threading.Thread | None = None
 
     # -- the runner ------------------------------------------------------------------------
@@ -281,8 +281,7 @@ class ProbeCollector(Collector):
         the next round's start."""
         timeout = float(self.ctx.config["timeout_seconds"])
         grace = min(GRACE_MAX, timeout)
-        phase, scope, since = self._round_state()
-        self._phase_scope = scope
+        phase, _, since = self._round_state()
         if phase == "sleep":
             return float(self.ctx.config["interval_seconds"]) + grace, phase, since
         return timeout + grace, phase, since
@@ -290,8 +289,9 @@ class ProbeCollector(Collector):
     def _runner_scope(self) -> str:
         """Where a failure of the launcher itself counts: the scope its status names, else the
         first configured one."""
-        if self._phase_scope in results.SCOPES:
-            return self._phase_scope
+        scope = self._round_state()[1]
+        if scope in results.SCOPES:
+            return scope
         return str((self.ctx.config.get("scopes") or ["intra"])[0])
 
     def _backoff(self) -> float:
@@ -486,14 +486,7 @@ class ProbeCollector(Collector):
             fams.add(PROBLEM, [scope, problem], 1)
 
     def _rdma_active(self) -> bool:
-        root = self.ctx.sysfs
-        for p in rdma.all_ports(root):
-            try:
-                if root.read(f"{p.dir}/state").endswith("ACTIVE"):
-                    return True
-            except OSError:
-                continue
-        return False
+        return bool(rdma.active_ports(self.ctx.sysfs))
 
     def close(self) -> None:
         self._stop.set()

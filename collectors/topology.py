@@ -26,7 +26,7 @@ from prometheus_client.core import Metric
 from exporter import nvml, rdma
 from exporter.collector import Collector, CollectorContext, Families, MetricSpec
 from exporter.config import Field
-from exporter.pcie import PATHS, PCI_ADDRESS, RANK, Endpoint, endpoint, relation
+from exporter.pcie import PATHS, PCI_ADDRESS, RANK, Endpoint, endpoint, relation, resolve
 from exporter.sysfs import parse_int, parse_uint
 
 _NVIDIA = "0x10de"
@@ -319,16 +319,6 @@ class TopologyCollector(Collector):
 
     # -- PCIe placement --------------------------------------------------------------------
 
-    def _resolve(self, rel: str) -> str | None:
-        """Where a sysfs path leads, relative to the root; None when it leads nowhere (a device
-        unplugged meanwhile) or out of the tree."""
-        try:
-            real = os.path.realpath(self.ctx.sysfs.path(rel), strict=True)
-        except OSError:
-            return None
-        base = os.path.realpath(self.ctx.sysfs.root)
-        return real[len(base) + 1:] if real.startswith(base + "/") else None
-
     def _numa(self, device_dir: str) -> int:
         rel = f"{device_dir}/numa_node"
         try:
@@ -364,7 +354,7 @@ class TopologyCollector(Collector):
         if key in self._endpoints:
             ep = self._endpoints_now[key] = self._endpoints[key]
             return ep
-        real = self._resolve(rel)
+        real = resolve(self.ctx.sysfs, rel)
         if real is None:
             return None
         ep = endpoint(name, real, -1)

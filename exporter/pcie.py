@@ -7,8 +7,11 @@ RDMA device). Input: the realpaths of /sys/bus/pci/devices/<address> and
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+
+from exporter.sysfs import Root
 
 PCI_ADDRESS = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 HOST_BRIDGE = re.compile(r"pci[0-9a-f]{4,8}:[0-9a-f]{2}")
@@ -33,6 +36,17 @@ class Endpoint:
 class Relation:
     path: str  # one of PATHS
     bridges: tuple[str, ...]  # directories of the bridges crossed below the shared component
+
+
+def resolve(root: Root, rel: str) -> str | None:
+    """Where a sysfs path leads, relative to the root; None when it leads nowhere (a device
+    unplugged meanwhile) or out of the tree."""
+    try:
+        real = os.path.realpath(root.path(rel), strict=True)
+    except OSError:
+        return None
+    base = os.path.realpath(root.root)
+    return real[len(base) + 1:] if real.startswith(base + "/") else None
 
 
 def endpoint(name: str, rel: str, numa: int) -> Endpoint | None:

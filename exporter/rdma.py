@@ -131,6 +131,23 @@ def all_ports(root: Root, include: re.Pattern[str] | None = None,
     return out
 
 
+def active_ports(root: Root) -> list[tuple[str, str]]:
+    """(device, port) of every RDMA port whose state is ACTIVE, in name order."""
+    out = []
+    for dev in sorted(devices(root)):
+        try:
+            numbers = ports(root, dev)
+        except OSError:
+            continue
+        for port in numbers:
+            try:
+                if root.read(f"{CLASS}/{dev}/ports/{port}/state").endswith("ACTIVE"):
+                    out.append((dev, port))
+            except OSError:
+                continue
+    return out
+
+
 @dataclass(frozen=True)
 class Rate:
     gbps: float

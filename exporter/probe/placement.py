@@ -9,13 +9,10 @@ rails and a result can be told apart per HCA. The link rate comes from the port'
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from exporter import pcie, rdma
 from exporter.sysfs import Root
-
-_ACTIVE = "ACTIVE"
 
 
 @dataclass(frozen=True)
@@ -31,37 +28,14 @@ class HcaPort:
 
 
 def _endpoint(root: Root, name: str, rel: str) -> pcie.Endpoint | None:
-    try:
-        real = os.path.realpath(root.path(rel), strict=True)
-    except OSError:
-        return None
-    base = os.path.realpath(root.root)
-    if not real.startswith(base + "/"):
-        return None
-    return pcie.endpoint(name, real[len(base) + 1:], -1)
-
-
-def active_ports(root: Root) -> list[tuple[str, str]]:
-    """(device, port) of every RDMA port whose state is ACTIVE, in name order."""
-    out = []
-    for dev in sorted(rdma.devices(root)):
-        try:
-            ports = rdma.ports(root, dev)
-        except OSError:
-            continue
-        for port in ports:
-            try:
-                if root.read(f"{rdma.CLASS}/{dev}/ports/{port}/state").endswith(_ACTIVE):
-                    out.append((dev, port))
-            except OSError:
-                continue
-    return out
+    real = pcie.resolve(root, rel)
+    return None if real is None else pcie.endpoint(name, real, -1)
 
 
 def nearest_port(root: Root, gpu_pci_address: str) -> HcaPort | None:
     """The ACTIVE RDMA port nearest the GPU at ``gpu_pci_address`` ("0000:1b:00.0"): fewest
     PCIe hops by nvidia-smi topo's order, then fewest bridges, then name. None without one."""
-    ports = active_ports(root)
+    ports = rdma.active_ports(root)
     if not ports:
         return None
     gpu = _endpoint(root, "gpu", f"bus/pci/devices/{gpu_pci_address.lower()}")
@@ -89,4 +63,4 @@ def port_rate(root: Root, device: str, port: str) -> float | None:
 
 def first_active_port(root: Root, device: str) -> str | None:
     """A device's first ACTIVE port (for HCAs NCCL chose itself, whose log names no port)."""
-    return next((p for d, p in active_ports(root) if d == device), None)
+    return next((p for d, p in rdma.active_ports(root) if d == device), None)

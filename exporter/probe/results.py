@@ -23,6 +23,7 @@ from typing import Any
 
 VERSION = 2
 SCOPES = ("intra", "net", "inter")
+NODE_SCOPES = ("intra", "net")  # what a node's own runner measures; inter is cluster mode
 STATUS = "status.json"
 # Why a round did not produce numbers; the exporter adds bad_result. timeout and crash come
 # from the launcher (a group it killed, or one that died without saying why) or the exporter.

@@ -33,6 +33,7 @@ import importlib
 import json
 import math
 import os
+import select
 import shutil
 import signal
 import socket
@@ -140,7 +141,7 @@ def straggler(matrix: Sequence[Sequence[float]]) -> Straggler | None:
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gib": 1 << 30}
-LAUNCHED_SCOPES = ("intra", "net")
+LAUNCHED_SCOPES = results.NODE_SCOPES
 
 
 def parse_bytes(text: str) -> int:
@@ -336,8 +337,6 @@ class _Group:
     def wait(self, expect: str, deadline: float, parent: int) -> str:
         """Until every worker replied ``expect``: "ok"; a worker failed or exited: "failed";
         past the deadline: "timeout"; whoever started the launcher is gone: "orphaned"."""
-        import select
-
         pending = dict(zip(self.replies, self.procs, strict=True))
         buffers = dict.fromkeys(pending, b"")
         while pending:
@@ -416,7 +415,7 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if not groups:
         return 0
     parent = os.getppid()
-    round_no, failed_last = 0, False
+    round_no = 0
     with contextlib.suppress(KeyboardInterrupt):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
