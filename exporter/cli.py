@@ -28,7 +28,14 @@ from exporter.collector import Collector, CollectorContext, LogOnce, collector_l
 from exporter.config import ConfigError, Field, load_file, validate
 from exporter.flags import Parser, non_negative_int, positive_seconds, root_problem
 from exporter.hotplug import Hotplug
-from exporter.http import DEFAULT_MAX_REQUESTS, RequestLimit, make_app, parse_listen_address, serve
+from exporter.http import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_REQUESTS,
+    RequestLimit,
+    make_app,
+    parse_listen_address,
+    serve,
+)
 from exporter.logs import LEVELS, setup
 from exporter.privileges import root_warning
 from exporter.registry import Scraper, discover
@@ -77,6 +84,10 @@ def build_parser(classes: dict[str, type[Collector]], server: bool = True) -> Pa
                        default=DEFAULT_MAX_REQUESTS, metavar="N",
                        help="scrapes served at once; one more is answered 503 at once "
                             f"(0: no limit; default {DEFAULT_MAX_REQUESTS})")
+        p.add_argument("--web.max-connections", dest="max_connections", type=non_negative_int,
+                       default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                       help="HTTP connections open at once; one more is closed as soon as it "
+                            f"is accepted (0: no limit; default {DEFAULT_MAX_CONNECTIONS})")
         p.add_argument("--web.disable-exporter-metrics", dest="disable_exporter_metrics",
                        action="store_true",
                        help="leave out the exporter's own process_* and python_* metrics "
@@ -235,9 +246,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             registry.register(own)
     app = wrap(make_app(scraper, registry, args.telemetry_path, limit), web)
     try:
-        httpd, _ = serve(app, host, port, web.ssl_context)
+        httpd = serve(app, host, port, web.ssl_context, args.max_connections, args.max_requests)
     except OSError as exc:
         _fail(f"cannot listen on {args.listen_address}: {exc.strerror or exc}", code=1)
+    if not args.disable_exporter_metrics:
+        registry.register(httpd.listener)
 
     log.info("gpunet-exporter %s listening on %s%s (%s), collectors: %s", __version__,
              args.listen_address, args.telemetry_path, web.describe(),

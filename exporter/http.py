@@ -1,40 +1,37 @@
 """HTTP serving: /metrics through prometheus_client (gzip and OpenMetrics negotiation, the
 scraper's X-Prometheus-Scrape-Timeout-Seconds shortening the collectors' deadline), a landing
 page at / listing the collectors and their last status, and /-/healthy; over TLS when
-``--web.config.file`` asks for it (exporter/webconfig.py)."""
+``--web.config.file`` asks for it (exporter/webconfig.py). The server is exporter/httpserver.py
+(HTTP/1.1 parsed by h11, with limits on connections, request heads, bodies and threads)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gzip
 import html
 import logging
 import math
 import re
-import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable
-from socketserver import ThreadingMixIn
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import parse_qs
-from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.openmetrics import exposition as openmetrics
 
-from exporter import __version__
+from exporter import __version__, httpserver
 from exporter.collector import MetricSpec
+from exporter.httpserver import Server, StartResponse, WSGIApp
 from exporter.registry import Scraper, request_timeout
 
 log = logging.getLogger("gpunet.exporter.http")
 _LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
-StartResponse = Callable[..., Any]
-WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
+DEFAULT_MAX_CONNECTIONS = httpserver.DEFAULT_MAX_CONNECTIONS
 
 
 # What Prometheus sends with every scrape: its scrape_timeout in seconds ("10", "2.5").
@@ -128,6 +125,7 @@ def render_metrics(registry: CollectorRegistry, accept: str, accept_encoding: st
 
 
 DEFAULT_MAX_REQUESTS = 40  # node_exporter's --web.max-requests default
+THREADS_UNLIMITED = 64  # threads that run the app when --web.max-requests is 0
 SCRAPES_REJECTED = MetricSpec(
     "gpunet_exporter_scrapes_rejected_total", "counter",
     "Scrape requests answered 503 at once because --web.max-requests scrapes were already "
@@ -208,111 +206,6 @@ def make_app(scraper: Scraper, registry: CollectorRegistry, telemetry_path: str,
     return app
 
 
-HANDSHAKE_TIMEOUT = 10.0  # seconds a client has to complete the TLS handshake
-_NOT_TLS = (b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n"
-            b"Client sent an HTTP request to an HTTPS server.\n")
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-    ssl_context: ssl.SSLContext | None = None
-
-    def finish_request(self, request: Any, client_address: Any) -> None:
-        """Runs in the connection's own thread; with TLS, the handshake happens here rather than
-        in accept(), so a slow, silent or plain-HTTP client holds only its own thread."""
-        if self.ssl_context is None:
-            super().finish_request(request, client_address)
-            return
-        try:
-            request.settimeout(HANDSHAKE_TIMEOUT)
-            first = request.recv(1, socket.MSG_PEEK)
-            if first and first != b"\x16":  # not a TLS handshake record: plain HTTP, or noise
-                if first.isalpha():
-                    request.sendall(_NOT_TLS)
-                    request.shutdown(socket.SHUT_WR)
-                    request.settimeout(1)
-                    for _ in range(16):  # read what it sent, so that close() sends no RST
-                        if not request.recv(4096):  # that could discard the answer
-                            break
-                log.debug("non-TLS connection from %s refused", client_address[0])
-                return
-            tls = self.ssl_context.wrap_socket(request, server_side=True)
-        except (OSError, ValueError) as exc:  # handshake failed, timed out, or client left
-            log.debug("TLS handshake with %s failed: %s", client_address[0], exc)
-            return
-        try:
-            super().finish_request(tls, client_address)
-        finally:
-            self.shutdown_request(tls)
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
-
-    def server_bind(self) -> None:
-        # "[::]:port" and ":port" listen on IPv4 as well where the OS allows it.
-        with contextlib.suppress(OSError):
-            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        super().server_bind()
-
-
-class _ServerHandler(ServerHandler):
-    http_version = "1.1"
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """wsgiref's handler with HTTP/1.1 persistent connections, as Prometheus keeps one open per
-    target; every response carries a Content-Length. Idle connections close after ``timeout``."""
-
-    protocol_version = "HTTP/1.1"
-    timeout = 300
-
-    def setup(self) -> None:
-        super().setup()
-        # Headers and body go out in separate writes; without this, Nagle's algorithm holds the
-        # body back until the client's delayed ACK of the headers (40 ms) on a kept-alive socket.
-        with contextlib.suppress(OSError):
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def get_environ(self) -> dict[str, Any]:
-        env: dict[str, Any] = super().get_environ()
-        if isinstance(self.connection, ssl.SSLSocket):
-            env["HTTPS"] = "on"  # wsgi.url_scheme https
-        return env
-
-    def handle(self) -> None:
-        self.close_connection = True
-        self._handle_request()
-        while not self.close_connection:
-            self._handle_request()
-
-    def _handle_request(self) -> None:
-        try:
-            self.raw_requestline = self.rfile.readline(65537)
-        except OSError:  # idle timeout or reset
-            self.close_connection = True
-            return
-        if not self.raw_requestline:
-            self.close_connection = True
-            return
-        if len(self.raw_requestline) > 65536:
-            self.requestline = self.request_version = self.command = ""
-            self.send_error(414)
-            self.close_connection = True
-            return
-        if not self.parse_request():  # it has answered with an error
-            return
-        if self.command != "GET":  # a request body we do not read would poison the connection
-            self.close_connection = True
-        handler = _ServerHandler(self.rfile, self.wfile, self.get_stderr(),  # type: ignore[arg-type]
-                                 self.get_environ(), multithread=True)
-        handler.request_handler = self  # type: ignore[attr-defined]
-        handler.run(self.server.get_app())  # type: ignore[attr-defined]
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 def parse_listen_address(addr: str) -> tuple[str, int]:
     """``host:port``, ``[v6]:port`` or ``:port`` (all interfaces). Raises ValueError."""
     host, sep, port = addr.rpartition(":")
@@ -323,26 +216,12 @@ def parse_listen_address(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def serve(app: WSGIApp, host: str, port: int, ssl_context: ssl.SSLContext | None = None
-          ) -> tuple[WSGIServer, threading.Thread]:
-    """Bind and start serving in a thread, over TLS with ``ssl_context``. Raises OSError when the
-    address cannot be bound."""
-    if host in ("", "::") or ":" in host:
-        cls: type[_Server] = _Server6
-        host = host or "::"
-        if not socket.has_ipv6:
-            cls, host = _Server, ("0.0.0.0" if host == "::" else host)
-    else:
-        cls = _Server
-    try:
-        httpd = make_server(host, port, app, server_class=cls, handler_class=_QuietHandler)
-    except OSError:
-        if cls is _Server6 and host == "::":  # no IPv6 on this host: fall back to IPv4
-            httpd = make_server("0.0.0.0", port, app, server_class=_Server,
-                                handler_class=_QuietHandler)
-        else:
-            raise
-    httpd.ssl_context = ssl_context
-    thread = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
-    thread.start()
-    return httpd, thread
+def serve(app: WSGIApp, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
+          max_connections: int = DEFAULT_MAX_CONNECTIONS, max_requests: int = DEFAULT_MAX_REQUESTS
+          ) -> Server:
+    """Bind and start serving in a thread (exporter/httpserver.py), over TLS with
+    ``ssl_context``. Raises OSError when the address cannot be bound. ``max_requests`` (0: no
+    limit) sizes the pool of threads that run the app: RequestLimit refuses a scrape beyond it
+    at once, and a few more threads answer / and /-/healthy meanwhile."""
+    return httpserver.serve(app, host, port, ssl_context, max_connections,
+                            max_requests + 4 if max_requests else THREADS_UNLIMITED)

@@ -14,6 +14,7 @@ from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTO
 
 from exporter.collector import Collector, MetricSpec, MetricType
 from exporter.http import SCRAPES_REJECTED
+from exporter.httpserver import CONNECTIONS, CONNECTIONS_REFUSED
 from exporter.registry import SCRAPE_METRICS, discover
 
 HEADER = """# Metrics reference
@@ -51,7 +52,7 @@ def own_metrics() -> list[MetricSpec]:
                 unit = next((u for u in ("bytes", "seconds") if f"_{u}" in name), "")
                 specs.append(MetricSpec(name, cast(MetricType, family.type),
                                         family.documentation, labels, unit, "prometheus_client"))
-    return [*specs, SCRAPES_REJECTED]
+    return [*specs, SCRAPES_REJECTED, CONNECTIONS, CONNECTIONS_REFUSED]
 
 
 def render(classes: dict[str, type[Collector]] | None = None) -> str:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exporter.config import ConfigError, Field, read_yaml, text_problem, validate
-from exporter.http import StartResponse, WSGIApp
+from exporter.httpserver import StartResponse, WSGIApp
 
 log = logging.getLogger("gpunet.exporter")
 
