@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from exporter.config import ConfigError
+from exporter.config import ConfigError, read_regular
 from exporter.flags import Parser
 from exporter.thresholds import load
 
@@ -439,12 +439,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpunet-rules: {exc}", file=sys.stderr)
         return 2
     if args.check:
-        try:
-            with open(args.check, encoding="utf-8") as fh:
-                current = fh.read()
-        except OSError as exc:
-            print(f"gpunet-rules: cannot read {args.check}: {exc.strerror}", file=sys.stderr)
+        try:  # a regular file, never a FIFO that would block, nor more than 1 MiB
+            data = read_regular(args.check)
+        except ConfigError as exc:
+            print(f"gpunet-rules: cannot read {args.check}: "
+                  f"{str(exc).removeprefix('cannot read: ')}", file=sys.stderr)
             return 2
+        try:  # newlines as open() in text mode reads them
+            current = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+        except UnicodeDecodeError:
+            current = None  # not what we write
         if current != text:
             print(f"gpunet-rules: {args.check} is stale; regenerate it with gpunet-rules",
                   file=sys.stderr)

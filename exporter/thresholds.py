@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from exporter.config import ConfigError, Field, load_file, validate
+from exporter.config import ConfigError, Field, load_file, short, validate
 
 # Prometheus duration syntax, as `for:` and range selectors take it (one or more unit groups).
 _DURATION = re.compile(r"^(?:\d+(?:ms|s|m|h|d|w|y))+$")
@@ -134,10 +134,11 @@ def _check_durations(value: Any, key: str) -> None:
             _check_durations(v, f"{key}.{k}" if key else k)
     elif (key.startswith("for.") or key.endswith("_window")) and not _DURATION.match(value):
         raise ConfigError(f"key {key!r}: expected a Prometheus duration such as 5m or "
-                          f"1h30m, got {value!r}")
+                          f"1h30m, got {short(value)}")
     elif key.endswith("_window") and not any(c in "123456789" for c in value):
         # `for: 0s` fires at once; a range of 0s is refused by Prometheus' rule loader.
-        raise ConfigError(f"key {key!r}: expected a window longer than 0, got {value!r}")
+        raise ConfigError(f"key {key!r}: expected a window longer than 0, got "
+                          f"{short(value)}")
 
 
 def load(path: str | None, alert_names: tuple[str, ...] = ()) -> dict[str, Any]:

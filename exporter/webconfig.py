@@ -23,7 +23,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from exporter.config import ConfigError, Field, read_yaml, text_problem, validate
+from exporter.config import (
+    ConfigError,
+    Field,
+    key_text,
+    open_regular,
+    read_yaml,
+    short,
+    text_problem,
+    validate,
+)
 from exporter.httpserver import StartResponse, WSGIApp
 
 log = logging.getLogger("gpunet.exporter")
@@ -60,6 +69,8 @@ _BCRYPT = re.compile(r"^\$2[aby]\$([0-9]{2})\$[./A-Za-z0-9]{53}$")
 _HEADER_VALUE_BAD = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\u0100-\U0010ffff]")
 CACHE_SECONDS = 300.0  # how long a successful basic-auth check is remembered
 CACHE_SIZE = 256  # and for how many (user, password) pairs at most
+MAX_PEM_BYTES = 16 << 20  # a certificate, key or CA bundle (Mozilla's whole bundle: ~220 KiB)
+PATH_SHOWN = 4096  # characters of a file name an error message shows (Linux's PATH_MAX)
 
 
 def _schema(users: Iterable[str]) -> Field:
@@ -118,13 +129,14 @@ def _check_unsupported(raw: Any) -> None:
 
 
 def _readable(path: str, key: str) -> None:
+    """A regular file we may open, of at most MAX_PEM_BYTES: ssl reads it with a blocking open(),
+    which a FIFO would hold up for ever, and reads all of it."""
     try:
-        with open(path, "rb"):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"key {key!r}: cannot read {path!r}: {exc.strerror or exc}") from None
-    except ValueError as exc:  # a NUL, or a surrogate with no bytes: no file has this name
-        raise ConfigError(f"key {key!r}: cannot read {path!r}: not a file name ({exc})") from None
+        os.close(open_regular(path, MAX_PEM_BYTES))
+    except ConfigError as exc:
+        problem = str(exc).removeprefix("cannot read: ")
+        raise ConfigError(f"key {key!r}: cannot read {short(path, PATH_SHOWN)}: "
+                          f"{problem}") from None
 
 
 class _Encrypted(Exception):
@@ -211,19 +223,19 @@ def load_web_config(path: str) -> WebConfig:
             raw.pop("basic_auth_users", None)  # "basic_auth_users:" with nothing under it
         if isinstance(users, dict):
             for user in users:
+                where = "basic_auth_users." + key_text(user)
                 if not isinstance(user, str):
-                    raise ConfigError(f"key {'basic_auth_users.' + str(user)!r}: a user name "
-                                      "must be a string (quote it)")
+                    raise ConfigError(f"key {where!r}: a user name must be a string (quote it)")
                 problem = text_problem(user)
                 if problem is not None:  # BasicAuth compares UTF-8 bytes with the header's
-                    raise ConfigError(f"key {'basic_auth_users.' + user!r}: a user name "
-                                      f"cannot hold {problem}")
+                    raise ConfigError(f"key {where!r}: a user name cannot hold {problem}")
         cfg = validate(raw, _schema(users if isinstance(users, dict) else ()), "")
         for user, hashed in cfg.get("basic_auth_users", {}).items():
             m = _BCRYPT.match(hashed)
             if not m or not 4 <= int(m.group(1)) <= 31:
-                raise ConfigError(f"key {'basic_auth_users.' + user!r}: not a bcrypt hash "
-                                  "(expected $2y$10$ followed by 53 characters)")
+                where = "basic_auth_users." + key_text(user)
+                raise ConfigError(f"key {where!r}: not a bcrypt hash (expected $2y$10$ followed "
+                                  "by 53 characters)")
         headers = cfg.get("http_server_config", {}).get("headers", {})
         for name, value in headers.items():
             if _HEADER_VALUE_BAD.search(value):
@@ -232,7 +244,7 @@ def load_web_config(path: str) -> WebConfig:
                                   f"characters beyond U+00FF, got {value[:60]!r}")
             if HEADERS[name] and value.lower() not in HEADERS[name]:
                 raise ConfigError(f"key {'http_server_config.headers.' + name!r}: expected one "
-                                  f"of {', '.join(HEADERS[name])}, got {value!r}")
+                                  f"of {', '.join(HEADERS[name])}, got {short(value)}")
         ctx, auth = None, "NoClientCert"
         if "tls_server_config" in cfg:
             ctx, auth = _ssl_context(cfg["tls_server_config"],

@@ -4,6 +4,7 @@ Alertmanager is tests/test_alerts_e2e.py."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -74,6 +75,25 @@ def test_check_detects_a_stale_file(tmp_path: Path) -> None:
     stale.write_text(RULES.read_text().replace("> 120", "> 121"))
     out = run_rules("--check", str(stale))
     assert out.returncode == 1 and "stale" in out.stderr
+
+
+def test_check_reads_only_a_regular_file(tmp_path: Path) -> None:
+    """--check never blocks on a FIFO nor reads a device; a file that is not UTF-8 is stale, not
+    a traceback; line endings are read as open() reads text (CRLF is the same file)."""
+    os.mkfifo(tmp_path / "fifo")
+    for path, problem in ((tmp_path / "fifo", "a FIFO, not a regular file"),
+                          (Path("/dev/zero"), "a character device, not a regular file"),
+                          (tmp_path, "a directory, not a regular file")):
+        out = run_rules("--check", str(path))  # its timeout guards against a hang
+        assert out.returncode == 2
+        assert out.stderr == f"gpunet-rules: cannot read {path}: {problem}\n"
+    binary = tmp_path / "binary.yml"
+    binary.write_bytes(b"\xff" + RULES.read_bytes())
+    out = run_rules("--check", str(binary))
+    assert out.returncode == 1 and "stale" in out.stderr and "Traceback" not in out.stderr
+    crlf = tmp_path / "crlf.yml"
+    crlf.write_bytes(RULES.read_bytes().replace(b"\n", b"\r\n"))
+    assert run_rules("--check", str(crlf)).returncode == 0
 
 
 def test_promtool_check_rules() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import resource
+import shutil
 import socket
 import subprocess
 from pathlib import Path
@@ -243,3 +245,94 @@ def test_root_warning_once_started(run_exporter: Any) -> None:
     assert len(warned) == (1 if os.geteuid() == 0 else 0), err
     if warned:
         assert "CAP_SYS_ADMIN" in warned[0] and "level=warn" in warned[0]
+
+
+# ---- hostile files (issue 15): every YAML file a command reads is bounded ----------------------
+
+def alias_bomb() -> str:
+    """The "billion laughs" in YAML, about 300 bytes: nine lists, each of nine aliases to the one
+    before, so 9**9 (387 million) strings once expanded. PyYAML composes it in a millisecond (it
+    shares the aliased lists); before the limits, an error message's repr() of it took 40 s and
+    4.3 GB."""
+    lines = ["- &a [x, x, x, x, x, x, x, x, x]"]
+    for before, name in zip("abcdefgh", "bcdefghi", strict=True):
+        lines.append(f"- &{name} [{', '.join([f'*{before}'] * 9)}]")
+    return "\n".join(lines) + "\n"
+
+
+def merge_bomb() -> str:
+    """The same through merge keys: PyYAML itself copies 9**8 pairs while constructing it."""
+    lines = ["a: &a {" + ", ".join(f"k{i}: 1" for i in range(9)) + "}"]
+    for before, name in zip("abcdefgh", "bcdefghi", strict=True):
+        lines.append(f"{name}: &{name} {{<<: [{', '.join([f'*{before}'] * 9)}]}}")
+    return "\n".join(lines) + "\n"
+
+
+def hostile(tmp_path: Path, case: str) -> str:
+    """A path for ``case``: a file with that content, or a FIFO, a device, a directory."""
+    path = tmp_path / "hostile.yml"
+    if case == "alias bomb":
+        path.write_text(alias_bomb())
+    elif case == "merge bomb":
+        path.write_text(merge_bomb())
+    elif case == "over 1 MiB":
+        path.write_text("#" * (1 << 20) + "\n")
+    elif case == "FIFO":
+        os.mkfifo(path)  # nobody writes: a blocking open() would wait for ever
+    elif case == "directory":
+        path.mkdir()
+    else:
+        return "/dev/zero"
+    return str(path)
+
+
+HOSTILE = {
+    "alias bomb": "more than 100000 values at line 6, column ",
+    "merge bomb": "more than 100000 values at line 5, column ",
+    "over 1 MiB": f"too large: {(1 << 20) + 1} bytes, the limit is 1 MiB",
+    "FIFO": "a FIFO, not a regular file",
+    "/dev/zero": "a character device, not a regular file",
+    "directory": "a directory, not a regular file",
+}
+# command -> (its program and arguments, the flag that takes the file, the start of the line)
+READERS = {
+    "exporter --config.file": (["gpunet-exporter"], "--config.file",
+                               "gpunet-exporter: config file"),
+    "exporter --web.config.file": (["gpunet-exporter"], "--web.config.file",
+                                   "gpunet-exporter: web config file"),
+    "doctor --config.file": (["gpunet-exporter", "doctor"], "--config.file",
+                             "gpunet-exporter doctor: config file"),
+    "doctor --thresholds": (["gpunet-exporter", "doctor"], "--thresholds",
+                            "gpunet-exporter doctor: thresholds file"),
+    "gpunet-rules --thresholds": (["gpunet-rules"], "--thresholds",
+                                  "gpunet-rules: thresholds file"),
+}
+MEMORY_CAP = 512 << 20  # the alias bomb needed 4.3 GB before; a refusing exporter needs ~30 MB
+
+
+def _cap_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+@pytest.mark.parametrize("reader", sorted(READERS))
+def test_hostile_yaml_files_are_refused_in_one_line(tmp_path: Path, reader: str,
+                                                    case: str) -> None:
+    """Every command that reads a YAML file refuses, at once and in bounded memory, an alias or
+    merge-key bomb, a file over 1 MiB, and anything that is not a regular file: one line naming
+    the file and the problem, exit 2. The address space is capped (a regression dies of
+    MemoryError instead of eating the machine); the timeout only guards against a hang (the FIFO
+    blocked start-up for ever), it asserts nothing about speed."""
+    path = hostile(tmp_path, case)
+    (program, *args), flag, start = READERS[reader]
+    exe = shutil.which(program)
+    assert exe, f"the {program} console script is not installed (pip install .)"
+    if program == "gpunet-exporter":
+        args.append(f"--path.sysfs={SYSFS}")
+        if args[:1] != ["doctor"]:  # should it start after all, not on the default port
+            args.append(f"--web.listen-address=127.0.0.1:{free_port()}")
+    res = subprocess.run([exe, *args, f"{flag}={path}"], capture_output=True, text=True,
+                         timeout=120, stdin=subprocess.DEVNULL, preexec_fn=_cap_memory)
+    check_user_error(res, 2, f"{start} {path!r}: {HOSTILE[case]}")
+    assert res.stderr.count("\n") == 1, res.stderr
+    assert res.stdout == ""

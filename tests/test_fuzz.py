@@ -49,6 +49,10 @@ runner.parse_bytes/parse_sizes        value, or ArgumentTypeError/          runn
 runner.cluster_from_env               Cluster or None, never raises         runner_arguments
 config.validate, read_yaml,           value, or ConfigError only            config_validate,
 load_file, thresholds.load                                                  config_file
+config.short, key_text (error         at most 60 characters: repr() or its  short_excerpt
+messages)                             start, for any value (huge, shared)
+read_yaml (anchors and aliases)       refused exactly beyond MAX_VALUES     yaml_aliases_are_
+                                      values counted through every alias    counted
 webconfig.load_web_config             WebConfig or ConfigError only         web_config_file
 webconfig.BasicAuth.check             bool, never raises (request header)   basic_auth_header
 topology: parse_environ,              value or None, never raises           topology_text
@@ -141,7 +145,16 @@ from collectors.topology import (
 from exporter import nvml, rdma, thresholds
 from exporter.background import Refresher
 from exporter.collector import Collector
-from exporter.config import ConfigError, Field, load_file, validate
+from exporter.config import (
+    MAX_VALUES,
+    ConfigError,
+    Field,
+    key_text,
+    load_file,
+    read_yaml,
+    short,
+    validate,
+)
 from exporter.ethtool import (
     ETH_GSTRING_LEN,
     ETH_SS_STATS,
@@ -937,6 +950,86 @@ def test_web_config_file(text_: str) -> None:
             fh.write(text_)
         with contextlib.suppress(ConfigError):
             load_web_config(path)
+
+
+# Values as YAML builds them, with the sharing aliases leave: a list repeating one value n times
+# is n aliases to one anchor, so a few levels of it are billions of values when walked.
+_UNQUOTED = hs.characters(codec="utf-8", exclude_characters="'\"")
+SHARED = hs.recursive(
+    hs.none() | hs.booleans() | hs.floats() | hs.integers(-(2**70), 2**70)
+    | hs.integers(2**14_300, 2**20_000)  # beyond repr()'s 4,300 digits
+    | hs.text(_UNQUOTED, max_size=80)
+    | hs.binary(max_size=80).map(lambda b: b.replace(b"'", b"").replace(b'"', b"")),
+    lambda inner: (hs.lists(inner, max_size=4)
+                   | hs.tuples(inner, hs.integers(0, 12)).map(lambda t: [t[0]] * t[1])
+                   | hs.dictionaries(hs.text(_UNQUOTED, max_size=8), inner, max_size=3)),
+    max_leaves=30)
+
+
+def expanded(value: Any, memo: dict[int, int] | None = None) -> int:
+    """The values of ``value`` counted as a walk meets them (every alias anew), as read_yaml
+    counts them; linear in the distinct objects."""
+    memo = {} if memo is None else memo
+    if not isinstance(value, (list, dict)):
+        return 1
+    if id(value) not in memo:
+        memo[id(value)] = 1 + (sum(1 + expanded(v, memo) for v in value.values())
+                               if isinstance(value, dict) else
+                               sum(expanded(v, memo) for v in value))
+    return memo[id(value)]
+
+
+@fuzz(200)
+@given(SHARED | hs.sampled_from(("x" * 10**6, b"\0" * 10**6, -(2**20_000))))
+def test_short_excerpt(value: Any) -> None:
+    """short() is at most 60 characters for any value, however large or shared, and is repr()
+    or its first 57 characters and "..." (strings without quotes: repr() picks its quote from the
+    whole string)."""
+    excerpt = short(value)
+    assert len(excerpt) <= 60
+    assert len(key_text(value if not isinstance(value, (list, dict)) else 0)) <= 60
+    if expanded(value) > 10_000:
+        return  # repr() would take too long to compare with
+    try:
+        full = repr(value)
+    except ValueError:  # an int beyond 4,300 digits somewhere in it
+        return
+    assert excerpt == (full if len(full) <= 60 else full[:57] + "...")
+
+
+@fuzz(60)
+@given(hs.lists(hs.integers(1, 12), min_size=1, max_size=9), hs.booleans())
+def test_yaml_aliases_are_counted(widths: list[int], merge: bool) -> None:
+    """Chains of anchors, each level ``width`` aliases to the one before (lists, or mappings
+    through ``<<`` merge keys): read_yaml refuses exactly the documents of more than MAX_VALUES
+    values counted through every alias, and loads the others unchanged."""
+    lines, total, size = [], 1, 0  # the document's mapping is a value
+    for i, width in enumerate(widths):
+        if merge and i == 0:
+            body, size = "{" + ", ".join(f"k{j}: 1" for j in range(width)) + "}", 1 + 2 * width
+        elif merge:
+            body, size = f"{{<<: [{', '.join([f'*l{i - 1}'] * width)}]}}", 3 + width * size
+        elif i == 0:
+            body, size = f"[{', '.join(['x'] * width)}]", 1 + width
+        else:
+            body, size = f"[{', '.join([f'*l{i - 1}'] * width)}]", 1 + width * size
+        lines.append(f"l{i}: &l{i} {body}")
+        total += 1 + size
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "aliases.yml")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write("\n".join(lines) + "\n")
+        try:
+            value = read_yaml(path)
+        except ConfigError as exc:
+            assert total > MAX_VALUES, (total, exc)
+            assert str(exc).startswith(f"more than {MAX_VALUES} values at line ")
+            return
+    assert total <= MAX_VALUES
+    if merge:  # the merged mappings hold each key once
+        assert all(v == {f"k{j}": 1 for j in range(widths[0])} for v in value.values())
+    else:
+        assert expanded(value) == total
 
 
 AUTH = BasicAuth({"alice": HASH})

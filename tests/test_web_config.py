@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import http.client
+import os
 import socket
 import ssl
 import subprocess
@@ -229,6 +230,37 @@ def test_config_errors(tmp_path: Path, pki: Path) -> None:
     assert res.returncode == 2 and "absent.yml" in res.stderr and "cannot read" in res.stderr
 
 
+def test_tls_files_must_be_regular_files(tmp_path: Path, pki: Path) -> None:
+    """ssl opens cert_file, key_file and client_ca_file with a blocking open() and reads them
+    whole: a FIFO there held up start-up for ever. Each is refused by its type (or its size)
+    before ssl sees it; the timeout guards against a hang only."""
+    os.mkfifo(tmp_path / "fifo.pem")
+    (tmp_path / "dir.pem").mkdir()
+    big = tmp_path / "big.pem"
+    with big.open("wb") as fh:
+        fh.truncate((16 << 20) + 1)  # sparse: over the 16 MiB limit without writing it
+    ca = "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {}\n"
+    cases = [
+        ("tls_server_config:\n  cert_file: fifo.pem\n  key_file: x\n",
+         f"key 'tls_server_config.cert_file': cannot read {str(tmp_path / 'fifo.pem')!r}: "
+         "a FIFO, not a regular file"),
+        (f"tls_server_config:\n  cert_file: {pki / 'server.crt'}\n  key_file: /dev/zero\n",
+         "key 'tls_server_config.key_file': cannot read '/dev/zero': a character device, not a "
+         "regular file"),
+        (tls_section(pki, ca.format("dir.pem")),
+         f"key 'tls_server_config.client_ca_file': cannot read {str(tmp_path / 'dir.pem')!r}: "
+         "a directory, not a regular file"),
+        (tls_section(pki, ca.format("big.pem")),
+         f"key 'tls_server_config.client_ca_file': cannot read {str(big)!r}: too large: "
+         f"{(16 << 20) + 1} bytes, the limit is 16 MiB"),
+    ]
+    for text, needle in cases:
+        path = web_config(tmp_path, text)
+        res = run(f"--web.config.file={path}")
+        assert res.returncode == 2, (text, res.stderr)
+        assert res.stderr == f"gpunet-exporter: web config file {path!r}: {needle}\n"
+
+
 def test_relative_paths_and_empty_file(tmp_path: Path, pki: Path, run_exporter: Any) -> None:
     for name in ("server.crt", "server.key"):
         (tmp_path / name).write_bytes((pki / name).read_bytes())
@@ -273,7 +305,8 @@ def test_wrap_without_users_or_headers_is_identity() -> None:
     assert seen == [("200 OK", [("X-Frame-Options", "deny")])]
 
 
-def test_handshake_timeout_closes_the_connection(pki: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_handshake_timeout_closes_the_connection(pki: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from exporter import httpserver as exporter_http
 
     def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
