@@ -569,7 +569,7 @@ def formats(e: Exporter) -> list[Format]:
         body = fmt.decode(resp, raw)
         # The last family, whose value stays 0 while no scrape is refused (the process_*
         # families before it change from one scrape to the next).
-        fmt.tail = body[body.rindex(b"# HELP gpunet_exporter_scrapes_rejected"):]
+        fmt.tail = body[body.rindex(b"# HELP gpunet_exporter_http_connections_refused"):]
         s = fmt.full_parse(body)
         assert success(s) == dict.fromkeys(COLLECTORS, 1)
         fmt.series = len(s)
@@ -876,7 +876,9 @@ def test_soak_devices_come_and_go(node: Node, tmp_path: Path) -> None:
           f"errors {len(errors)}")
     assert not errors, f"{len(errors)} problems, first ones: {errors[:10]}"
     assert total[0] >= SOAK_SCRAPES
-    assert end[1].threads <= start[1].threads, (start, end)
+    # The HTTP server starts its worker threads on demand, up to --web.max-requests + 4; the
+    # main thread's scrapes next to the SOAK_CLIENTS scrapers' can make it start one more.
+    assert end[1].threads <= start[1].threads + 1, (start, end)
     assert end[1].fds <= start[1].fds, (start, end)
     assert end[1].rss_kb - start[1].rss_kb <= SOAK_RSS_BOUND_KB, (start, end)
     assert "Traceback" not in err
