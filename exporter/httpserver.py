@@ -57,7 +57,7 @@ HANDSHAKE_TIMEOUT = 10.0  # seconds a client has to complete the TLS handshake
 # interval, so that the server never closes a connection just as Prometheus reuses it.
 HEAD_TIMEOUT = 10.0
 CLOSE_TIMEOUT = 5.0  # seconds a closing connection may take (TLS close_notify) before a reset
-DEFAULT_MAX_CONNECTIONS = 512
+DEFAULT_MAX_CONNECTIONS = 256  # TLS connections hold about 280 KB each (asyncio buffers)
 MAX_HEAD = 64 * 1024  # bytes of request line and headers
 MAX_BODY = 64 * 1024  # bytes of request body read (and dropped)
 _REQUEST_LINE = re.compile(rb"^[!-~]+ [!-~]+ HTTP/[0-9]\.[0-9]\r?\n")
