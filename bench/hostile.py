@@ -121,7 +121,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 # --------------------------------------------------------------------------- targets
 
@@ -958,6 +958,26 @@ def case_idle(ctx: Ctx) -> Outcome:
     return Outcome(text, bool(rep.connect_errors), asdict(rep))
 
 
+T = TypeVar("T")
+
+
+def run_at_once(worker: Callable[[T], None], args: Sequence[T], barrier: threading.Barrier,
+                ctx: Ctx) -> bool:
+    """One thread per argument, all released at the same instant through ``barrier`` (of
+    len(args) + 1 parties, the last being this thread), then waited for within the case's time;
+    False when they could not all be started."""
+    threads = [threading.Thread(target=worker, args=(arg,), daemon=True) for arg in args]
+    for t in threads:
+        t.start()
+    try:
+        barrier.wait(timeout=30)
+    except threading.BrokenBarrierError:
+        return False
+    for t in threads:
+        t.join(ctx.left())
+    return True
+
+
 @dataclass
 class Shot:
     connect: float | None = None
@@ -1002,15 +1022,8 @@ def case_burst_connect(ctx: Ctx) -> Outcome:
             sock.close()
 
     overflows = listen_overflows()
-    threads = [threading.Thread(target=worker, args=(shot,), daemon=True) for shot in shots]
-    for t in threads:
-        t.start()
-    try:
-        barrier.wait(timeout=30)
-    except threading.BrokenBarrierError:
+    if not run_at_once(worker, shots, barrier, ctx):
         return Outcome("harness: could not start all client threads", True)
-    for t in threads:
-        t.join(ctx.left())
     overflow_delta = (None if overflows is None or (after := listen_overflows()) is None
                       else after - overflows)
     connects = [s.connect for s in shots if s.connect is not None]
@@ -1072,15 +1085,8 @@ def case_burst_scrape(ctx: Ctx) -> Outcome:
             if sock is not None:
                 sock.close()
 
-    threads = [threading.Thread(target=worker, args=(out,), daemon=True) for out in results]
-    for t in threads:
-        t.start()
-    try:
-        barrier.wait(timeout=30)
-    except threading.BrokenBarrierError:
+    if not run_at_once(worker, results, barrier, ctx):
         return Outcome("harness: could not start all client threads", True)
-    for t in threads:
-        t.join(ctx.left())
     flat = [s for out in results for s in out]
     lat = [s.latency for s in flat]
     errors: dict[str, int] = {}

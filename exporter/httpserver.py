@@ -81,6 +81,7 @@ class Listener(socket.socket):
     def __init__(self, family: int, cap: int) -> None:
         super().__init__(family, socket.SOCK_STREAM)
         self.cap = cap
+        self.backlog = _backlog()
         self.refused = 0
         self._open: weakref.WeakSet[socket.socket] = weakref.WeakSet()
 
@@ -139,7 +140,7 @@ def _bind(family: int, host: str, port: int, cap: int) -> Listener:
             with contextlib.suppress(OSError):
                 listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         listener.bind((host, port))
-        listener.listen(_backlog())  # connections queue from now on
+        listener.listen(listener.backlog)  # connections queue from now on
     except OSError:
         listener.close()
         raise
@@ -382,7 +383,8 @@ class Server:
             if sys.version_info >= (3, 11):
                 kwargs["ssl_shutdown_timeout"] = CLOSE_TIMEOUT
         self._server = self._loop.run_until_complete(self._loop.create_server(
-            lambda: _Connection(self), sock=self.listener, backlog=_backlog(), **kwargs))
+            lambda: _Connection(self), sock=self.listener, backlog=self.listener.backlog,
+            **kwargs))
         self._ready.set()
         try:
             self._loop.run_forever()
@@ -431,10 +433,10 @@ class Server:
         self.listener.close()
 
 
-def serve(app: WSGIApp, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
-          max_connections: int = DEFAULT_MAX_CONNECTIONS, threads: int = 44) -> Server:
-    """Bind, listen and start serving in a thread, over TLS with ``ssl_context``. Raises
-    OSError when the address cannot be bound."""
+def serve(app: WSGIApp, host: str, port: int, ssl_context: ssl.SSLContext | None,
+          max_connections: int, threads: int) -> Server:
+    """Bind, listen and start serving in a thread, over TLS with ``ssl_context``, the app in
+    ``threads`` worker threads. Raises OSError when the address cannot be bound."""
     server = Server(app, bind(host, port, max_connections), ssl_context, threads)
     server.start()
     return server

@@ -316,7 +316,7 @@ def test_handshake_timeout_closes_the_connection(pki: Path,
     monkeypatch.setattr(exporter_http, "HANDSHAKE_TIMEOUT", 0.5)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(str(pki / "server.crt"), str(pki / "server.key"))
-    httpd = exporter_http.serve(app, "127.0.0.1", free_port(), ctx)
+    httpd = exporter_http.serve(app, "127.0.0.1", free_port(), ctx, max_connections=8, threads=2)
     try:
         port = httpd.server_address[1]
         with socket.create_connection(("127.0.0.1", port), timeout=10) as silent:
