@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -143,6 +143,24 @@ DEVICE_HW_COUNTER = MetricSpec(
     ("device", "counter"), "as the driver counts it",
     "/sys/class/infiniband/<device>/hw_counters/<counter>")
 
+PORT_HW_DROPPED = MetricSpec(
+    "gpunet_infiniband_port_hw_counters_dropped", "gauge",
+    "hw_counters/ files without a curated name that this scrape did not export because the "
+    "port has more than infiniband.generic_hw_counters_max of them (the first ones by file name "
+    "are exported, curated counters always); absent when none was dropped", _P, "files",
+    "the listing of /sys/class/infiniband/<device>/ports/<port>/hw_counters/")
+DEVICE_HW_DROPPED = MetricSpec(
+    "gpunet_infiniband_device_hw_counters_dropped", "gauge",
+    "Device-level hw_counters/ files without a curated name that this scrape did not export "
+    "because the device has more than infiniband.generic_hw_counters_max of them; absent when "
+    "none was dropped", ("device",), "files",
+    "the listing of /sys/class/infiniband/<device>/hw_counters/")
+# Generic hw_counters series per port (and per device-level directory): an mlx5 port has about 40
+# hw_counters files, nearly all curated; another driver's set is all generic here, and bnxt_re's,
+# the largest in the mainline kernel, has about 70. A directory of thousands (a driver bug, a
+# planted tree) must not turn into thousands of series on every scrape.
+GENERIC_HW_COUNTERS_MAX = 512
+
 _HCA_TYPE = DEVICE_INFO.labels.index("hca_type")
 
 _RULE = Field("map", fields={
@@ -165,6 +183,7 @@ class _Active:
     hca_type: str
     link_layer: str
     rate: float
+    labels: dict[str, str]  # the port's {device, port}, shared by its series
 
 
 class InfinibandCollector(Collector):
@@ -172,13 +191,17 @@ class InfinibandCollector(Collector):
     description = "InfiniBand and RoCE port state, rate, counters and hw_counters from sysfs"
     metrics = (DEVICE_INFO, PORT_INFO, STATE, PHYS_STATE, RATE, WIDTH, LANE_SPEED, RATE_EXPECTED,
                RATE_DEGRADED, *COUNTER_SPECS.values(), SATURATED, PORT_COUNTER,
-               *HW_PORT_SPECS.values(), PORT_HW_COUNTER, *HW_DEVICE_SPECS.values(),
-               DEVICE_HW_COUNTER)
+               *HW_PORT_SPECS.values(), PORT_HW_COUNTER, PORT_HW_DROPPED,
+               *HW_DEVICE_SPECS.values(), DEVICE_HW_COUNTER, DEVICE_HW_DROPPED)
     config_fields: ClassVar[Mapping[str, Field]] = {
         "device_include": Field("regex", "only devices whose name matches"),
         "device_exclude": Field("regex", "skip devices whose name matches"),
         "expected_rate": Field("list", "expected port rates; the first matching rule wins",
                                item=_RULE),
+        "generic_hw_counters_max": Field(
+            "int", "hw_counters files without a curated name exported per port (and per "
+            "device-level directory); the first ones by file name are kept",
+            default=GENERIC_HW_COUNTERS_MAX, minimum=0),
     }
     flags: ClassVar[Mapping[str, tuple[str, str]]] = {
         "device-include": ("device_include", "regexp of RDMA devices to include"),
@@ -215,14 +238,16 @@ class InfinibandCollector(Collector):
                 self.ctx.skip(rel, _errno_name(exc))
             return None
 
-    def _uints(self, rel: str) -> list[tuple[str, int]]:
-        """(file name, value) of every readable, parseable file in a counter directory.
+    def _uints(self, rel: str, select: Callable[[list[str]], Iterable[str]] | None = None
+               ) -> list[tuple[str, int]]:
+        """(file name, value) of every readable, parseable file in a counter directory (of
+        those ``select`` picks from the sorted names, when given).
 
         A missing directory gives nothing (no such counters on this driver); an unreadable or
         unparseable file is skipped and counted, costing that value alone.
         """
         try:
-            entries = self.ctx.sysfs.read_dir(rel)
+            entries = self.ctx.sysfs.read_dir(rel, select)
         except OSError:
             return []
         out = []
@@ -252,7 +277,8 @@ class InfinibandCollector(Collector):
             ports = []
         info = self._device_info(dev)
         self._fams.add(DEVICE_INFO, info, 1)
-        self._hw(f"{base}/hw_counters", [dev], HW_DEVICE_SPECS, DEVICE_HW_COUNTER)
+        self._hw(f"{base}/hw_counters", [dev], {"device": dev}, HW_DEVICE_SPECS,
+                 DEVICE_HW_COUNTER, DEVICE_HW_DROPPED)
         for port in ports:
             self._port(dev, port, info[_HCA_TYPE], active)
 
@@ -282,6 +308,7 @@ class InfinibandCollector(Collector):
     def _port(self, dev: str, port: str, hca_type: str, active: list[_Active]) -> None:
         pdir = f"{rdma.CLASS}/{dev}/ports/{port}"
         labels = [dev, port]
+        shared = dict(zip(_P, labels, strict=True))  # one dict for the port's series
         try:
             files = self.ctx.sysfs.read_many(pdir, ("link_layer", "state", "phys_state", "rate"))
         except OSError:  # the port went away with its device mid-scrape
@@ -305,15 +332,15 @@ class InfinibandCollector(Collector):
                 if text is not None:
                     self.ctx.skip(f"{pdir}/{fname}", f"unparseable {text[:40]!r}")
                 continue
-            self._fams.add(spec, labels, value)
+            self._fams.add_labeled(spec, shared, value)
             if fname == "state":
                 state = value
         rate_text = attr("rate")
         rate = parse_rate(rate_text) if rate_text is not None else None
         if rate is not None:
-            self._fams.add(RATE, labels, rate.bytes_per_second)
-            self._fams.add(WIDTH, labels, rate.lanes)
-            self._fams.add(LANE_SPEED, labels, rate.lane_bytes_per_second)
+            self._fams.add_labeled(RATE, shared, rate.bytes_per_second)
+            self._fams.add_labeled(WIDTH, shared, rate.lanes)
+            self._fams.add_labeled(LANE_SPEED, shared, rate.lane_bytes_per_second)
         elif rate_text is not None:
             self.ctx.skip(f"{pdir}/rate", f"unparseable {rate_text[:40]!r}")
         if state in ACTIVE:
@@ -323,11 +350,12 @@ class InfinibandCollector(Collector):
                 if speed and speed > 0:
                     effective = speed * 125_000.0
             if effective is not None:
-                active.append(_Active(dev, port, hca_type, link_layer, effective))
-        self._counters(pdir, labels)
-        self._hw(f"{pdir}/hw_counters", labels, HW_PORT_SPECS, PORT_HW_COUNTER)
+                active.append(_Active(dev, port, hca_type, link_layer, effective, shared))
+        self._counters(pdir, labels, shared)
+        self._hw(f"{pdir}/hw_counters", labels, shared, HW_PORT_SPECS, PORT_HW_COUNTER,
+                 PORT_HW_DROPPED)
 
-    def _counters(self, pdir: str, labels: list[str]) -> None:
+    def _counters(self, pdir: str, labels: list[str], shared: dict[str, str]) -> None:
         values: dict[str, tuple[int, int, int, str]] = {}  # metric -> (raw, scale, width, file)
         generic: list[tuple[str, int]] = []
         # counters_ext/ (kernels before 4.5) is read second and takes precedence.
@@ -343,7 +371,6 @@ class InfinibandCollector(Collector):
                 width = 64 if d.width == "64" or (d.width == "32/64" and extended) else int(
                     d.width.split("/")[0])
                 values[d.metric] = (raw, d.scale, width, fname)
-        shared = dict(zip(_P, labels, strict=True))
         for metric, (raw, scale, width, fname) in values.items():
             self._fams.add_labeled(COUNTER_SPECS[metric], shared, raw * scale)
             if width < 64 and raw >= (1 << width) - 1:  # judged on the PMA field, not bytes
@@ -351,17 +378,42 @@ class InfinibandCollector(Collector):
         for fname, value in generic:
             self._fams.add(PORT_COUNTER, [*labels, fname], value)
 
-    def _hw(self, hdir: str, labels: list[str], specs: Mapping[str, MetricSpec],
-            generic: MetricSpec) -> None:
-        shared = dict(zip(generic.labels[:-1], labels, strict=True))  # without "counter"
-        for fname, value in self._uints(hdir):
-            if HW_NAMES.get(fname) == "-":
-                continue
+    def _hw(self, hdir: str, labels: list[str], shared: dict[str, str],
+            specs: Mapping[str, MetricSpec], generic: MetricSpec, dropped_spec: MetricSpec
+            ) -> None:
+        """A hw_counters/ directory: every curated counter, and the first
+        ``generic_hw_counters_max`` other files by name (the rest are not even read)."""
+        limit: int = self.ctx.config.get("generic_hw_counters_max", GENERIC_HW_COUNTERS_MAX)
+        dropped = 0
+
+        def select(names: list[str]) -> list[str]:
+            nonlocal dropped
+            keep, generic_kept = [], 0
+            for name in names:  # sorted: which generic files are kept does not vary
+                kind = HW_NAMES.get(name)
+                if kind == "-":  # lifespan: a setting, not a counter
+                    continue
+                if kind is None:
+                    if generic_kept >= limit:
+                        dropped += 1
+                        continue
+                    generic_kept += 1
+                keep.append(name)
+            return keep
+
+        for fname, value in self._uints(hdir, select):
             spec = specs.get(fname)
             if spec is not None:
                 self._fams.add_labeled(spec, shared, value)
             else:
                 self._fams.add(generic, [*labels, fname], value)
+        if dropped:
+            self._fams.add_labeled(dropped_spec, shared, dropped)
+            # limit 0 is an operator's choice (curated counters only), not worth a warning
+            self.ctx.log_once(logging.WARNING if limit else logging.DEBUG,
+                              "%s has more than %d hw_counters files without a "
+                              "curated name; exporting the first %d by name",
+                              self.ctx.sysfs.path(hdir), limit, limit)
 
     # -- expected versus actual rate ------------------------------------------------------
 
@@ -383,6 +435,5 @@ class InfinibandCollector(Collector):
                 expected = fastest[(a.hca_type, a.link_layer)]
             if expected is None:
                 continue
-            labels = [a.device, a.port]
-            self._fams.add(RATE_EXPECTED, labels, expected)
-            self._fams.add(RATE_DEGRADED, labels, 1 if a.rate < expected else 0)
+            self._fams.add_labeled(RATE_EXPECTED, a.labels, expected)
+            self._fams.add_labeled(RATE_DEGRADED, a.labels, 1 if a.rate < expected else 0)

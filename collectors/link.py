@@ -241,10 +241,11 @@ class LinkCollector(Collector):
             # carrier and speed fail with EINVAL on a down or virtual interface: no value.
             elif attr not in ("carrier", "speed"):
                 self.ctx.skip(f"{base}/{attr}", content.strerror or content)
+        shared = {"interface": ifname}  # one dict for the interface's series
         state = values.get("operstate")
         if state is not None:
             if state in OPERSTATES:
-                fams.add(OPERSTATE, [ifname], OPERSTATES[state])
+                fams.add_labeled(OPERSTATE, shared, OPERSTATES[state])
             else:
                 self.ctx.skip(f"{base}/operstate", f"unknown state {state[:20]!r}")
         for attr, spec, scale in (("carrier", CARRIER, 1), ("speed", SPEED, 125_000),
@@ -256,7 +257,7 @@ class LinkCollector(Collector):
             if value is None:
                 self.ctx.skip(f"{base}/{attr}", f"unparseable {text[:40]!r}")
             elif value >= 0:  # speed -1 means unknown
-                fams.add(spec, [ifname], value * scale)
+                fams.add_labeled(spec, shared, value * scale)
         mtu = parse_int(values.get("mtu", ""))
         return mtu if mtu is not None and mtu > 0 else None
 

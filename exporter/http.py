@@ -82,7 +82,9 @@ def _landing(scraper: Scraper, telemetry_path: str) -> bytes:
 </table>
 </body></html>
 """
-    return page.encode()
+    # An error text can hold a name the kernel gave as bytes (a lone surrogate): escaped, not
+    # a failed page.
+    return page.encode("utf-8", "backslashreplace")
 
 
 class _Collected:

@@ -20,10 +20,23 @@ def _fields(record: logging.LogRecord) -> dict[str, str]:
     collector = getattr(record, "collector", None)
     if collector:
         out["collector"] = str(collector)
-    out["msg"] = record.getMessage()
+    out["msg"] = _encodable(record.getMessage())
     if record.exc_info:
-        out["err"] = logging.Formatter().formatException(record.exc_info)
+        out["err"] = _encodable(logging.Formatter().formatException(record.exc_info))
     return out
+
+
+def _encodable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (a lone surrogate: a file or device name the
+    kernel gave as bytes that are not UTF-8) as a backslash escape, so that no output
+    encoding's errors setting can fail or drop the log line."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def _logfmt_value(value: str) -> str:

@@ -2,10 +2,11 @@
 
 Each collection runs in its own thread with a deadline. An exception, a hang or a missing device
 costs only that collector's own families; the scrape reports every collector's duration and
-success. While a collection is still running (a hung read), later scrapes join it instead of
-starting another, so a stuck source never piles up threads. The deadline is ``--scrape.timeout``,
-shortened for one request by the scraper's own (``X-Prometheus-Scrape-Timeout-Seconds``, see
-:func:`request_timeout`).
+success. Every label of every collector's samples, third-party collectors' included, is checked
+here (:func:`drop_unexposable`) before it can reach an encoder. While a collection is still
+running (a hung read), later scrapes join it instead of starting another, so a stuck source never
+piles up threads. The deadline is ``--scrape.timeout``, shortened for one request by the
+scraper's own (``X-Prometheus-Scrape-Timeout-Seconds``, see :func:`request_timeout`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import contextlib
 import logging
 import platform
 import queue
+import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextvars import ContextVar
@@ -93,8 +95,9 @@ SCRAPE_METRICS = (
         "hardware still reports 1", ("collector",), "boolean", "exporter"),
     MetricSpec(
         "gpunet_scrape_collector_unreadable_values", "gauge",
-        "Values the collector skipped in this scrape because a file could not be read or parsed "
-        "(each costs only its own value)", ("collector",), "count", "exporter"),
+        "Values the collector skipped in this scrape because a file could not be read or parsed, "
+        "or because a label could not be exposed (not UTF-8, a NUL, longer than 256 characters; "
+        "docs/security.md); each costs only its own value", ("collector",), "count", "exporter"),
     MetricSpec(
         "gpunet_exporter_build_info", "gauge",
         "Always 1; labels carry the exporter and Python versions", ("version", "python_version"),
@@ -102,6 +105,101 @@ SCRAPE_METRICS = (
     HOTPLUG_MONITORING,
     DEVICE_EVENTS,
 )
+
+
+# Labels (docs/security.md, "Names and text from the system"). Names of devices, ports, netdevs
+# and counter files come from directory listings, and the kernel allows any bytes but '/' and NUL
+# in them: os.listdir gives bytes that are not UTF-8 as lone surrogates, which no encoder can
+# write, so one such name would fail every scrape. Other values come from file contents, tool
+# output and JSON, where a NUL means garbage (no name can hold one; C code cuts the string
+# there). A listing's longest name is NAME_MAX, 255 bytes, and the strings drivers print into
+# labels are shorter (IFNAMSIZ 16, IB_DEVICE_NAME_MAX and firmware/board ids 64, NVML names 96),
+# so 256 characters passes every real value while a garbage file's text (up to 64 KiB) stays out
+# of a label; and a Prometheus whose label_value_length_limit (which fails the whole scrape for
+# one longer value) is 256 or more keeps every scrape of this exporter.
+LABEL_VALUE_MAX = 256
+# The label names every Prometheus version parses, and that exporter/http.py's encoding
+# shortcut assumes; a third-party collector's other names are refused here.
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+_good_label_names: set[str] = set()  # names found valid: those of the specs, a few dozen
+
+
+def _show(value: object) -> str:
+    """A value for a log line: ASCII (escapes for anything else), at most about 60 characters."""
+    text = ascii(value[:60] if isinstance(value, str) else value)
+    return text if len(text) <= 64 else text[:60] + "..."
+
+
+def label_problem(labels: object) -> str | None:
+    """Why a sample with these labels cannot be exposed, or None when it can: every name a
+    Prometheus label name, every value a string of at most LABEL_VALUE_MAX characters that
+    encodes as UTF-8 (strict: no lone surrogate) and holds no NUL."""
+    if not isinstance(labels, dict):
+        return f"labels are a {type(labels).__name__}, not a dict"
+    for name, value in labels.items():
+        if name not in _good_label_names:
+            if not (isinstance(name, str) and _LABEL_NAME.fullmatch(name)):
+                return f"label name {_show(name)} is not a Prometheus label name"
+            if len(_good_label_names) < 10_000:
+                _good_label_names.add(name)
+        if not isinstance(value, str):
+            return f"label {name}={_show(value)} is not a string"
+        if len(value) > LABEL_VALUE_MAX:
+            return (f"label {name}={_show(value)} is longer than {LABEL_VALUE_MAX} characters "
+                    f"({len(value)})")
+        if "\0" in value:
+            return f"label {name}={_show(value)} holds a NUL character"
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"label {name}={_show(value)} is not UTF-8 (bytes the kernel gave as is)"
+    return None
+
+
+def drop_unexposable(families: list[Metric], skip: Callable[[str, object], None]) -> None:
+    """Remove, in place, every sample whose labels cannot be exposed (:func:`label_problem`),
+    calling ``skip(what, why)`` for each: such a sample costs itself, not the scrape. A HELP
+    text UTF-8 cannot encode gets backslash escapes instead.
+
+    Runs on every collection, so it is quick: many samples share one label dict
+    (Families.add_labeled), so each distinct dict is judged once; and a dict whose names are
+    known and whose values, joined, are printable (so no lone surrogate and no NUL) and no
+    longer than LABEL_VALUE_MAX passes on that alone.
+    """
+    ok: set[int] = set()
+    bad: dict[int, str] = {}
+    good_names = _good_label_names
+    for fam in families:
+        # A third-party HELP text with a name in it: escaped, not dropped.
+        doc = fam.documentation
+        if isinstance(doc, str) and not doc.isascii():
+            fam.documentation = doc.encode("utf-8", "backslashreplace").decode("utf-8")
+        dropped = False
+        for s in fam.samples:
+            labels = s.labels
+            key = id(labels)
+            if key in ok:
+                continue
+            why = bad.get(key)
+            if why is None:
+                try:
+                    joined = "".join(labels.values())
+                    if (joined.isprintable() and len(joined) <= LABEL_VALUE_MAX
+                            and labels.keys() <= good_names):
+                        ok.add(key)
+                        continue
+                except (AttributeError, TypeError):  # not a dict, or a value not a string
+                    pass
+                why = label_problem(labels)
+                if why is None:
+                    ok.add(key)
+                    continue
+                bad[key] = why
+            skip(f"a sample of {s.name}", why)
+            dropped = True
+        if dropped:
+            fam.samples = [s for s in fam.samples if id(s.labels) not in bad]
 
 
 @dataclass
@@ -160,6 +258,7 @@ class Runner:
         t0 = time.perf_counter()
         try:
             families = list(self.collector.collect())
+            drop_unexposable(families, ctx.skip)
             success, error = True, ""
         except BaseException as exc:  # even SystemExit: this thread must answer the future
             families, success = [], False

@@ -46,23 +46,32 @@ class Root:
         """The file's text with trailing whitespace removed; raises OSError."""
         return self._read(f"{self.root}/{rel}", None, rel)
 
-    def read_dir(self, rel: str) -> dict[str, str | OSError]:
+    def read_dir(self, rel: str, select: Callable[[list[str]], Iterable[str]] | None = None
+                 ) -> dict[str, str | OSError]:
         """Every entry of a directory read at once: name -> text, or the OSError reading it gave.
 
         Opens the directory once and each file relative to it (openat), which saves resolving
         the whole path, symlinks included, for each of the hundreds of counter files.
+        ``select``, given the sorted names, returns those to read (default: all of them).
         Raises OSError when the directory itself cannot be opened.
         """
-        return self.read_many(rel, None)
+        return self.read_many(rel, None, select)
 
-    def read_many(self, rel: str, names: Iterable[str] | None) -> dict[str, str | OSError]:
-        """Several files of one directory (all of them when ``names`` is None), each read
-        relative to the directory's descriptor. Raises OSError when the directory cannot be
-        opened; a file that cannot be read maps to its OSError."""
+    def read_many(self, rel: str, names: Iterable[str] | None,
+                  select: Callable[[list[str]], Iterable[str]] | None = None
+                  ) -> dict[str, str | OSError]:
+        """Several files of one directory (all of them, or those ``select`` picks from the
+        sorted listing, when ``names`` is None), each read relative to the directory's
+        descriptor. Raises OSError when the directory cannot be opened; a file that cannot be
+        read maps to its OSError."""
         dfd = _os(os.open, f"{self.root}/{rel}", _DIR_FLAGS)
         try:
             out: dict[str, str | OSError] = {}
-            for name in sorted(os.listdir(dfd)) if names is None else names:
+            if names is None:
+                names = sorted(os.listdir(dfd))
+                if select is not None:
+                    names = select(names)
+            for name in names:
                 try:
                     out[name] = self._read(name, dfd, f"{rel}/{name}")
                 except OSError as exc:

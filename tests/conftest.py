@@ -74,6 +74,21 @@ def collect(cls: type[Collector], sysfs: Path | str, config: Mapping[str, Any] |
         c.close()
 
 
+def install_plugin(site: Path, module: str, source: str, entry_points: Mapping[str, str]) -> Path:
+    """A third-party distribution installed in ``site`` (a folder for PYTHONPATH): the module
+    ``module`` with ``source``, and a dist-info whose entry points register each name ->
+    "module:attribute" of ``entry_points`` as a collector."""
+    site.mkdir(exist_ok=True)
+    (site / f"{module}.py").write_text(source)
+    info = site / f"{module}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[gpunet_exporter.collectors]\n" + "".join(
+        f"{name} = {target}\n" for name, target in entry_points.items()))
+    return site
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -90,8 +90,11 @@ def leftovers(tmp: Path) -> list[str]:
 
 def start(tmp: Path, *args: str) -> subprocess.Popen[str]:
     tmp.mkdir()
+    # SIGINT back to its default, as in a terminal: a shell that runs the suite in the
+    # background (`pytest &`) ignores it, and the demo would inherit that and never see Ctrl-C.
     return subprocess.Popen([sys.executable, str(DEMO), *args], cwd=REPO, env=demo_env(tmp),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def finish(proc: subprocess.Popen[str], tmp: Path) -> Run:

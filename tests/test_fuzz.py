@@ -10,6 +10,11 @@ truncated or replaced, numbers made huge, negative, fractional or non-numeric, N
 non-ASCII, U+FFFD (what a non-UTF-8 byte decodes to) and line-separator characters inserted,
 whitespace changed, the text cut short; :func:`mutated_bytes` adds invalid UTF-8 bytes.
 
+Label values are fuzzed end to end as well: hypothesis-made names of any bytes (what Linux
+allows in a file name) become counter files, an RDMA device and a netdev in a real tree, and the
+collection goes through the registry's label check and prometheus_client's text and OpenMetrics
+encoders (test_names_end_to_end).
+
 Contracts: "never raises" means a value (or None) for any input; where a parser has a documented
 clean rejection the test accepts exactly that exception and nothing else.
 
@@ -27,6 +32,10 @@ InfinibandCollector.collect           completes and renders; garbage costs  infi
 parse_ibv_devinfo, roce_active_mtu    dict / int or None, never raises      ibv_devinfo
 (collectors/link.py)
 LinkCollector.collect                 as InfinibandCollector                infiniband_link_tree
+drop_unexposable (exporter/           renders through both encoders; a      names_end_to_end
+registry.py) on names from listings   name that can be a label is exported
+(counter files, RDMA devices,         as is, one that cannot costs its
+netdevs) and text in labels           samples, counted
 parse_stats_text (exporter/           NicStats (names and values of equal   ethtool_text
 ethtool.py)                           length), never raises
 EthtoolReader.read (ioctl buffers)    NicStats or OSError                   ethtool_ioctl
@@ -112,10 +121,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
+from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
+from prometheus_client.parser import text_string_to_metric_families
 
 from collectors import tables
 from collectors.gpu import GpuCollector
-from collectors.infiniband import InfinibandCollector, parse_state
+from collectors.infiniband import HW_NAMES, InfinibandCollector, parse_state
 from collectors.link import LinkCollector, parse_ibv_devinfo, roce_active_mtu
 from collectors.pfc import NAMES, PfcCollector, _plan
 from collectors.pfc_config import (
@@ -169,12 +181,13 @@ from exporter.ethtool import (
 from exporter.probe import ncclog, results
 from exporter.probe.runner import Cluster, cluster_from_env, parse_bytes, parse_sizes
 from exporter.rdma import parse_rate
+from exporter.registry import drop_unexposable, label_problem
 from exporter.sysfs import Root, parse_int, parse_uint
 from exporter.webconfig import BasicAuth, _schema, load_web_config, wrap
 
 import fake_nvml
 import sysfs_tree as st
-from conftest import FIXTURES, make_collector, samples_of
+from conftest import FIXTURES, make_collector, samples_of, series
 
 PFC_DATA = FIXTURES / "pfc"
 MLNX_QOS = {p.name: p.read_text() for p in sorted(PFC_DATA.glob("mlnx_qos_*.txt"))}
@@ -352,9 +365,11 @@ def render(families: list[Metric]) -> bytes:
 
 
 def scrape(c: Collector) -> tuple[list[Metric], int]:
-    """One collection, rendered (so that the values are valid samples), and the number of
+    """One collection, through the label check the registry's Runner makes after every
+    collect(), rendered (so that the values and labels are valid samples), and the number of
     values the collector skipped."""
     families = list(c.collect())
+    drop_unexposable(families, c.ctx.skip)
     render(families)
     return families, c.ctx.unreadable
 
@@ -673,6 +688,129 @@ def test_infiniband_link_tree(dgx_tree: tuple[Path, dict[str, bytes]], data: hs.
         link.close()
     finally:
         _write_files(sys, originals)
+
+
+# ---- names from directory listings, end to end through prometheus_client's encoders ----------
+
+# What a file or directory name can be in Linux: 1 to 255 bytes, any but '/' and NUL, not '.' or
+# '..'; os.listdir gives bytes that are not UTF-8 as lone surrogates (surrogateescape).
+NAME = (hs.binary(min_size=1, max_size=30) | text(30).map(str.encode)
+        | hs.sampled_from((b"x\xff", b"\xed\xa0\x80", b"\xc3", b"\xef\xbb\xbfbom", b"n" * 255,
+                           "\u00e9".encode() * 127, b"\\", b'"', b"\n", b" ", b"a=b,c"))
+        ).filter(lambda b: 0 < len(b) <= 255 and b"/" not in b and b"\0" not in b
+                 and b not in (b".", b".."))
+
+
+def _exposable(value: str) -> bool:
+    return label_problem({"label": value}) is None
+
+
+def _bpath(path: Path, name: bytes) -> bytes:
+    return os.fsencode(path) + b"/" + name
+
+
+@pytest.fixture(scope="module")
+def names_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DGX H100 tree with a device-level hw_counters/ on mlx5_9, built once; each example
+    adds and renames, then puts everything back."""
+    sys = st.build_dgx_h100(tmp_path_factory.mktemp("names"))
+    st.make_switchdev(sys, "mlx5_9")
+    return sys
+
+
+@fuzz(40)
+@given(port_files=hs.lists(NAME, max_size=5, unique=True),
+       device_files=hs.lists(NAME, max_size=3, unique=True), device=NAME, netdev=NAME,
+       fw_ver=hs.binary(max_size=600) | hs.sampled_from((b"28.39\x00x\n", b"9" * 300)))
+def test_names_end_to_end(names_tree: Path, port_files: list[bytes], device_files: list[bytes],
+                          device: bytes, netdev: bytes, fw_ver: bytes) -> None:
+    """Hypothesis-made names as counter files (port and device level), an RDMA device and a
+    netdev, and odd text in a label file, collected and rendered by prometheus_client's text
+    and OpenMetrics encoders as /metrics does: the scrape never fails, a name that can be a
+    label is exported as it is, and one that cannot costs its own samples, counted."""
+    sys = names_tree
+    ib = sys / "class/infiniband"
+    port_hw, dev_hw = ib / "mlx5_0/ports/1/hw_counters", ib / "mlx5_9/hw_counters"
+    written = [_bpath(d, n) for d, names in ((port_hw, port_files), (dev_hw, device_files))
+               for n in names if not os.path.lexists(_bpath(d, n))]
+    fw_file = ib / "mlx5_2/fw_ver"
+    fw_original = fw_file.read_bytes()
+    netdev_dir = st._netdev(sys, "mlx5_1").resolve()
+    renames: list[tuple[bytes, bytes, bytes | None]] = []  # (old, new, class/net link target)
+    try:
+        for i, path in enumerate(written):
+            with open(path, "wb") as fh:
+                fh.write(f"{i + 1}\n".encode())
+        fw_file.write_bytes(fw_ver)
+        if not os.path.lexists(_bpath(ib, device)):
+            os.rename(os.fsencode(ib / "mlx5_3"), _bpath(ib, device))
+            renames.append((os.fsencode(ib / "mlx5_3"), _bpath(ib, device), None))
+        net_class = sys / "class/net"
+        if not os.path.lexists(_bpath(net_class, netdev)):
+            link = os.fsencode(net_class / netdev_dir.name)
+            target = os.readlink(link)
+            os.rename(os.fsencode(netdev_dir), _bpath(netdev_dir.parent, netdev))
+            renames.append((os.fsencode(netdev_dir), _bpath(netdev_dir.parent, netdev), None))
+            os.unlink(link)
+            os.symlink(os.path.dirname(target) + b"/" + netdev, _bpath(net_class, netdev))
+            renames.append((link, _bpath(net_class, netdev), target))
+
+        ib_c = make_collector(InfinibandCollector, sys)
+        link_c = make_collector(LinkCollector, sys, {"ibv_devinfo": {"enabled": False}})
+        families: list[Metric] = []
+        for c in (ib_c, link_c):
+            got = list(c.collect())
+            drop_unexposable(got, c.ctx.skip)  # what the Runner does after every collect()
+            families += got
+        body = render(families).decode("utf-8")
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Fixed(families))
+        om = openmetrics.generate_latest(registry).decode("utf-8")
+        s = samples_of(list(text_string_to_metric_families(body)))
+        assert samples_of(list(om_parse(om))).keys() == s.keys()
+        link_c.close()
+
+        def generic(family: str, **labels: str) -> dict[str, float]:
+            return {dict(k)["counter"]: v for (n, k), v in s.items()
+                    if n == family and set(labels.items()) <= k}
+
+        expected_skips = 0
+        for hw, names, family, labels in (
+                (port_hw, port_files, "gpunet_infiniband_port_hw_total",
+                 {"device": "mlx5_0", "port": "1"}),
+                (dev_hw, device_files, "gpunet_infiniband_device_hw_total",
+                 {"device": "mlx5_9"})):
+            got = generic(family, **labels)
+            for raw in names:
+                name = os.fsdecode(raw)
+                if _bpath(hw, raw) not in written or name in HW_NAMES:
+                    continue
+                if _exposable(name):
+                    assert name in got
+                else:
+                    assert name not in got
+                    expected_skips += 1
+        fw = fw_ver.decode("utf-8", "replace").rstrip()
+        infos = series(s, "gpunet_infiniband_device_info")
+        device_renamed = any(new == _bpath(ib, device) for _, new, _ in renames)
+        device_ok = _exposable(os.fsdecode(device)) or not device_renamed
+        assert len(infos) == 8 + int(device_ok) + int(_exposable(fw))
+        if _exposable(fw):
+            assert any(("fw_ver", fw) in lbl for lbl in infos)
+        assert ib_c.ctx.unreadable >= expected_skips + (not _exposable(fw))
+        netdev_renamed = len(renames) > int(device_renamed)
+        netdev_ok = _exposable(os.fsdecode(netdev)) or not netdev_renamed
+        assert len(series(s, "gpunet_link_mtu_bytes")) == 9 + int(netdev_ok)
+    finally:
+        for path in written:
+            os.unlink(path)
+        fw_file.write_bytes(fw_original)
+        for old, new, target in reversed(renames):
+            if target is None:
+                os.rename(new, old)
+            else:
+                os.unlink(new)
+                os.symlink(target, old)
 
 
 class _StatsReader:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from collectors.infiniband import COUNTER_SPECS, InfinibandCollector
+from exporter.config import ConfigError
 from exporter.sysfs import Root
 
 import sysfs_tree as st
@@ -101,6 +102,88 @@ def test_device_level_hw_counters_in_switchdev_mode(dgx: Path) -> None:
     device_level = [k for k in s if k[0].startswith("gpunet_infiniband_device_hw_")]
     assert len(device_level) == len(list(hw.iterdir())) - 1  # all but lifespan
     assert all(("device", "mlx5_9") in lbl for _, lbl in device_level)
+
+
+class CountingRoot(Root):
+    """Records every file read (relative to the root)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.reads: list[str] = []
+
+    def _read(self, path: str, dir_fd: int | None, rel: str) -> str:
+        self.reads.append(rel)
+        return super()._read(path, dir_fd, rel)
+
+
+def _hw_series(s: Samples, family: str, **labels: str) -> dict[str, float]:
+    """counter label -> value of one port's (or device's) generic hw_counters series."""
+    want = set(labels.items())
+    return {dict(lbl)["counter"]: v for lbl, v in series(s, family).items() if want <= lbl}
+
+
+def test_generic_hw_counters_capped_per_port(dgx: Path) -> None:
+    """20,000 files in one hw_counters/ (a driver bug, a planted tree): the first 512 generic
+    files by name are exported, the rest counted as dropped; curated counters all pass, and the
+    other ports are unaffected."""
+    hw = dgx / "class/infiniband/mlx5_0/ports/1/hw_counters"
+    names = [f"a{i:05d}" for i in range(20_000)]  # sort before every curated name
+    for i, name in enumerate(names):
+        (hw / name).write_text(f"{i}\n")
+    before, _ = run(st.build_dgx_h100(dgx.parent / "clean"))
+    root = CountingRoot(str(dgx))
+    c = make_collector(InfinibandCollector, dgx, root=root)
+    s = samples_of(list(c.collect()))
+    c.close()
+    assert c.ctx.unreadable == 0
+    # The files beyond the cap are not even read: the scrape costs their listing only.
+    assert sum(1 for rel in root.reads if "mlx5_0/ports/1/hw_counters/a" in rel) == 512
+    kept = _hw_series(s, "gpunet_infiniband_port_hw_total", device="mlx5_0", port="1")
+    assert kept == {name: i for i, name in enumerate(names[:512])}  # deterministic: by name
+    assert value(s, "gpunet_infiniband_port_hw_counters_dropped", device="mlx5_0",
+                 port="1") == 20_000 - 512
+    assert value(s, "gpunet_infiniband_port_hw_out_of_buffer_drops_total", device="mlx5_0",
+                 port="1") == int((hw / "out_of_buffer").read_text())
+    curated = {k for k in s if k[0].startswith("gpunet_infiniband_port_hw_")
+               and k[0] != "gpunet_infiniband_port_hw_total" and ("device", "mlx5_0") in k[1]
+               and not k[0].endswith("_dropped")}
+    assert len(curated) == len({k for k in before if k[0].startswith("gpunet_infiniband_port_hw_")
+                                and k[0] != "gpunet_infiniband_port_hw_total"
+                                and ("device", "mlx5_0") in k[1]})
+    # Every other port exactly as on the same tree without the files (values differ per tree).
+    others = {k for k in s if ("device", "mlx5_0") not in k[1]}
+    assert others == {k for k in before if ("device", "mlx5_0") not in k[1]}
+    assert len(series(s, "gpunet_infiniband_port_hw_counters_dropped")) == 1
+
+
+def test_generic_hw_counters_cap_from_config(dgx: Path) -> None:
+    hw = dgx / "class/infiniband/mlx5_9/ports/1/hw_counters"
+    for name in ("z_new_1", "z_new_2", "z_new_3"):
+        (hw / name).write_text("1\n")
+    dev, future, raw = st.FUTURE_HW_COUNTER
+    assert dev == "mlx5_9"
+    s, _ = run(dgx, {"generic_hw_counters_max": 2})
+    assert _hw_series(s, "gpunet_infiniband_port_hw_total", device="mlx5_9") == {
+        future: raw, "z_new_1": 1}
+    assert value(s, "gpunet_infiniband_port_hw_counters_dropped", device="mlx5_9",
+                 port="1") == 2
+    # 0: curated counters only, every generic file dropped.
+    st.make_switchdev(dgx, "mlx5_9")
+    (dgx / "class/infiniband/mlx5_9/hw_counters/z_dev").write_text("1\n")
+    s, _ = run(dgx, {"generic_hw_counters_max": 0})
+    assert not series(s, "gpunet_infiniband_port_hw_total")
+    assert not series(s, "gpunet_infiniband_device_hw_total")
+    assert value(s, "gpunet_infiniband_port_hw_counters_dropped", device="mlx5_9",
+                 port="1") == 4
+    # make_switchdev copied the port's z_new_* files, then z_dev
+    assert value(s, "gpunet_infiniband_device_hw_counters_dropped", device="mlx5_9") == 4
+    assert value(s, "gpunet_infiniband_device_hw_rp_cnp_handled_total",
+                 device="mlx5_9") is not None
+    # Within the cap nothing is dropped, and no dropped series exists.
+    s, _ = run(dgx)
+    assert not [k for k in s if k[0].endswith("_hw_counters_dropped")]
+    with pytest.raises(ConfigError, match="generic_hw_counters_max"):
+        run(dgx, {"generic_hw_counters_max": -1})
 
 
 def test_port_down(dgx: Path) -> None:

@@ -3,12 +3,11 @@ exception or a hang in one collector costs only that collector's metrics."""
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from conftest import UPSTREAM, parse, value
+from conftest import UPSTREAM, install_plugin, parse, value
 
 SYSFS = str(UPSTREAM / "node_exporter-sysfs-infiniband" / "tree" / "sys")
 
@@ -54,23 +53,10 @@ NotACollector = object()
 @pytest.fixture
 def plugin_path(tmp_path: Path) -> str:
     """An installed third-party distribution: a module plus its dist-info with entry points."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "gpunet_plugin_demo.py").write_text(PLUGIN)
-    info = site / "gpunet_plugin_demo-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: gpunet-plugin-demo\n"
-                                   "Version: 0.1\n")
-    (info / "entry_points.txt").write_text(textwrap.dedent("""\
-        [gpunet_exporter.collectors]
-        fine = gpunet_plugin_demo:Fine
-        boom = gpunet_plugin_demo:Boom
-        sleepy = gpunet_plugin_demo:Sleepy
-        shy = gpunet_plugin_demo:Shy
-        broken = gpunet_plugin_demo:NotACollector
-        missing = gpunet_plugin_demo_nope:Thing
-        """))
-    return str(site)
+    return str(install_plugin(tmp_path / "site", "gpunet_plugin_demo", PLUGIN, {
+        "fine": "gpunet_plugin_demo:Fine", "boom": "gpunet_plugin_demo:Boom",
+        "sleepy": "gpunet_plugin_demo:Sleepy", "shy": "gpunet_plugin_demo:Shy",
+        "broken": "gpunet_plugin_demo:NotACollector", "missing": "gpunet_plugin_demo_nope:Thing"}))
 
 
 def test_plugins_are_isolated(run_exporter, plugin_path: str) -> None:  # type: ignore[no-untyped-def]
