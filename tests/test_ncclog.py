@@ -54,20 +54,26 @@ def one(*lines: str) -> RankReport:
 # The shipped logs, in full.
 
 def _fixture(mode: str, rank: int, pid: int, **over: Any) -> dict[str, Any]:
+    """The P2P and SHM runs used no network device, so the machine having none
+    (no_ib_device) is no problem of theirs; the settings that forced SHM and sockets are."""
     env = {"NCCL_NVLS_ENABLE": "0"}
+    problems = []
     if mode in ("shm", "socket"):
         env["NCCL_P2P_DISABLE"] = "1"
+        problems.append("p2p_disabled_by_env")
     if mode == "socket":
         env["NCCL_SHM_DISABLE"] = "1"
+        problems.append("shm_disabled_by_env")
     base: dict[str, Any] = {
         "host": "vm", "pid": pid, "rank": rank, "nranks": 2, "cuda_dev": rank,
         "nccl_version": "2.28.9", "net": "Socket", "transports": [], "net_transports": [],
         "gdr": None, "gdr_enabled_hcas": [], "gdr_disabled": False, "hcas": [], "env": env,
-        "warnings": [], "problems": ["no_ib_device"]}
+        "warnings": [], "problems": sorted(problems)}
     return {**base, **over}
 
 
-SOCKET_PROBLEMS = ["no_ib_device", "plugin_not_found", "socket_fallback"]
+SOCKET_PROBLEMS = ["no_ib_device", "p2p_disabled_by_env", "plugin_not_found",
+                   "shm_disabled_by_env", "socket_fallback"]
 EXPECTED = {
     "nccl-2.28.9-h200x2-p2p-rank0.log": _fixture("p2p", 0, 663, transports=["P2P"]),
     "nccl-2.28.9-h200x2-p2p-rank1.log": _fixture("p2p", 1, 664, transports=["P2P"]),
@@ -408,7 +414,23 @@ def test_no_ib_device() -> None:
 @pytest.mark.parametrize("line,env,problems", [
     ("NCCL_IB_DISABLE set by environment to 1.", {"NCCL_IB_DISABLE": "1"}, ["ib_disabled_by_env"]),
     ("NCCL_IB_DISABLE set by environment to 0.", {"NCCL_IB_DISABLE": "0"}, []),
-    ("NCCL_P2P_DISABLE set by environment to 1", {"NCCL_P2P_DISABLE": "1"}, []),  # 2.28.9: no dot
+    ("NCCL_P2P_DISABLE set by environment to 1", {"NCCL_P2P_DISABLE": "1"},  # 2.28.9: no dot
+     ["p2p_disabled_by_env"]),
+    ("NCCL_P2P_DISABLE set by environment to 0x1.", {"NCCL_P2P_DISABLE": "0x1"},
+     ["p2p_disabled_by_env"]),  # strtoll(..., 0)
+    ("NCCL_P2P_DISABLE set by environment to 2.", {"NCCL_P2P_DISABLE": "2"}, []),  # exactly 1
+    ("NCCL_SHM_DISABLE set by environment to 1.", {"NCCL_SHM_DISABLE": "1"},
+     ["shm_disabled_by_env"]),
+    ("NCCL_NET set by environment to socket.", {"NCCL_NET": "socket"}, ["socket_forced_by_env"]),
+    ("NCCL_NET set by environment to IB.", {"NCCL_NET": "IB"}, []),
+    ("NCCL_NET_GDR_LEVEL set by environment to LOC.", {"NCCL_NET_GDR_LEVEL": "LOC"},
+     ["gdr_disabled_by_env"]),
+    ("NCCL_NET_GDR_LEVEL set by environment to 0.", {"NCCL_NET_GDR_LEVEL": "0"},
+     ["gdr_disabled_by_env"]),
+    ("NCCL_NET_GDR_LEVEL set by environment to PHB.", {"NCCL_NET_GDR_LEVEL": "PHB"}, []),
+    ("NCCL_IB_GDR_LEVEL set by environment to LOC.", {"NCCL_IB_GDR_LEVEL": "LOC"},
+     ["gdr_disabled_by_env"]),  # the former name
+    ("NCCL_ALGO set by environment to Ring.", {"NCCL_ALGO": "Ring"}, []),  # a setting, no fault
     ("NCCL_SOCKET_IFNAME set by environment to bond0", {"NCCL_SOCKET_IFNAME": "bond0"}, []),
     ("NCCL_IB_HCA set to mlx5_4", {"NCCL_IB_HCA": "mlx5_4"}, []),
     ("Comm config Blocking set to 1", {}, []),
@@ -521,11 +543,57 @@ def test_completion_errors(fmt: str, args: tuple[Any, ...]) -> None:
 # robustness
 
 def test_not_nccl() -> None:
-    text = ["hello", "NCCL INFO without a prefix", "torch NCCL version: (2, 21, 5)", ""]
+    text = ["hello", "# a comment quoting NCCL INFO lines", "torch NCCL version: (2, 21, 5)",
+            "print('Using network IB')", ""]
     assert parse_lines(text) == []
     assert not looks_like_nccl_log(text)
     assert looks_like_nccl_log([*text, info("x")])
     assert looks_like_nccl_log(["", warn("boom")])
+
+
+def test_pasted_lines_without_the_prefix() -> None:
+    """Lines as people paste them into issues: "NCCL INFO ..." (or "[0] NCCL INFO ...") with
+    the host:pid:tid part cut, and bare messages that say how NCCL connected. They make one
+    report of their own; a comment that only quotes "NCCL INFO" in the middle does not count."""
+    pasted = [
+        "NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/IB ; OOB ib0:10.0.0.1<0>",
+        "[0] NCCL INFO Using network IB",
+        "NCCL INFO NCCL_IB_HCA set by environment to mlx5_0,mlx5_1.",
+        "Channel 00/0 : 0[0] -> 8[0] [send] via NET/IB/0",
+        "  Channel 01/0 : 8[0] -> 0[0] [receive] via NET/IB/1",
+    ]
+    r = one(*pasted)
+    assert (r.host, r.pid) == ncclog.PASTED
+    assert (r.net, r.hcas, r.net_transports, r.gdr) == ("IB", ["mlx5_0", "mlx5_1"], {"IB"}, False)
+    assert r.env == {"NCCL_IB_HCA": "mlx5_0,mlx5_1"}
+    assert r.problems == ["gdr_disabled"]  # IB channels without /GDRDMA
+    # Next to prefixed lines, the pasted ones stay apart.
+    reports = parse_lines([info("Using network IB"), *pasted])
+    assert [(x.host, x.pid) for x in reports] == [("node1", 4242), ncclog.PASTED]
+
+
+def test_network_from_channel_lines() -> None:
+    """No "Using network" line (an excerpt): the network is the NET/<name> of the channels,
+    a plugin's (IBext_v8) included."""
+    r = one(info("Channel 00/0 : 0[0] -> 8[0] [send] via NET/IBext_v8/0/GDRDMA"),
+            info("NET/IBext_v8 : Using [0]mlx5_0:1/IB ; OOB ib0:10.0.0.1<0>"))
+    assert (r.net, r.gdr, r.hcas, r.problems) == ("IBext_v8", True, ["mlx5_0"], [])
+    r = one(info("Channel 00/0 : 0[0] -> 8[0] [send] via NET/Socket/0"))
+    assert r.net == "Socket" and "socket_fallback" in r.problems
+    assert one(info("Using network IB"),
+               info("Channel 00/0 : 0[0] -> 8[0] [send] via NET/Socket/0")).net == "IB"
+
+
+def test_no_ib_device_is_no_problem_for_a_single_node_job() -> None:
+    """A job whose channels all went P2P or SHM needed no network: NCCL finding no IB device
+    is a fact, not a problem of that job. With no channel line seen, or a NET channel, it is."""
+    no_dev = info("NET/IB : No device found.")
+    assert one(no_dev, info("Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM")).problems == []
+    assert one(no_dev, info("Channel 00 : 0[0] -> 1[1] via SHM/direct/direct")).problems == []
+    assert one(no_dev).problems == ["no_ib_device"]
+    assert one(no_dev, info("Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM"),
+               info("Channel 01/0 : 1[1] -> 2[0] [send] via NET/Socket/0")
+               ).problems == ["no_ib_device", "socket_fallback"]
 
 
 @settings(max_examples=300, deadline=None)
@@ -628,9 +696,11 @@ def test_explain_socket_log() -> None:
         f"    socket_fallback: {ncclog.PROBLEMS['socket_fallback']}",
         f"    no_ib_device: {ncclog.PROBLEMS['no_ib_device']}",
         f"    plugin_not_found: {ncclog.PROBLEMS['plugin_not_found']}",
+        f"    p2p_disabled_by_env: {ncclog.PROBLEMS['p2p_disabled_by_env']}",
+        f"    shm_disabled_by_env: {ncclog.PROBLEMS['shm_disabled_by_env']}",
         "",
         "overall: 1 process in 1 NCCL log: problems: socket_fallback, no_ib_device, "
-        "plugin_not_found"]
+        "plugin_not_found, p2p_disabled_by_env, shm_disabled_by_env"]
 
 
 def test_explain_healthy_ib_log() -> None:

@@ -20,6 +20,7 @@ from typing import Any, TextIO
 from exporter.flags import Parser
 from exporter.probe.ncclog import (
     MAX_WARNINGS,
+    PASTED,
     PROBLEMS,
     LogParser,
     RankReport,
@@ -70,7 +71,10 @@ def problem_line(code: str, report: RankReport) -> str:
 def describe(report: RankReport) -> list[str]:
     """The human-readable block of one process."""
     r = report
-    head = f"{r.host or '(no hostname)'} pid {r.pid}"
+    if (r.host, r.pid) == PASTED:
+        head = "lines without the host:pid prefix"
+    else:
+        head = f"{r.host or '(no hostname)'} pid {r.pid}"
     if r.rank is not None:
         head += f" rank {r.rank}/{r.nranks if r.nranks is not None else '?'}"
     if r.cuda_dev is not None:

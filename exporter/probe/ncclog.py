@@ -31,6 +31,11 @@ PROBLEMS: dict[str, str] = {
                        "traffic between nodes gets a small fraction of the fabric's bandwidth",
     "ib_disabled_by_env": "NCCL_IB_DISABLE is set in the environment: NCCL will not use "
                           "InfiniBand/RoCE even where it exists",
+    "socket_forced_by_env": "NCCL_NET=Socket is set in the environment: NCCL uses TCP sockets "
+                            "even where InfiniBand/RoCE exists",
+    "gdr_disabled_by_env": "NCCL_NET_GDR_LEVEL (or its former name NCCL_IB_GDR_LEVEL) is LOC or "
+                           "0 in the environment: GPUDirect RDMA is off by setting, and every "
+                           "network message is staged through host memory",
     "no_ib_device": "NCCL found no usable InfiniBand/RoCE device (no HCA, no active port, "
                     "rdma-core/libibverbs missing, or filtered out by NCCL_IB_HCA)",
     "plugin_not_found": "no external NCCL net plugin (libnccl-net.so) was found and NCCL ended "
@@ -39,6 +44,12 @@ PROBLEMS: dict[str, str] = {
     "gdr_disabled": "GPUDirect RDMA is off: the NIC cannot reach GPU memory and every message "
                     "is staged through host memory (check nvidia_peermem or DMA-BUF, "
                     "NCCL_NET_GDR_LEVEL, the GPU-NIC PCIe path)",
+    "p2p_disabled_by_env": "NCCL_P2P_DISABLE=1 is set in the environment: GPUs of one node "
+                           "exchange data through host memory (SHM) or the network instead of "
+                           "NVLink or PCIe peer-to-peer",
+    "shm_disabled_by_env": "NCCL_SHM_DISABLE=1 is set in the environment: where P2P is not "
+                           "possible, ranks of one node talk over the network instead of "
+                           "shared memory",
     "nccl_warn": "NCCL printed WARN lines",
 }
 
@@ -88,6 +99,14 @@ _A = re.ASCII
 _PREFIX = re.compile(
     r"(?<![^\s:\[\]])(?P<host>[^\s:\[\]]*):(?P<pid>[0-9]+):(?P<tid>[0-9]+) "
     r"\[(?P<dev>-?[0-9]+)\] (?:[^\s\[\]]+:[0-9]+ )?NCCL (?P<level>INFO|WARN)(?: |$)", _A)
+# Lines pasted without the host:pid:tid part (as people paste them into issues and chats):
+# "NCCL INFO <message>", optionally after "[cudaDev] ", or a bare message of the kinds that say
+# how NCCL connected (channel lines, the network choice, its devices, the settings it read).
+_PASTED = re.compile(r"^\s*(?:\[(?P<dev>-?[0-9]+)\] )?NCCL (?P<level>INFO|WARN)(?: |$)", _A)
+_BARE_MESSAGE = re.compile(
+    r"^\s*(?:(?:Channel|Ring) [0-9]+(?:/[0-9]+)? : .* via |Using network |NET/[^:]+?: ?Using "
+    r"|NET/IB ?: No device found|NCCL_[A-Z0-9_]+ set (?:by environment )?to )", _A)
+PASTED = ("", 0)  # the (host, pid) of the lines without a prefix
 _VERSION = re.compile(r"(?:^|\s)NCCL version ([0-9][0-9A-Za-z._+-]*)", _A)
 _USING_NETWORK = re.compile(r"^Using network (.+)$")
 _PLUGIN_MISSING = re.compile(
@@ -114,6 +133,41 @@ _ENV_SET = re.compile(r"^(NCCL_[A-Z0-9_]+) set to (.*)$", _A)
 _RANK = re.compile(r"\brank ([0-9]+) nranks ([0-9]+)\b", _A | re.IGNORECASE)
 _CUDA_DEV = re.compile(r"\bcudaDev ([0-9]+)\b", _A)
 _COMPLETION = re.compile(r"Got completion from peer .* with (?:error|status)")
+
+
+def _strtol(value: str) -> int | None:
+    """The leading integer of ``value`` as C's strtol(value, NULL, 0) reads it (after leading
+    blanks, an optional sign, 0x for hex, a leading 0 for octal), None when there is none."""
+    m = re.match(r"\s*([+-]?)(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*)", value)
+    if not m:
+        return None
+    digits = m.group(2)
+    if digits[:2].lower() == "0x":
+        n = int(digits, 16)
+    else:
+        n = int(digits, 8 if len(digits) > 1 and digits[0] == "0" else 10)
+    return -n if m.group(1) == "-" else n
+
+
+def harmful_env(env: dict[str, str]) -> set[str]:
+    """The problem codes of the NCCL settings in ``env`` that certainly take a fast path away,
+    judged as NCCL reads each variable: NCCL_IB_DISABLE and NCCL_P2P_DISABLE/NCCL_SHM_DISABLE
+    through ncclParam/ncclGetLevel (an integer; 1 disables P2P and SHM, any non-zero value IB),
+    NCCL_NET compared with strcasecmp, NCCL_NET_GDR_LEVEL a path name compared with strcmp or
+    a legacy number (LOC and 0 turn GPUDirect RDMA off)."""
+    out = set()
+    if _truthy_param(env.get("NCCL_IB_DISABLE", "0")):
+        out.add("ib_disabled_by_env")
+    if env.get("NCCL_NET", "").strip().lower() == "socket":
+        out.add("socket_forced_by_env")
+    gdr = env.get("NCCL_NET_GDR_LEVEL", env.get("NCCL_IB_GDR_LEVEL", ""))
+    if gdr == "LOC" or ("0" <= gdr[:1] <= "9" and _strtol(gdr) == 0):
+        out.add("gdr_disabled_by_env")
+    if _strtol(env.get("NCCL_P2P_DISABLE", "")) == 1:
+        out.add("p2p_disabled_by_env")
+    if _strtol(env.get("NCCL_SHM_DISABLE", "")) == 1:
+        out.add("shm_disabled_by_env")
+    return out
 
 
 def _truthy_param(value: str) -> bool:
@@ -268,16 +322,18 @@ class _Rank:
         if not r.hcas:
             r.hcas = list(self.ib_device_lines)
         r.gdr = self.net_channel_gdr if self.net_channel else None
-        problems = set()
-        ib_disabled = _truthy_param(r.env.get("NCCL_IB_DISABLE", "0"))
-        if ib_disabled:
-            problems.add("ib_disabled_by_env")
+        if not r.net and self.net_channel:  # no "Using network" line (a pasted excerpt)
+            r.net = ", ".join(sorted(r.net_transports))
+        problems = harmful_env(r.env)
+        ib_disabled = "ib_disabled_by_env" in problems
         ib_present = bool(r.hcas)
         if "Socket" in r.net_transports or (r.net == "Socket" and (ib_present or ib_disabled)):
             problems.add("socket_fallback")
             if self.plugin_missing:
                 problems.add("plugin_not_found")
-        if self.no_ib_device or (self.ib_init_failed and not ib_disabled):
+        # A job on one node whose channels all went P2P or SHM needed no network device.
+        single_node = bool(r.transports) and not self.net_channel
+        if not single_node and (self.no_ib_device or (self.ib_init_failed and not ib_disabled)):
             problems.add("no_ib_device")
         if not self.net_channel_gdr and (
                 self.fabric_channel
@@ -301,27 +357,40 @@ class LogParser:
         self.nccl_lines = 0  # lines with the NCCL INFO/WARN prefix
 
     def feed(self, line: str) -> None:
-        if "NCCL" not in line:
-            return
         line = line[:MAX_LINE]
+        if "NCCL" not in line:
+            if ("via " in line or "Using" in line or "No device" in line) and \
+                    _BARE_MESSAGE.match(line):
+                self._add(PASTED, None, "INFO", line.strip())
+            return
         m = _PREFIX.search(line)
-        if m is None:
-            v = _VERSION.search(line)  # printed without prefix by the rank that makes the id
-            if v:
-                self._pending_version = v.group(1).split("+", 1)[0]
+        if m is not None:
+            pid, dev = parse_uint(m.group("pid")), parse_int(m.group("dev"))
+            if pid is None or dev is None:  # numbers "%d" cannot print: not one of its lines
+                return
+            self._add((m.group("host"), pid), dev, m.group("level"), line[m.end():].strip())
             return
-        pid, dev = parse_uint(m.group("pid")), parse_int(m.group("dev"))
-        if pid is None or dev is None:  # numbers NCCL's "%d" cannot print: not one of its lines
+        v = _VERSION.search(line)  # printed without prefix by the rank that makes the id
+        if v:
+            self._pending_version = v.group(1).split("+", 1)[0]
             return
+        m = _PASTED.match(line)
+        if m is not None:
+            dev = parse_int(m.group("dev")) if m.group("dev") else None
+            self._add(PASTED, dev, m.group("level"), line[m.end():].strip())
+        elif _BARE_MESSAGE.match(line):  # "NCCL_IB_HCA set by environment to ..."
+            self._add(PASTED, None, "INFO", line.strip())
+
+    def _add(self, key: tuple[str, int], dev: int | None, level: str, msg: str) -> None:
         self.nccl_lines += 1
-        key = (m.group("host"), pid)
         rank = self._ranks.get(key)
         if rank is None:
             rank = self._ranks[key] = _Rank(*key)
-        rank.devs[dev] += 1
+        if dev is not None:
+            rank.devs[dev] += 1
         if self._pending_version and not rank.report.nccl_version:
             rank.report.nccl_version, self._pending_version = self._pending_version, ""
-        rank.line(m.group("level"), line[m.end():].strip())
+        rank.line(level, msg)
 
     def finish(self) -> list[RankReport]:
         reports = [r.finish() for r in self._ranks.values()]
