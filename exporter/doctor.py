@@ -42,6 +42,7 @@ CAUSES = {
     "gdr_off": "GPUDirect RDMA off",
     "link": "Degraded or flapping link",
     "pfc": "PFC or ECN misconfigured, or congestion",
+    "retransmit": "Packet loss: RDMA retransmissions",
     "mtu": "MTU",
     "numa": "GPU and NIC placement (NUMA, ACS)",
     "gpu_pcie": "Degraded GPU PCIe link",
@@ -160,6 +161,30 @@ def check_links(c: Check) -> None:
                   "perfquery -R  # clears the port's counters")
 
 
+# PHY counters of ethtool -S behind GpunetInterfacePhyErrors, with the driver names to grep.
+PHY_ERRORS = (
+    ("fec_uncorrected_symbol_errors", "FEC-uncorrected symbol errors", "rx_pcs_symbol_err_phy"),
+    ("symbol_errors", "symbol errors", "rx_symbol_err_phy|symbol_err"),
+    ("crc_errors", "CRC errors", "rx_crc_errors_phy"),
+)
+
+
+def check_phy(c: Check) -> None:
+    """GpunetInterfacePhyErrors: any of the PHY error counters of a RoCE interface rising
+    faster than link.phy_errors_per_hour (one finding per interface, as the alert's ``or``)."""
+    limit, roce = c.t["link"]["phy_errors_per_hour"], c.roce_interfaces()
+    seen: set[str] = set()
+    for metric, what, names in PHY_ERRORS:
+        for lbl, r in c.rate(f"gpunet_pfc_{metric}_total"):
+            name = lbl["interface"]
+            if name in roce and name not in seen and r * 3600 > limit:
+                seen.add(name)
+                c.add("link", "GpunetInterfacePhyErrors", name,
+                      f"{r * 3600:.4g} {what} per hour (limit {limit:g})",
+                      f"ethtool -S {name} | grep -E '{names}'  # twice, a minute apart; "
+                      f"then mlxlink -d <PCI> -c")
+
+
 def check_mtu(c: Check) -> None:
     b, roce = c.b, c.roce_interfaces()
     least = c.t["link"]["roce_min_mtu_bytes"]
@@ -254,6 +279,35 @@ def check_transport(c: Check) -> None:
                   "NCCL_DEBUG=INFO: look for /GDRDMA on the NET/IB channel lines")
 
 
+# hw_counters behind GpunetRoceRetransmissions: (metric, file, thresholds key, words).
+RETRANSMISSIONS = (
+    ("out_of_sequence_packets", "out_of_sequence", "sequence_errors_per_second",
+     "out-of-sequence packets"),
+    ("packet_sequence_error_naks", "packet_seq_err", "sequence_errors_per_second",
+     "sequence-error NAKs"),
+    ("implied_nak_sequence_errors", "implied_nak_seq_err", "sequence_errors_per_second",
+     "implied NAK sequence errors"),
+    ("local_ack_timeouts", "local_ack_timeout_err", "ack_timeouts_per_second", "ACK timeouts"),
+)
+
+
+def check_retransmissions(c: Check) -> None:
+    """GpunetRoceRetransmissions: one finding per port whose sequence errors or ACK timeouts
+    rise faster than their thresholds (the alert's ``or`` of the four rates)."""
+    t = c.t["infiniband"]
+    seen: set[tuple[str, str]] = set()
+    for metric, file, key, what in RETRANSMISSIONS:
+        for lbl, r in c.rate(f"gpunet_infiniband_port_hw_{metric}_total"):
+            port = (lbl.get("device", ""), lbl.get("port", ""))
+            if port not in seen and r > t[key]:
+                seen.add(port)
+                c.add("retransmit", "GpunetRoceRetransmissions", _port(lbl),
+                      f"{r:.4g} {what} per second (limit {t[key]:g})",
+                      f"cat /sys/class/infiniband/{lbl['device']}/ports/{lbl['port']}/"
+                      f"hw_counters/{file}  # twice; rdma statistic show link "
+                      f"{lbl['device']}/{lbl['port']}")
+
+
 def check_placement(c: Check) -> None:
     for lbl, v in c.b.all("gpunet_topology_gpu_nearest_nic_numa_mismatch"):
         if v == 1:
@@ -339,7 +393,7 @@ def check_collectives(c: Check) -> None:
 
 CHECKS: tuple[Callable[[Check], None], ...] = (
     check_transport, check_links, check_pfc, check_mtu, check_placement, check_gpus,
-    check_collectives)
+    check_collectives, check_phy, check_retransmissions)
 
 
 def _progress(quiet: bool, message: str) -> None:

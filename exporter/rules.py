@@ -183,6 +183,15 @@ ALERTS: tuple[Alert, ...] = (
           "RDMA active MTU is not the expected one",
           f"RDMA port {_PORT} has active MTU {{{{ $value }}}}, not the one configured as "
           "expected (gpunet_link_rdma_mtu_expected_bytes)."),
+    Alert("GpunetInterfacePhyErrors", "link", "warning", "0m",
+          lambda t: ("(\n  " + "\n  or\n  ".join(
+              f"increase(gpunet_pfc_{m}_total[1h]) > {_g(t['link']['phy_errors_per_hour'])}"
+              for m in ("fec_uncorrected_symbol_errors", "symbol_errors", "crc_errors"))
+              + f"\n)\nand on (instance, interface) {_ROCE_INTERFACE}"),
+          "RoCE interface above the physical-layer error budget",
+          f"RoCE interface {_IF} counted {{{{ $value | printf \"%.0f\" }}}} symbol, CRC or "
+          "FEC-uncorrected errors in the last hour (ethtool -S), above the bit-error-rate "
+          "budget."),
     # --- congestion: PFC, pause, ECN ---------------------------------------------------------
     Alert("GpunetPfcDisabledOnRocePriority", "congestion", "critical", "5m",
           lambda t: (f'gpunet_pfc_enabled{{priority="{t["pfc"]["roce_priority"]}"}} == 0\n'
@@ -251,6 +260,17 @@ ALERTS: tuple[Alert, ...] = (
           "GPU processes run NCCL with a fast path turned off",
           f"{{{{ $value }}}} GPU processes {_NODE} set {{{{ $labels.variable }}}} "
           "({{ $labels.issue }})."),
+    Alert("GpunetRoceRetransmissions", "transport", "warning", "10m",
+          lambda t: ("\nor\n".join(
+              f"rate(gpunet_infiniband_port_hw_{m}_total[5m]) > "
+              f"{_g(t['infiniband']['sequence_errors_per_second'])}"
+              for m in ("out_of_sequence_packets", "packet_sequence_error_naks",
+                        "implied_nak_sequence_errors"))
+              + "\nor\nrate(gpunet_infiniband_port_hw_local_ack_timeouts_total[5m]) > "
+              f"{_g(t['infiniband']['ack_timeouts_per_second'])}"),
+          "RDMA transport retransmitting",
+          f"RDMA port {_PORT} sees {{{{ $value | humanize }}}} sequence errors or ACK timeouts "
+          "per second (hw_counters): packets are lost and retransmitted."),
     # --- topology -----------------------------------------------------------------------------
     Alert("GpunetGpuNicNumaMismatch", "topology", "warning", "10m",
           lambda t: "gpunet_topology_gpu_nearest_nic_numa_mismatch == 1",

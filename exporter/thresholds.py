@@ -59,11 +59,19 @@ SCHEMA_FIELDS: dict[str, Field] = {
         "link_error_recoveries_per_minute": _num("link retrains per minute", 5),
         "receive_errors_per_second": _num("received packets with errors, per second", 10),
         "transmit_discards_per_second": _num("packets discarded on transmit, per second", 100),
+        "sequence_errors_per_second": _num(
+            "RoCE/IB transport sequence errors per second (out_of_sequence, packet_seq_err, "
+            "implied_nak_seq_err hw_counters), each a lost packet and a retransmission", 10),
+        "ack_timeouts_per_second": _num(
+            "QP ACK timer expiries per second (local_ack_timeout_err hw_counter)", 1),
     }),
     "link": Field("map", "MTU of the RoCE netdevs", default={}, fields={
         "roce_min_mtu_bytes": _int(
             "smallest netdev MTU that carries a 4096-byte RDMA MTU with RoCE headers", 4200,
             minimum=68),
+        "phy_errors_per_hour": _num(
+            "symbol, CRC or FEC-uncorrected errors per hour (ethtool -S) above which a RoCE "
+            "interface is out of its bit-error budget", 120),
     }),
     "pfc": Field("map", "PFC, pause and ECN on RoCE interfaces", default={}, fields={
         "roce_priority": _int("the 802.1p priority RoCE traffic uses (lossless)", 3,

@@ -54,6 +54,19 @@ ETHTOOL = """\
 echo "Cannot get stats strings information: Operation not supported" >&2
 exit 94
 """
+# The faulty node's stand-in: the same capture, plus FEC-uncorrected symbol errors that rise by
+# 1000 a second (the clock in milliseconds), so both Prometheus' increase() and the doctor's two
+# readings, however close, see the counter rise.
+ETHTOOL_RISING_PHY = """\
+#!/bin/sh
+if [ "$1" = -S ] && [ "$2" = {netdev} ]; then
+  cat {capture}
+  echo "     rx_pcs_symbol_err_phy: $(( $(date +%s%N) / 1000000 ))"
+  exit 0
+fi
+echo "Cannot get stats strings information: Operation not supported" >&2
+exit 94
+"""
 # Stand-in for `mlnx_qos -i IF` on the QoS netdev: the hand-built report of
 # tests/fixtures/pfc (PFC on priority 5 only), or the same report with PFC moved to priority 3
 # for the healthy node.
@@ -182,9 +195,14 @@ def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str
          for scope in results.SCOPES}))
     runner = root / "runner.py"
     runner.write_text(RUNNER.format(results=str(root / "results.json")))
-    (root / "ethtool-S.txt").write_text(CAPTURE.read_text() + PHY_COUNTERS)
+    phy = PHY_COUNTERS
+    if faulty:  # the stand-in prints a rising rx_pcs_symbol_err_phy instead
+        phy = phy.replace("     rx_pcs_symbol_err_phy: 0\n", "")
+        assert phy != PHY_COUNTERS
+    (root / "ethtool-S.txt").write_text(CAPTURE.read_text() + phy)
     ethtool = root / "ethtool"
-    ethtool.write_text(ETHTOOL.format(netdev=qos_netdev, capture=root / "ethtool-S.txt"))
+    ethtool.write_text((ETHTOOL_RISING_PHY if faulty else ETHTOOL).format(
+        netdev=qos_netdev, capture=root / "ethtool-S.txt"))
     ethtool.chmod(0o755)
     report = QOS_REPORT.read_text()
     assert PFC5 in report
@@ -356,6 +374,7 @@ EXPECTED = {
     "GpunetGpuPcieLinkDegraded": ("/ticket", {"gpu": "0"}),
     "GpunetGpuXidErrors": ("/ticket", {"gpu": "0", "xid": "13"}),
     "GpunetGpuLost": ("/pager", {"gpu": "1"}),
+    "GpunetInterfacePhyErrors": ("/ticket", {}),  # on the QoS netdev, asserted below
 }
 # Firing in Prometheus on the faulty node, silenced by the shipped inhibition rules: NCCL on
 # sockets and GDR not ready silence the slow-collective alerts and "GDR inactive".
@@ -384,6 +403,7 @@ def test_expected_alerts_reach_the_webhook(bundle: Bundle) -> None:
         assert FAULTY in ann["description"] and "{{" not in ann["description"]
         assert ann["runbook_url"].endswith("/docs/runbooks.md#" + name.lower())
     assert got["GpunetPfcDisabledOnRocePriority"][1]["labels"]["interface"] == bundle.qos_netdev
+    assert got["GpunetInterfacePhyErrors"][1]["labels"]["interface"] == bundle.qos_netdev
     assert "runs at 200 Gb/s" in got["GpunetPortRateBelowExpected"][1]["annotations"][
         "description"]
 
@@ -437,7 +457,7 @@ def test_health_matrix_records_every_node_and_class(bundle: Bundle) -> None:
     got = wait_until("the health matrix", matrix)
     assert set(got) == {(n, c) for n in (HEALTHY, FAULTY) for c in rules.CLASSES}
     assert all(v == 0 for (n, _), v in got.items() if n == HEALTHY)
-    assert got[(FAULTY, "link")] == 3 and got[(FAULTY, "congestion")] == 1
+    assert got[(FAULTY, "link")] == 4 and got[(FAULTY, "congestion")] == 1
     assert got[(FAULTY, "gpu")] == 3 and got[(FAULTY, "topology")] == 1
     assert got[(FAULTY, "exporter")] == 0
 

@@ -37,7 +37,7 @@ def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]
     out = run(*args, env=env)
     assert out.returncode == 1, out.stderr
     text = out.stdout
-    assert text.startswith("12 findings on this node:")
+    assert text.startswith("13 findings on this node:")
     # Causes in the report's order, each with its findings, device and confirming command.
     positions = [text.index(title) for title in (
         "NCCL on TCP sockets", "GPUDirect RDMA off", "Degraded or flapping link",
@@ -64,7 +64,7 @@ def test_thresholds_file_changes_the_verdict(faulty: tuple[list[str], dict[str, 
     out = run(*args, "--json", f"--thresholds={tmp_path / 't.yml'}", env=env)
     result: dict[str, Any] = json.loads(out.stdout)
     alerts = {f["alert"] for f in result["findings"]}
-    assert len(alerts) == 10
+    assert len(alerts) == 11
     assert "GpunetPfcDisabledOnRocePriority" not in alerts
     assert "GpunetAllreduceLatencyHigh" not in alerts
     assert result["exit_code"] == out.returncode == 1
@@ -142,7 +142,7 @@ def test_checks_name_real_alerts_and_causes() -> None:
     names = set(doctor_module.SEVERITY)
     source = Path(doctor_module.__file__).read_text()
     used = set(re.findall(r'"(Gpunet[A-Za-z]+)"', source))
-    assert used <= names and len(used) == 38
+    assert used <= names and len(used) == 40
     causes = set(re.findall(r'c\.add\("(\w+)"', source))
     assert causes <= set(doctor_module.CAUSES)
 
@@ -169,3 +169,80 @@ def test_doctor_speaks_like_the_alerts(faulty: tuple[list[str], dict[str, str]])
     assert "inter probe: NCCL runs over TCP sockets although RDMA should carry it" in text
     assert ("inter probe: NCCL's network channels do not use GPUDirect RDMA while RDMA ports "
             "are up: data is staged through host memory") in text
+
+
+def _snapshots(dt: float, before: dict[str, list[tuple[dict[str, str], float]]],
+               after: dict[str, list[tuple[dict[str, str], float]]]) -> doctor_module.Check:
+    """Two readings ``dt`` seconds apart, as the doctor takes them, with the default
+    thresholds."""
+    a, b = doctor_module.Snapshot([]), doctor_module.Snapshot([])
+    a.samples, b.samples = before, after
+    b.time = a.time + dt
+    from exporter import rules, thresholds
+    return doctor_module.Check(a, b, thresholds.defaults(rules.ALERT_NAMES))
+
+
+def test_phy_errors_rising_on_a_roce_interface() -> None:
+    """GpunetInterfacePhyErrors: a PHY error counter of a RoCE interface that rises between the
+    two readings faster than 120 an hour is a finding, one per interface; slower, or on an
+    interface that is not RoCE, is not."""
+    info = [({"interface": n, "link_layer": ll, "device": "", "port": ""}, 1.0)
+            for n, ll in (("eth2", "Ethernet"), ("eth3", "Ethernet"), ("eth4", "Ethernet"),
+                          ("ib0", "InfiniBand"))]
+    before = {"gpunet_link_info": info,
+              "gpunet_pfc_crc_errors_total": [({"interface": n}, 100.0)
+                                              for n in ("eth2", "eth3", "eth4", "ib0")],
+              "gpunet_pfc_fec_uncorrected_symbol_errors_total": [({"interface": "eth2"}, 5.0)]}
+    after = {"gpunet_link_info": info,
+             "gpunet_pfc_crc_errors_total": [
+                 ({"interface": "eth2"}, 110.0),  # 10 in 10 s: 3600 an hour
+                 ({"interface": "eth3"}, 100.0),  # flat
+                 ({"interface": "eth4"}, 100.3),  # 0.3 in 10 s: 108 an hour, under 120
+                 ({"interface": "ib0"}, 200.0)],  # not RoCE: GpunetPortSymbolErrors' job
+             "gpunet_pfc_fec_uncorrected_symbol_errors_total": [({"interface": "eth2"}, 15.0)]}
+    c = _snapshots(10.0, before, after)
+    doctor_module.check_phy(c)
+    assert [(f.alert, f.where, f.cause) for f in c.findings] == [
+        ("GpunetInterfacePhyErrors", "eth2", "link")]
+    f = c.findings[0]
+    assert f.message == "3600 FEC-uncorrected symbol errors per hour (limit 120)"
+    assert f.confirm.startswith("ethtool -S eth2 | grep -E 'rx_pcs_symbol_err_phy'")
+    # Nothing rose: silent, as the alert on the healthy node.
+    c = _snapshots(10.0, before, before)
+    doctor_module.check_phy(c)
+    assert c.findings == []
+
+
+def test_retransmissions_rising_on_a_port() -> None:
+    """GpunetRoceRetransmissions: sequence errors above 10/s or ACK timeouts above 1/s between
+    the two readings, one finding per port; just under both thresholds, none."""
+    def port(dev: str) -> dict[str, str]:
+        return {"device": dev, "port": "1"}
+
+    names = ("out_of_sequence_packets", "packet_sequence_error_naks",
+             "implied_nak_sequence_errors", "local_ack_timeouts")
+    before = {f"gpunet_infiniband_port_hw_{n}_total": [(port(d), 0.0) for d in
+                                                       ("mlx5_0", "mlx5_1", "mlx5_2")]
+              for n in names}
+    after = {
+        "gpunet_infiniband_port_hw_out_of_sequence_packets_total": [
+            (port("mlx5_0"), 200.0), (port("mlx5_1"), 90.0), (port("mlx5_2"), 0.0)],
+        "gpunet_infiniband_port_hw_packet_sequence_error_naks_total": [
+            (port("mlx5_0"), 0.0), (port("mlx5_1"), 90.0), (port("mlx5_2"), 0.0)],
+        "gpunet_infiniband_port_hw_implied_nak_sequence_errors_total": [
+            (port("mlx5_0"), 0.0), (port("mlx5_1"), 90.0), (port("mlx5_2"), 0.0)],
+        "gpunet_infiniband_port_hw_local_ack_timeouts_total": [
+            (port("mlx5_0"), 50.0), (port("mlx5_1"), 9.0), (port("mlx5_2"), 20.0)],
+    }
+    c = _snapshots(10.0, before, after)
+    doctor_module.check_retransmissions(c)
+    got = [(f.alert, f.where, f.message) for f in c.findings]
+    assert got == [
+        ("GpunetRoceRetransmissions", "mlx5_0 port 1",
+         "20 out-of-sequence packets per second (limit 10)"),
+        ("GpunetRoceRetransmissions", "mlx5_2 port 1", "2 ACK timeouts per second (limit 1)")]
+    assert all(f.cause == "retransmit" and f.severity == "warning" for f in c.findings)
+    assert "hw_counters/out_of_sequence" in c.findings[0].confirm
+    c = _snapshots(10.0, before, before)
+    doctor_module.check_retransmissions(c)
+    assert c.findings == []

@@ -668,3 +668,18 @@ def test_interface_that_disappears_between_listing_and_reading(netns: str) -> No
     assert got["results"] == {"va": 37, "vc": errno.ENODEV}
     assert got["unreadable"] == 0  # a vanished interface is not an unreadable value
     assert got["interfaces"] == ["va"]
+
+
+def test_phy_error_counters_of_the_alert(dgx: Path) -> None:
+    """The three counters GpunetInterfacePhyErrors reads, from the mlx5 PHY names (docs/formats.md
+    §3), with their values; corrected bits and lane errors stay out of those families."""
+    text = ("NIC statistics:\n     rx_crc_errors_phy: 7\n     rx_symbol_err_phy: 5\n"
+            "     rx_pcs_symbol_err_phy: 3\n     rx_corrected_bits_phy: 1204\n"
+            "     rx_err_lane_0_phy: 301\n")
+    s, unreadable = scrape(dgx, TextReader({ROCE: text}))
+    assert unreadable == 0
+    assert value(s, "gpunet_pfc_crc_errors_total", interface=ROCE) == 7
+    assert value(s, "gpunet_pfc_symbol_errors_total", interface=ROCE) == 5
+    assert value(s, "gpunet_pfc_fec_uncorrected_symbol_errors_total", interface=ROCE) == 3
+    assert value(s, "gpunet_pfc_fec_corrected_bit_errors_total", interface=ROCE) == 1204
+    assert len(series(s, "gpunet_pfc_symbol_errors_total")) == 1
