@@ -66,7 +66,7 @@ def test_thresholds_file_changes_the_verdict(faulty: tuple[list[str], dict[str, 
     out = run(*args, "--json", f"--thresholds={tmp_path / 't.yml'}", env=env)
     result: dict[str, Any] = json.loads(out.stdout)
     alerts = {f["alert"] for f in result["findings"]}
-    assert len(alerts) == 10
+    assert len(alerts) == 11
     assert "GpunetPfcDisabledOnRocePriority" not in alerts
     assert "GpunetAllreduceLatencyHigh" not in alerts
     assert result["exit_code"] == out.returncode == 1
