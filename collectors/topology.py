@@ -109,8 +109,10 @@ NEAREST_NIC = MetricSpec(
     "bridges, then device name)", _GDP, "", _PCI_SOURCE)
 NUMA_MISMATCH = MetricSpec(
     "gpunet_topology_gpu_nearest_nic_numa_mismatch", "gauge",
-    "1 when the GPU's nearest RDMA device is on another NUMA node, else 0; absent when either "
-    "NUMA node is unknown (-1)", _G, "boolean", "numa_node of the GPU and of the device")
+    "1 when the GPU's nearest rail RDMA device (gpunet_topology_gpu_nearest_rail_nic: the NIC "
+    "NCCL would use, not a storage port that happens to be closer) is on another NUMA node, "
+    "else 0; absent when either NUMA node is unknown (-1) or no device is a rail", _G, "boolean",
+    "numa_node of the GPU and of the device")
 ACS_REDIRECT = MetricSpec(
     "gpunet_topology_gpu_nic_acs_redirect_bridges", "gauge",
     "PCI bridges between the GPU and the RDMA device (below the last component their paths "
@@ -129,6 +131,68 @@ NCCL_ENV_PROCESSES = MetricSpec(
     "processes need root or CAP_SYS_PTRACE with CAP_DAC_READ_SEARCH, and the host PID "
     "namespace)", ("result",), "processes",
     "NVML compute processes, /proc/<pid>/environ")
+
+# -- PCIe link of each RDMA device's PCI function (issue 16) ---------------------------------------
+_LINK_SOURCE = ("current_link_speed, current_link_width, max_link_speed, max_link_width of "
+                "/sys/class/infiniband/<device>/device and of the bridge above it")
+_END_HELP = ("; end is device (the NIC's function) or upstream (the bridge port above it: a "
+             "switch downstream port or a root port)")
+NIC_PCIE_INFO = MetricSpec(
+    "gpunet_topology_nic_pcie_info", "gauge",
+    "Always 1, for each RDMA device with a PCI function; address is the function, upstream the "
+    "bridge port above it (empty on a host bridge, as in many VMs)",
+    ("device", "address", "upstream"), "", "realpath of /sys/class/infiniband/<device>/device")
+NIC_PCIE_SPEED = MetricSpec(
+    "gpunet_topology_nic_pcie_link_speed_transfers_per_second", "gauge",
+    "Current PCIe link speed of the RDMA device's link (32e9 is Gen5)" + _END_HELP,
+    ("device", "end"), "transfers per second", _LINK_SOURCE)
+NIC_PCIE_WIDTH = MetricSpec(
+    "gpunet_topology_nic_pcie_link_width_lanes", "gauge",
+    "Current PCIe link width of the RDMA device's link" + _END_HELP,
+    ("device", "end"), "lanes", _LINK_SOURCE)
+NIC_PCIE_MAX_SPEED = MetricSpec(
+    "gpunet_topology_nic_pcie_link_max_speed_transfers_per_second", "gauge",
+    "Highest PCIe link speed the end supports (Link Capabilities)" + _END_HELP,
+    ("device", "end"), "transfers per second", _LINK_SOURCE)
+NIC_PCIE_MAX_WIDTH = MetricSpec(
+    "gpunet_topology_nic_pcie_link_max_width_lanes", "gauge",
+    "Widest PCIe link the end supports (Link Capabilities)" + _END_HELP,
+    ("device", "end"), "lanes", _LINK_SOURCE)
+NIC_PCIE_DEGRADED = MetricSpec(
+    "gpunet_topology_nic_pcie_link_degraded", "gauge",
+    "1 when the RDMA device's PCIe link runs slower or narrower than both its ends allow "
+    "(current below min(device max, upstream port max)), else 0; a slot narrower than the NIC "
+    "is not degraded. Absent when an end's values are unknown or the function is not in D0",
+    ("device",), "boolean", _LINK_SOURCE + ", power_state")
+NEAREST_RAIL_NIC = MetricSpec(
+    "gpunet_topology_gpu_nearest_rail_nic", "gauge",
+    "Always 1, for the rail RDMA device nearest the GPU (the one NCCL would use for it; rails "
+    "are topology.rail_devices minus topology.rail_exclude, by default every device), ranked "
+    "like gpunet_topology_gpu_nearest_nic", _GDP, "", _PCI_SOURCE)
+_LINK_FILES = ("current_link_speed", "current_link_width", "max_link_speed", "max_link_width")
+# "32.0 GT/s PCIe" (pci_speed_string, Linux 5.3+), "8 GT/s" and "2.5 GT/s" (older kernels),
+# "Unknown" (drivers/pci/pci-sysfs.c, docs/formats.md §9).
+_LINK_SPEED = re.compile(r"^(\d+(?:\.\d+)?) GT/s(?: PCIe)?$")
+
+
+def parse_link_speed(text: str) -> float | None:
+    """Transfers per second from a sysfs ``*_link_speed`` value; None for "Unknown"."""
+    m = _LINK_SPEED.match(text)
+    return float(m.group(1)) * 1e9 if m else None
+
+
+def parse_link_width(text: str) -> int | None:
+    """Lanes from a sysfs ``*_link_width`` value; None for 0 (link down, or unknown)."""
+    value = parse_uint(text)
+    return value or None
+
+
+def link_degraded(cur_speed: float, cur_width: int, dev_speed: float, dev_width: int,
+                  up_speed: float, up_width: int) -> bool:
+    """Whether a link trained below what both ends allow: current below min(device max,
+    upstream max) in speed or width. Comparing with the device's maximum alone would call a
+    x16 NIC in a x8 slot degraded (scitix/sichek issue 122)."""
+    return cur_speed < min(dev_speed, up_speed) or cur_width < min(dev_width, up_width)
 
 
 def _little_endian(raw: bytes, size: int) -> int:
@@ -280,12 +344,18 @@ class TopologyCollector(Collector):
                    "NCCL environment audit of GPU processes")
     metrics = (PEERMEM_LOADED, PEERMEM_INFO, KERNEL_MODULE_INFO, DMABUF_CAPABLE, GDR_READY,
                GPU_NIC_PATH, NEAREST_NIC, NUMA_MISMATCH, ACS_REDIRECT, NCCL_ENV_FINDINGS,
-               NCCL_ENV_PROCESSES)
+               NCCL_ENV_PROCESSES, NIC_PCIE_INFO, NIC_PCIE_SPEED, NIC_PCIE_WIDTH,
+               NIC_PCIE_MAX_SPEED, NIC_PCIE_MAX_WIDTH, NIC_PCIE_DEGRADED, NEAREST_RAIL_NIC)
     config_fields: ClassVar[Mapping[str, Field]] = {
         "device_include": Field("regex", "only RDMA devices whose name matches"),
         "device_exclude": Field("regex", "skip RDMA devices whose name matches"),
         "nccl_env_audit": Field("bool", "read the environment of GPU compute processes for NCCL "
                                 "settings that disable RDMA, GPUDirect or P2P", default=True),
+        "rail_devices": Field("regex", "RDMA devices that are compute rails, the NICs NCCL uses "
+                              "for GPU traffic (default: every device); the NUMA mismatch is "
+                              "judged against the GPU's nearest rail"),
+        "rail_exclude": Field("regex", "RDMA devices that are not rails even when rail_devices "
+                              "matches, e.g. storage or front-end ports"),
     }
     flags: ClassVar[Mapping[str, tuple[str, str]]] = {
         "device-include": ("device_include", "regexp of RDMA devices to include"),
@@ -313,6 +383,7 @@ class TopologyCollector(Collector):
         nics = self._nics()
         self._endpoints = self._endpoints_now  # only what this scrape saw stays cached
         self._pairs(fams, gpus, nics)
+        self._nic_links(fams, nics)
         if self.ctx.config.get("nccl_env_audit", True):
             self._nccl_audit(fams)
         return iter(fams)
@@ -441,8 +512,77 @@ class TopologyCollector(Collector):
                     fams.add(ACS_REDIRECT, [gpu.name, nic.name], redirects)
             if best is not None and best_nic is not None:
                 fams.add(NEAREST_NIC, [gpu.name, best_nic.name, PATHS[best[0]]], 1)
-                if gpu.numa >= 0 and best_nic.numa >= 0:
-                    fams.add(NUMA_MISMATCH, [gpu.name], int(gpu.numa != best_nic.numa))
+            self._nearest_rail(fams, gpu, nics)
+
+    def _is_rail(self, name: str) -> bool:
+        cfg = self.ctx.config
+        include, exclude = cfg.get("rail_devices"), cfg.get("rail_exclude")
+        return ((include is None or bool(include.search(name)))
+                and not (exclude is not None and exclude.search(name)))
+
+    def _nearest_rail(self, fams: Families, gpu: Endpoint, nics: list[Endpoint]) -> None:
+        """The GPU's nearest rail NIC, and whether it is on another NUMA node: a storage port
+        on the GPU's node does not hide a rail NIC across the sockets."""
+        ranked = []
+        for nic in nics:
+            if self._is_rail(nic.name):
+                rel = relation(gpu, nic)
+                ranked.append(((RANK[rel.path], len(rel.bridges), nic.name), nic))
+        if not ranked:
+            return
+        key, nic = min(ranked, key=lambda pair: pair[0])
+        fams.add(NEAREST_RAIL_NIC, [gpu.name, nic.name, PATHS[key[0]]], 1)
+        if gpu.numa >= 0 and nic.numa >= 0:
+            fams.add(NUMA_MISMATCH, [gpu.name], int(gpu.numa != nic.numa))
+
+    def _link_end(self, device_dir: str) -> dict[str, float | int | None] | None:
+        """The link attributes of one PCI function or bridge; None when its directory is gone."""
+        try:
+            attrs = self.ctx.sysfs.read_many(device_dir, (*_LINK_FILES, "power_state"))
+        except OSError:
+            return None
+        out: dict[str, float | int | None] = {}
+        for name in _LINK_FILES:
+            value = attrs[name]
+            if isinstance(value, OSError):
+                if value.errno != errno.ENOENT:
+                    self.ctx.skip(f"{device_dir}/{name}", value.strerror or value)
+                out[name] = None
+            else:
+                out[name] = (parse_link_speed(value) if name.endswith("speed")
+                             else parse_link_width(value))
+        power = attrs["power_state"]
+        # power_state (Linux 5.17+): a function in D3 may have its link down or retrained.
+        out["d0"] = 1 if isinstance(power, OSError) or power == "D0" else 0
+        return out
+
+    def _nic_links(self, fams: Families, nics: list[Endpoint]) -> None:
+        """Each RDMA device's PCIe link, both ends, and whether it trained down."""
+        for nic in nics:
+            upstream_dir = nic.dirs[-2] if len(nic.dirs) > 1 else ""
+            fams.add(NIC_PCIE_INFO, [nic.name, nic.chain[-1],
+                                     nic.chain[-2] if len(nic.chain) > 1 else ""], 1)
+            dev = self._link_end(nic.dirs[-1])
+            up = self._link_end(upstream_dir) if upstream_dir else None
+            for end, attrs in (("device", dev), ("upstream", up)):
+                if attrs is None:
+                    continue
+                for spec, name in ((NIC_PCIE_SPEED, "current_link_speed"),
+                                   (NIC_PCIE_WIDTH, "current_link_width"),
+                                   (NIC_PCIE_MAX_SPEED, "max_link_speed"),
+                                   (NIC_PCIE_MAX_WIDTH, "max_link_width")):
+                    value = attrs[name]
+                    if value is not None:
+                        fams.add(spec, [nic.name, end], value)
+            if dev is None or up is None or not dev["d0"]:
+                continue
+            values = (dev["current_link_speed"], dev["current_link_width"],
+                      dev["max_link_speed"], dev["max_link_width"],
+                      up["max_link_speed"], up["max_link_width"])
+            if all(v is not None for v in values):
+                cs, cw, ds, dw, us, uw = (v or 0 for v in values)
+                fams.add(NIC_PCIE_DEGRADED, [nic.name],
+                         int(link_degraded(cs, int(cw), ds, int(dw), us, int(uw))))
 
     def _acs_redirect(self, bridge: str) -> bool | None:
         """Whether the bridge's ACS Control has a P2P redirect bit set (False also without an

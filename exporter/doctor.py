@@ -159,6 +159,24 @@ def check_links(c: Check) -> None:
             c.add("link", "GpunetPortCounterSaturated", _port(lbl),
                   f"counter {lbl['counter']} stuck at its maximum; its errors are invisible",
                   "perfquery -R  # clears the port's counters")
+    for lbl, v in b.all("gpunet_topology_nic_pcie_link_degraded"):
+        if v == 1:
+            dev = lbl["device"]
+            info = next((i for i, _ in b.all("gpunet_topology_nic_pcie_info", device=dev)), {})
+            bdf = info.get("address") or (
+                f"$(basename $(readlink /sys/class/infiniband/{dev}/device))")
+            link = {(lb["end"], name): x for name in (
+                "speed_transfers_per_second", "width_lanes", "max_speed_transfers_per_second",
+                "max_width_lanes") for lb, x in b.all(
+                    f"gpunet_topology_nic_pcie_link_{name}", device=dev)}
+            speed = min(link.get((e, "max_speed_transfers_per_second"), 0)
+                        for e in ("device", "upstream"))
+            width = min(link.get((e, "max_width_lanes"), 0) for e in ("device", "upstream"))
+            c.add("link", "GpunetNicPcieLinkDegraded", dev,
+                  f"PCIe link at {link.get(('device', 'speed_transfers_per_second'), 0) / 1e9:g} "
+                  f"GT/s x{link.get(('device', 'width_lanes'), 0):.0f}, both ends allow "
+                  f"{speed / 1e9:g} GT/s x{width:.0f}",
+                  f"sudo lspci -vv -s {bdf} | grep -E 'LnkCap|LnkSta'")
 
 
 # PHY counters of ethtool -S behind GpunetInterfacePhyErrors, with the driver names to grep.
@@ -311,8 +329,11 @@ def check_retransmissions(c: Check) -> None:
 def check_placement(c: Check) -> None:
     for lbl, v in c.b.all("gpunet_topology_gpu_nearest_nic_numa_mismatch"):
         if v == 1:
+            rail = next((r["device"] for r, _ in c.b.all(
+                "gpunet_topology_gpu_nearest_rail_nic", gpu=lbl["gpu"])), "?")
             c.add("numa", "GpunetGpuNicNumaMismatch", f"GPU {lbl['gpu']}",
-                  "no RDMA NIC on the GPU's NUMA node", "nvidia-smi topo -m")
+                  f"its nearest rail NIC ({rail}) is on another NUMA node",
+                  "nvidia-smi topo -m")
     for lbl, v in c.b.all("gpunet_topology_gpu_nic_acs_redirect_bridges"):
         if v > 0:
             c.add("numa", "GpunetGpuNicAcsRedirect", f"GPU {lbl['gpu']} - {lbl['device']}",

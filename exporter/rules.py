@@ -192,6 +192,13 @@ ALERTS: tuple[Alert, ...] = (
           f"RoCE interface {_IF} counted {{{{ $value | printf \"%.0f\" }}}} symbol, CRC or "
           "FEC-uncorrected errors in the last hour (ethtool -S), above the bit-error-rate "
           "budget."),
+    Alert("GpunetNicPcieLinkDegraded", "link", "warning", "10m",
+          lambda t: ('max without (end) (gpunet_topology_nic_pcie_link_width_lanes{end="device"})\n'
+                     "  and on (instance, device) gpunet_topology_nic_pcie_link_degraded == 1"),
+          "RDMA NIC's PCIe link trained down",
+          "RDMA device {{ $labels.device }} " + _NODE + " runs its PCIe link (now x{{ $value }}) "
+          "slower or narrower than both its ends allow: the NIC cannot reach its line rate (x8 "
+          "halves a 400G NIC)."),
     # --- congestion: PFC, pause, ECN ---------------------------------------------------------
     Alert("GpunetPfcDisabledOnRocePriority", "congestion", "critical", "5m",
           lambda t: (f'gpunet_pfc_enabled{{priority="{t["pfc"]["roce_priority"]}"}} == 0\n'
@@ -274,9 +281,9 @@ ALERTS: tuple[Alert, ...] = (
     # --- topology -----------------------------------------------------------------------------
     Alert("GpunetGpuNicNumaMismatch", "topology", "warning", "10m",
           lambda t: "gpunet_topology_gpu_nearest_nic_numa_mismatch == 1",
-          "GPU's nearest NIC on another NUMA node",
-          f"{_GPU} has no RDMA NIC on its own NUMA node: its network traffic crosses the "
-          "inter-socket link."),
+          "GPU's nearest rail NIC on another NUMA node",
+          f"The nearest rail NIC of {_GPU} is on another NUMA node: its network traffic crosses "
+          "the inter-socket link."),
     Alert("GpunetGpuNicAcsRedirect", "topology", "warning", "10m",
           lambda t: "gpunet_topology_gpu_nic_acs_redirect_bridges > 0",
           "ACS redirects GPU-NIC peer traffic",

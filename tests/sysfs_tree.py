@@ -627,6 +627,11 @@ NVSWITCH_DIRS = tuple(f"devices/pci0000:00/0000:00:{2 + k:02x}.0/0000:{5 + k:02x
                       for k in range(4))
 ASPEED_DIR = "devices/pci0000:00/0000:00:1c.4/0000:04:00.0"
 
+# Link attributes of every bridge port here (drivers/pci/pci-sysfs.c, docs/formats.md §9).
+PCI_LINK_GEN5_X16 = {
+    "current_link_speed": "32.0 GT/s PCIe\n", "current_link_width": "16\n",
+    "max_link_speed": "32.0 GT/s PCIe\n", "max_link_width": "16\n",
+}  # fmt: skip
 # PCI Express capability "device/port type" (PCIe base spec 7.5.3.2).
 ROOT_PORT, UPSTREAM_PORT, DOWNSTREAM_PORT = 4, 5, 6
 BRIDGE_IDS = {
@@ -700,7 +705,8 @@ def _write_bridge(sys: Path, bridge_dir: str, numa: int, port_type: int,
                   acs_control: int | None = ACS_CONTROL_OFF) -> None:
     vendor, device = BRIDGE_IDS[port_type]
     _write(sys / bridge_dir, {"vendor": f"0x{vendor:04x}\n", "device": f"0x{device:04x}\n",
-                              "class": "0x060400\n", "numa_node": f"{numa}\n"})
+                              "class": "0x060400\n", "numa_node": f"{numa}\n",
+                              **PCI_LINK_GEN5_X16})
     (sys / bridge_dir / "config").write_bytes(pci_config(vendor, device, port_type, acs_control))
     _bus_link(sys, bridge_dir)
 
@@ -742,6 +748,9 @@ def _write_gpu_node(root: Path, nics: Iterable[Nic]) -> Path:
         if not nic.parent:
             _write_bridge(sys, str(Path(nic.pci_dir).parent), nic.numa, ROOT_PORT)
         _bus_link(sys, nic.pci_dir)
+        # The link capabilities the collectors of build_dgx_h100 do not read, kept out of it
+        # (and of examples/): Gen5 x16, in D0.
+        _write(sys / nic.pci_dir, {**PCI_LINK_GEN5_X16, "power_state": "D0\n"})
     _bus_link(sys, MGMT_PCI_DIR)
     for other_dir, attrs in ((ASPEED_DIR, PCI_ASPEED),
                              *((d, PCI_NVSWITCH) for d in NVSWITCH_DIRS)):
@@ -809,6 +818,19 @@ def build_numa_wrong_side(root: Path) -> Path:
     return _write_gpu_node(root, nics)
 
 
+def build_rail_wrong_side(root: Path) -> Path:
+    """build_numa_wrong_side plus a storage RoCE NIC, mlx5_2 (29:00.0), on a root port of its own
+    on NUMA node 0: GPU0's nearest RDMA device (NODE) but not a compute rail. GPU0's nearest rail
+    is mlx5_1 (SYS), on NUMA node 1."""
+    sys = root / "sys"
+    _write_gpu(sys, _root_port(sys, 0x1A, 0), 0x1B, 0)
+    downstream = _switch(sys, _root_port(sys, 0x9A, 1), 0x9B, (0x9D, 0xA0), 1)
+    _write_gpu(sys, downstream[0xA0], 0xA0, 1)
+    nics = (Nic(0, 0x9D, numa=1, ifindex=3, parent=downstream[0x9D]),
+            Nic(1, 0xC1, numa=1, ifindex=4), Nic(2, 0x29, numa=0, roce=True, ifindex=5))
+    return _write_gpu_node(root, nics)
+
+
 def pci_function_dir(sys: Path, address: str) -> Path:
     """The real directory of a PCI function, found through bus/pci/devices like the kernel's."""
     return Path(os.path.realpath(sys / "bus" / "pci" / "devices" / address))
@@ -821,6 +843,26 @@ def set_numa_node(sys: Path, address: str, numa: int) -> None:
 
 def _bridge_above(sys: Path, address: str) -> Path:
     return pci_function_dir(sys, address).parent
+
+
+def _nic_function(sys: Path, device: str) -> Path:
+    return Path(os.path.realpath(sys / "class" / "infiniband" / device / "device"))
+
+
+def make_nic_pcie_downtrained(sys: Path, device: str = "mlx5_7", width: int = 8) -> None:
+    """The NIC's PCIe link trained down to ``width`` lanes (Gen5 x16 -> x8 halves a 400G NIC):
+    LnkSta of both ends, the NIC's function and the bridge port above it, says so."""
+    nic = _nic_function(sys, device)
+    for end in (nic, nic.parent):
+        _write(end, {"current_link_width": f"{width}\n"})
+
+
+def make_nic_slot_narrow(sys: Path, device: str = "mlx5_7", width: int = 8) -> None:
+    """A x16 NIC in a slot whose port supports only ``width`` lanes: trained at that width, as
+    it should; not a degraded link (scitix/sichek issue 122)."""
+    nic = _nic_function(sys, device)
+    _write(nic, {"current_link_width": f"{width}\n"})
+    _write(nic.parent, {"current_link_width": f"{width}\n", "max_link_width": f"{width}\n"})
 
 
 def make_acs_enabled(sys: Path, gpu_bus: int = 0x1B, control: int = ACS_CONTROL_REDIRECT,

@@ -46,6 +46,7 @@ from test_link import DEVINFO
 
 HEALTHY, FAULTY = "gpu-healthy", "gpu-faulty"
 DEGRADED_PORT, DOWN_PORT = "mlx5_5", "mlx5_3"
+NIC_PCIE_DEGRADED = "mlx5_7"  # its PCIe link trained down to x8
 QOS_DEVICE = "mlx5_9"  # the RoCE port whose netdev carries the QoS configuration
 CAPTURE = FIXTURES / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
 ETHTOOL = """\
@@ -168,7 +169,7 @@ def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str
 
     Faults of the faulty node, beyond the four the issue names: a port down, an IB port with a
     2048-byte active MTU, GPU 0 on a x8 link, on the other NUMA node than its NIC and with an
-    XID 13, and GPU 1 lost."""
+    XID 13, GPU 1 lost, and mlx5_7's own PCIe link trained down to x8."""
     sysfs = st.build_dgx_h100_gpus(root)
     qos_netdev = st.make_ofed_qos(sysfs, QOS_DEVICE)  # its netdev's name; ECN files for panels
     scenario = fake_nvml.h200x2()
@@ -182,6 +183,7 @@ def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str
         st.set_numa_node(sysfs, f"0000:{st.DGX_GPU_BUSES[0]:02x}:00.0", 1)
         scenario["devices"][0]["nvmlDeviceGetCurrPcieLinkWidth"] = {"ok": 8}
         scenario["devices"][1]["lost"] = True
+        st.make_nic_pcie_downtrained(sysfs, NIC_PCIE_DEGRADED)
         devinfo = DEVINFO
     procfs = st.build_procfs(root, nvidia=st.NVRM_PROPRIETARY if faulty else st.NVRM_OPEN)
     (root / "nvml.json").write_text(json.dumps(scenario))
@@ -371,6 +373,7 @@ EXPECTED = {
     "GpunetNcclSocketFallback": ("/pager", {"scope": "inter"}),
     "GpunetGdrNotReady": ("/pager", {}),
     "GpunetGpuNicNumaMismatch": ("/ticket", {"gpu": "0"}),
+    "GpunetNicPcieLinkDegraded": ("/ticket", {"device": NIC_PCIE_DEGRADED}),
     "GpunetGpuPcieLinkDegraded": ("/ticket", {"gpu": "0"}),
     "GpunetGpuXidErrors": ("/ticket", {"gpu": "0", "xid": "13"}),
     "GpunetGpuLost": ("/pager", {"gpu": "1"}),
@@ -457,7 +460,7 @@ def test_health_matrix_records_every_node_and_class(bundle: Bundle) -> None:
     got = wait_until("the health matrix", matrix)
     assert set(got) == {(n, c) for n in (HEALTHY, FAULTY) for c in rules.CLASSES}
     assert all(v == 0 for (n, _), v in got.items() if n == HEALTHY)
-    assert got[(FAULTY, "link")] == 4 and got[(FAULTY, "congestion")] == 1
+    assert got[(FAULTY, "link")] == 5 and got[(FAULTY, "congestion")] == 1
     assert got[(FAULTY, "gpu")] == 3 and got[(FAULTY, "topology")] == 1
     assert got[(FAULTY, "exporter")] == 0
 

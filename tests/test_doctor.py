@@ -37,7 +37,7 @@ def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]
     out = run(*args, env=env)
     assert out.returncode == 1, out.stderr
     text = out.stdout
-    assert text.startswith("13 findings on this node:")
+    assert text.startswith("14 findings on this node:")
     # Causes in the report's order, each with its findings, device and confirming command.
     positions = [text.index(title) for title in (
         "NCCL on TCP sockets", "GPUDirect RDMA off", "Degraded or flapping link",
@@ -48,6 +48,8 @@ def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]
     assert "confirm: cat /sys/class/infiniband/mlx5_5/ports/1/rate" in text
     assert "[critical] enp170s0f0np0: PFC off on priority 3, the one RoCE uses" in text
     assert "[warning] GPU 0: PCIe Gen5 x8, capable of Gen5 x16" in text
+    assert ("[warning] mlx5_7: PCIe link at 32 GT/s x8, both ends allow 32 GT/s x16\n"
+            "      confirm: sudo lspci -vv -s 0000:dc:00.0 | grep -E 'LnkCap|LnkSta'") in text
     assert "docs/runbooks.md#gpunetgdrnotready (alert GpunetGdrNotReady)" in text
     assert text.rstrip().endswith("topology (ok)")
     # Progress on stderr, one line per step, so a prolog's log shows where it waits.
@@ -64,7 +66,7 @@ def test_thresholds_file_changes_the_verdict(faulty: tuple[list[str], dict[str, 
     out = run(*args, "--json", f"--thresholds={tmp_path / 't.yml'}", env=env)
     result: dict[str, Any] = json.loads(out.stdout)
     alerts = {f["alert"] for f in result["findings"]}
-    assert len(alerts) == 11
+    assert len(alerts) == 12
     assert "GpunetPfcDisabledOnRocePriority" not in alerts
     assert "GpunetAllreduceLatencyHigh" not in alerts
     assert result["exit_code"] == out.returncode == 1
@@ -142,7 +144,7 @@ def test_checks_name_real_alerts_and_causes() -> None:
     names = set(doctor_module.SEVERITY)
     source = Path(doctor_module.__file__).read_text()
     used = set(re.findall(r'"(Gpunet[A-Za-z]+)"', source))
-    assert used <= names and len(used) == 40
+    assert used <= names and len(used) == 41
     causes = set(re.findall(r'c\.add\("(\w+)"', source))
     assert causes <= set(doctor_module.CAUSES)
 

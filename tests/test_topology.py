@@ -846,3 +846,141 @@ def test_probe_pins_each_gpu_to_the_nearest_active_port(dgx: Path) -> None:
     assert moved.path in ("NODE", "PHB", "PXB")
     # No RDMA port at all: nothing to pin (NCCL finds no IB device and falls back).
     assert placement.nearest_port(Root(str(dgx.parent / "nowhere")), "0000:1b:00.0") is None
+
+
+# ---- NIC PCIe links and rail NICs (issue 16) --------------------------------------------------
+
+
+def nic_link(s: Samples, device: str) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for metric in ("speed_transfers_per_second", "width_lanes", "max_speed_transfers_per_second",
+                   "max_width_lanes"):
+        for end in ("device", "upstream"):
+            out[f"{end}_{metric}"] = value(s, P + f"nic_pcie_link_{metric}", device=device,
+                                           end=end)
+    return out
+
+
+def test_nic_pcie_link_healthy(dgx: Path) -> None:
+    s, unreadable = run(dgx)
+    assert unreadable == 0
+    assert series(s, P + "nic_pcie_link_degraded") == {
+        frozenset({("device", d)}): 0 for d in DGX_DEVICES}
+    assert set(nic_link(s, "mlx5_0").values()) == {32e9, 16}
+    # mlx5_0 (18:00.0) sits below its switch's downstream port 17:...; mlx5_8 on a root port.
+    info = {dict(lbl)["device"]: dict(lbl) for lbl in series(s, P + "nic_pcie_info")}
+    assert info["mlx5_0"]["address"] == "0000:18:00.0"
+    assert info["mlx5_0"]["upstream"] == st.pci_function_dir(dgx, "0000:18:00.0").parent.name
+    assert info["mlx5_8"] == {"device": "mlx5_8", "address": "0000:29:00.0",
+                              "upstream": "0000:28:01.0"}
+
+
+def test_nic_pcie_link_trained_down(dgx: Path) -> None:
+    st.make_nic_pcie_downtrained(dgx, "mlx5_7", 8)
+    s, _ = run(dgx)
+    assert value(s, P + "nic_pcie_link_degraded", device="mlx5_7") == 1
+    assert value(s, P + "nic_pcie_link_width_lanes", device="mlx5_7", end="device") == 8
+    assert value(s, P + "nic_pcie_link_max_width_lanes", device="mlx5_7", end="device") == 16
+    assert value(s, P + "nic_pcie_link_degraded", device="mlx5_6") == 0
+
+
+def test_nic_pcie_link_speed_trained_down(dgx: Path) -> None:
+    nic = st.pci_function_dir(dgx, "0000:40:00.0")  # mlx5_1
+    (nic / "current_link_speed").write_text("16.0 GT/s PCIe\n")
+    s, _ = run(dgx)
+    assert value(s, P + "nic_pcie_link_speed_transfers_per_second", device="mlx5_1",
+                 end="device") == 16e9
+    assert value(s, P + "nic_pcie_link_degraded", device="mlx5_1") == 1
+
+
+def test_nic_in_narrow_slot_is_not_degraded(dgx: Path) -> None:
+    """The slot's own maximum is the limit: a x16 NIC at x8 in a x8 slot is as good as it gets."""
+    st.make_nic_slot_narrow(dgx, "mlx5_7", 8)
+    s, _ = run(dgx)
+    assert value(s, P + "nic_pcie_link_max_width_lanes", device="mlx5_7", end="upstream") == 8
+    assert value(s, P + "nic_pcie_link_degraded", device="mlx5_7") == 0
+
+
+@pytest.mark.parametrize("change", [
+    {"max_link_width": None},  # an old kernel or a bridge without the attribute
+    {"current_link_speed": "Unknown\n"},
+    {"power_state": "D3hot\n"},  # not in D0: its link may be down or retrained
+])
+def test_nic_pcie_link_unknown_is_absent(dgx: Path, change: dict[str, str | None]) -> None:
+    nic = st.pci_function_dir(dgx, "0000:40:00.0")  # mlx5_1
+    st.make_nic_pcie_downtrained(dgx, "mlx5_1", 4)
+    for name, text in change.items():
+        target = nic.parent if name == "max_link_width" else nic
+        if text is None:
+            (target / name).unlink()
+        else:
+            (target / name).write_text(text)
+    s, unreadable = run(dgx)
+    assert unreadable == 0
+    assert value(s, P + "nic_pcie_link_degraded", device="mlx5_1") is None
+    assert value(s, P + "nic_pcie_link_degraded", device="mlx5_0") == 0
+
+
+def test_nic_on_a_host_bridge_has_no_verdict(tmp_path: Path) -> None:
+    """build_dgx_h100 (no GPUs): NICs below root port directories without attributes, like a VM
+    whose virtual root port shows none; the NIC's own values are still exported."""
+    sysfs = st.build_dgx_h100(tmp_path)
+    (sysfs / "class/infiniband/mlx5_0/device/current_link_width").write_text("8\n")
+    s, unreadable = run(sysfs)
+    assert unreadable == 0
+    assert series(s, P + "nic_pcie_link_degraded") == {}
+    assert value(s, P + "nic_pcie_link_width_lanes", device="mlx5_0", end="device") == 8
+
+
+def test_parse_link_attributes() -> None:
+    from collectors.topology import link_degraded, parse_link_speed, parse_link_width
+    assert parse_link_speed("32.0 GT/s PCIe") == 32e9
+    assert parse_link_speed("2.5 GT/s PCIe") == 2.5e9
+    assert parse_link_speed("8 GT/s") == 8e9  # kernels before 5.3
+    assert parse_link_speed("Unknown") is None
+    assert parse_link_speed("") is None
+    assert parse_link_width("16") == 16 and parse_link_width("0") is None
+    assert parse_link_width("x16") is None
+    assert not link_degraded(32e9, 8, 32e9, 16, 32e9, 8)  # narrow slot
+    assert link_degraded(32e9, 8, 32e9, 16, 32e9, 16)
+    assert not link_degraded(16e9, 16, 32e9, 16, 16e9, 16)  # Gen4 switch port
+    assert link_degraded(16e9, 16, 32e9, 16, 32e9, 16)
+
+
+def rail(s: Samples) -> dict[str, tuple[str, str]]:
+    out = {}
+    for lbl in series(s, P + "gpu_nearest_rail_nic"):
+        d = dict(lbl)
+        assert d["gpu"] not in out, "one nearest rail per GPU"
+        out[d["gpu"]] = (d["device"], d["path"])
+    return out
+
+
+def test_rail_nic_on_the_other_socket(tmp_path: Path) -> None:
+    """A storage port on GPU0's NUMA node is its nearest RDMA device, but its rail NIC is across
+    the sockets: with the storage port named, the mismatch shows."""
+    sysfs = st.build_rail_wrong_side(tmp_path)
+    s, unreadable = run(sysfs)
+    assert unreadable == 0
+    assert nearest(s)["0"] == ("mlx5_2", "NODE")
+    assert rail(s)["0"] == ("mlx5_2", "NODE")  # every device is a rail by default
+    assert value(s, P + "gpu_nearest_nic_numa_mismatch", gpu="0") == 0
+    for config in ({"rail_exclude": "^mlx5_2$"}, {"rail_devices": "^mlx5_[01]$"}):
+        s, _ = run(sysfs, config=config)
+        assert nearest(s)["0"] == ("mlx5_2", "NODE")  # unchanged: all devices
+        assert rail(s) == {"0": ("mlx5_1", "SYS"), "1": ("mlx5_0", "PIX")}
+        assert value(s, P + "gpu_nearest_nic_numa_mismatch", gpu="0") == 1
+        assert value(s, P + "gpu_nearest_nic_numa_mismatch", gpu="1") == 0
+
+
+def test_rail_dgx_healthy(dgx: Path) -> None:
+    s, _ = run(dgx, config={"rail_exclude": "^mlx5_[89]$"})
+    assert rail(s) == {str(g): (f"mlx5_{g}", "PIX") for g in range(8)}
+    assert set(series(s, P + "gpu_nearest_nic_numa_mismatch").values()) == {0}
+
+
+def test_no_rail_no_mismatch(dgx: Path) -> None:
+    s, _ = run(dgx, config={"rail_devices": "^nothing$"})
+    assert rail(s) == {}
+    assert series(s, P + "gpu_nearest_nic_numa_mismatch") == {}
+    assert len(nearest(s)) == 8
