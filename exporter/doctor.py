@@ -168,7 +168,9 @@ def check_mtu(c: Check) -> None:
         if name in roce and mtu < least:
             c.add("mtu", "GpunetRoceMtuTooSmall", name,
                   f"RoCE interface at MTU {mtu:.0f}, below {least}", f"ip link show {name}")
-        elif b.get("gpunet_link_mtu_mismatch", interface=name) == 1:
+        # Not elif: both alerts fire in Prometheus for a RoCE netdev below the minimum that is
+        # also not at its expected MTU, so the doctor reports both.
+        if b.get("gpunet_link_mtu_mismatch", interface=name) == 1:
             want = b.get("gpunet_link_mtu_expected_bytes", interface=name)
             c.add("mtu", "GpunetInterfaceMtuNotExpected", name,
                   f"MTU {mtu:.0f}, expected {want or 0:.0f}", f"ip link show {name}")

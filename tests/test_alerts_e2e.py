@@ -46,6 +46,7 @@ from test_link import DEVINFO
 
 HEALTHY, FAULTY = "gpu-healthy", "gpu-faulty"
 DEGRADED_PORT, DOWN_PORT = "mlx5_5", "mlx5_3"
+MTU_PORT = "mlx5_8"  # the other RoCE port; its netdev is left at MTU 1500 on the faulty node
 QOS_DEVICE = "mlx5_9"  # the RoCE port whose netdev carries the QoS configuration
 CAPTURE = FIXTURES / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
 ETHTOOL = """\
@@ -155,7 +156,8 @@ def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str
 
     Faults of the faulty node, beyond the four the issue names: a port down, an IB port with a
     2048-byte active MTU, GPU 0 on a x8 link, on the other NUMA node than its NIC and with an
-    XID 13, and GPU 1 lost."""
+    XID 13, GPU 1 lost, and the RoCE netdev of mlx5_8 at MTU 1500 (below the RoCE minimum and not
+    the expected 9000: two alerts)."""
     sysfs = st.build_dgx_h100_gpus(root)
     qos_netdev = st.make_ofed_qos(sysfs, QOS_DEVICE)  # its netdev's name; ECN files for panels
     scenario = fake_nvml.h200x2()
@@ -166,6 +168,7 @@ def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str
         st.make_port_degraded(sysfs, DEGRADED_PORT)
         st.make_port_down(sysfs, DOWN_PORT)
         st.make_peermem_unloaded(sysfs)
+        st.make_mtu_1500(sysfs, MTU_PORT)  # RoCE netdev: below 4200 and not the expected 9000
         st.set_numa_node(sysfs, f"0000:{st.DGX_GPU_BUSES[0]:02x}:00.0", 1)
         scenario["devices"][0]["nvmlDeviceGetCurrPcieLinkWidth"] = {"ok": 8}
         scenario["devices"][1]["lost"] = True
@@ -356,6 +359,9 @@ EXPECTED = {
     "GpunetGpuPcieLinkDegraded": ("/ticket", {"gpu": "0"}),
     "GpunetGpuXidErrors": ("/ticket", {"gpu": "0", "xid": "13"}),
     "GpunetGpuLost": ("/pager", {"gpu": "1"}),
+    # One netdev, two alerts: below the RoCE minimum and not the configured 9000.
+    "GpunetRoceMtuTooSmall": ("/ticket", {}),
+    "GpunetInterfaceMtuNotExpected": ("/ticket", {}),
 }
 # Firing in Prometheus on the faulty node, silenced by the shipped inhibition rules: NCCL on
 # sockets and GDR not ready silence the slow-collective alerts and "GDR inactive".
@@ -437,7 +443,7 @@ def test_health_matrix_records_every_node_and_class(bundle: Bundle) -> None:
     got = wait_until("the health matrix", matrix)
     assert set(got) == {(n, c) for n in (HEALTHY, FAULTY) for c in rules.CLASSES}
     assert all(v == 0 for (n, _), v in got.items() if n == HEALTHY)
-    assert got[(FAULTY, "link")] == 3 and got[(FAULTY, "congestion")] == 1
+    assert got[(FAULTY, "link")] == 5 and got[(FAULTY, "congestion")] == 1
     assert got[(FAULTY, "gpu")] == 3 and got[(FAULTY, "topology")] == 1
     assert got[(FAULTY, "exporter")] == 0
 
