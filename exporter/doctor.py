@@ -7,8 +7,13 @@ probe collector is on, and applies the alert thresholds of exporter.thresholds (
 the generated Prometheus rules use; ``--thresholds FILE`` overrides them the same way). Findings
 are grouped by root cause, each naming the device and a command that confirms it.
 
-Exit codes: 0 healthy, 1 findings, 2 could not check (a collector failed, nothing to check, or
-bad input). ``--json`` prints one JSON document instead of the report.
+Exit codes: 0 healthy (or only info findings), 1 findings, 2 could not check (a collector failed,
+nothing to check, or bad input). ``--json`` prints one JSON document instead of the report.
+
+The link-downed and carrier-change counters it read go to a small state file (``--state-file``),
+so that the next run can count the flaps since this one, as the flapping alerts count them over
+hours; notes (no finding, no effect on the exit code) say what it saw but cannot place in the
+alerts' windows.
 """
 
 from __future__ import annotations
@@ -259,7 +264,7 @@ def read_history(path: str) -> tuple[dict[str, Any], str | None]:
         counters = {kind: {str(k): [[float(t), float(v)] for t, v in obs]
                            for k, obs in data.get(kind, {}).items()}
                     for _, _, kind, *_ in FLAP_COUNTERS}
-    except (ConfigError, ValueError, TypeError, AttributeError) as exc:
+    except (ConfigError, ValueError, TypeError, AttributeError, RecursionError) as exc:
         return {}, f"history {path} ignored ({str(exc) or type(exc).__name__}): no history"
     return counters, None
 
@@ -287,6 +292,11 @@ def write_history(path: str, history: dict[str, Any], b: Snapshot, t: T) -> str 
             key, _ = _flap_key(kind, lbl)
             kept = _since_reset(history.get(kind, {}).get(key, []), v)
             mine[key] = _compact([*kept, [b.time, v]], horizon)
+        # A series not read this time (its collector failed, the netdev is gone for now) keeps
+        # its history while that lies within the window.
+        for key, obs in history.get(kind, {}).items():
+            if key not in mine and obs and obs[-1][0] >= horizon:
+                mine[key] = _compact(obs, horizon)
         data[kind] = mine
     directory = os.path.dirname(os.path.abspath(path))
     try:

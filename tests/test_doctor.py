@@ -302,3 +302,15 @@ def test_unusable_state_file_is_one_note(tmp_path: Path, state: str) -> None:
     (note,) = result["notes"]
     assert ("cannot record the counters in /proc/gpunet/doctor.json (" in note
             if state.startswith("/proc") else "bad.json ignored (" in note), note
+
+
+def test_history_keeps_what_a_count_needs() -> None:
+    """Of a run of equal values the first and last observation; of those older than the window
+    only the newest; after a counter's fall only what follows it."""
+    compact, since_reset = doctor_module._compact, doctor_module._since_reset
+    obs = [[0.0, 0.0], [10.0, 0.0], [20.0, 0.0], [30.0, 2.0], [40.0, 2.0], [50.0, 2.0]]
+    assert compact(obs, horizon=5) == [[0, 0], [20, 0], [30, 2], [50, 2]]
+    assert compact(obs, horizon=25) == [[20, 0], [30, 2], [50, 2]]
+    assert since_reset([[0.0, 5.0], [10.0, 0.0], [20.0, 1.0]], 3) == [[10, 0], [20, 1]]
+    assert since_reset([[0.0, 5.0]], 1) == []
+    assert doctor_module.seconds("1h30m") == 5400 and doctor_module.seconds("24h") == 86400
