@@ -44,7 +44,7 @@ def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]
     positions = [text.index(title) for title in (
         "NCCL on TCP sockets", "GPUDirect RDMA off", "Degraded or flapping link",
         "PFC or ECN misconfigured", "MTU", "GPU and NIC placement", "Degraded GPU PCIe link",
-        "GPU faults", "Slow collectives")]
+        "GPU faults", "Slow collectives", "GPUs waiting")]
     assert positions == sorted(positions)
     assert "[critical] mlx5_5 port 1: runs at 200 Gb/s, expected 400 Gb/s" in text
     assert "confirm: cat /sys/class/infiniband/mlx5_5/ports/1/rate" in text
