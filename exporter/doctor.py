@@ -7,15 +7,23 @@ probe collector is on, and applies the alert thresholds of exporter.thresholds (
 the generated Prometheus rules use; ``--thresholds FILE`` overrides them the same way). Findings
 are grouped by root cause, each naming the device and a command that confirms it.
 
-Exit codes: 0 healthy, 1 findings, 2 could not check (a collector failed, nothing to check, or
-bad input). ``--json`` prints one JSON document instead of the report.
+Exit codes: 0 healthy (or only info findings), 1 findings, 2 could not check (a collector failed,
+nothing to check, or bad input). ``--json`` prints one JSON document instead of the report.
+
+The link-downed and carrier-change counters it read go to a small state file (``--state-file``),
+so that the next run can count the flaps since this one, as the flapping alerts count them over
+hours; notes (no finding, no effect on the exit code) say what it saw but cannot place in the
+alerts' windows.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -27,12 +35,13 @@ from exporter import rules
 from exporter.background import kill_running
 from exporter.cli import build_parser, server_only_flags, start_collectors
 from exporter.collector import Collector
-from exporter.config import ConfigError
+from exporter.config import ConfigError, read_regular
 from exporter.logs import setup
 from exporter.registry import Scraper, discover
 from exporter.thresholds import load
 
 PROG = "gpunet-exporter doctor"
+DEFAULT_STATE = "/var/lib/gpunet-exporter/doctor.json"
 T = dict[str, Any]
 Labels = dict[str, str]
 
@@ -48,6 +57,7 @@ CAUSES = {
     "gpu_pcie": "Degraded GPU PCIe link",
     "gpu": "GPU faults",
     "collective": "Slow collectives or a straggler",
+    "gpu_wait": "GPUs waiting (starved, or in the network-bound band)",
 }
 SEVERITY = {a.name: a.severity for a in rules.ALERTS}
 
@@ -91,6 +101,10 @@ class Check:
         self.a, self.b, self.t = a, b, t
         self.dt = max(b.time - a.time, 1e-3)
         self.findings: list[Finding] = []
+        # What earlier doctor runs saw (the state file), and lines that inform but are no
+        # finding (they do not change the exit code).
+        self.history: dict[str, Any] = {}
+        self.notes: list[str] = []
 
     def rate(self, name: str) -> Iterator[tuple[Labels, float]]:
         """Per-second increase of a counter between the snapshots (series in both)."""
@@ -203,6 +217,149 @@ def check_phy(c: Check) -> None:
                       f"then mlxlink -d <PCI> -c")
 
 
+# --- flap history: counters the earlier doctor runs recorded ---------------------------------
+# The flapping alerts count link-downed events and carrier changes over hours; the check's own
+# seconds see almost none. The doctor records both counters in its state file on every run, so
+# the next run can count what happened since the runs that lie within the alert's window.
+FLAP_COUNTERS = (
+    # (metric, alert, state key, count threshold key, window threshold key, what)
+    ("gpunet_infiniband_port_link_downed_total", "GpunetPortFlapping", "link_downed",
+     "link_downed_count", "link_downed_window", "link-downed events"),
+    ("gpunet_link_carrier_changes_total", "GpunetInterfaceFlapping", "carrier_changes",
+     "carrier_changes_count", "carrier_changes_window", "carrier changes"),
+)
+HISTORY_KEEP = 64  # observations kept per counter
+_UNIT = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+
+
+def seconds(duration: str) -> float:
+    """A Prometheus duration (thresholds has checked its syntax) in seconds."""
+    return sum(float(n) * _UNIT[u] for n, u in re.findall(r"(\d+)(ms|s|m|h|d|w|y)", duration))
+
+
+def _flap_key(kind: str, lbl: Labels) -> tuple[str, str]:
+    """The state file's key of a series and where the report says it is."""
+    if kind == "link_downed":
+        return f"{lbl.get('device')}/{lbl.get('port')}", _port(lbl)
+    return lbl.get("interface", ""), lbl.get("interface", "")
+
+
+def _since_reset(obs: list[list[float]], v: float) -> list[list[float]]:
+    """The observations after the counter's last fall (reboot, driver reload, perfquery -R),
+    given its value now."""
+    kept: list[list[float]] = []
+    for o in reversed(obs):
+        if o[1] > v:
+            break
+        kept.append(o)
+        v = o[1]
+    return kept[::-1]
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(ts))
+
+
+def check_flap_history(c: Check) -> None:
+    """GpunetPortFlapping and GpunetInterfaceFlapping beyond the check's own seconds: a finding
+    when the counter rose by the alert's count since an earlier doctor run that lies within the
+    alert's window (so the alert fires too); a note when it rose less, or since a run older than
+    the window, and for a large count since boot, whose time the doctor cannot tell."""
+    b, t = c.b, c.t["infiniband"]
+    found = {(f.alert, f.where) for f in c.findings}
+    for metric, alert, kind, count_key, window_key, what in FLAP_COUNTERS:
+        count, window = t[count_key], t[window_key]
+        past: dict[str, list[list[float]]] = c.history.get(kind, {})
+        for lbl, v in b.all(metric):
+            key, where = _flap_key(kind, lbl)
+            if (alert, where) in found:
+                continue  # it changed during the check: check_links reported it
+            obs = _since_reset(past.get(key, []), v)
+            recent = [o for o in obs if b.time - o[0] <= seconds(window)]
+            if recent and v - recent[0][1] >= count:
+                c.add("link", alert, where,
+                      f"{v - recent[0][1]:.0f} {what} since the doctor run at "
+                      f"{_when(recent[0][0])} (the alert fires from {count} within {window})",
+                      f"ip -s link show {where}" if kind == "carrier_changes" else
+                      f"perfquery -x (on {lbl['device']} port {lbl['port']}); "
+                      "dmesg | grep -i mlx5")
+                continue
+            since = recent[0] if recent else (obs[-1] if obs else None)
+            if since is not None and v > since[1]:
+                older = "" if recent else f", longer ago than the alert's {window}"
+                c.notes.append(f"{where}: {v - since[1]:.0f} {what} since the doctor run at "
+                               f"{_when(since[0])}{older} ({alert} counts {count} within "
+                               f"{window})")
+            elif v >= count:
+                c.notes.append(f"{where}: {v:.0f} {what} since boot (or since the counters "
+                               f"were cleared), at times the doctor cannot tell ({alert} "
+                               f"counts {count} within {window})")
+
+
+def read_history(path: str) -> tuple[dict[str, Any], str | None]:
+    """The state file's counters, and a note when it exists but cannot be used."""
+    if not path or not os.path.lexists(path):
+        return {}, None
+    try:
+        data = json.loads(read_regular(path))
+        if not isinstance(data, dict) or data.get("version") != 1:
+            raise ValueError("not a doctor state file of version 1")
+        counters = {kind: {str(k): [[float(t), float(v)] for t, v in obs]
+                           for k, obs in data.get(kind, {}).items()}
+                    for _, _, kind, *_ in FLAP_COUNTERS}
+    except (ConfigError, ValueError, TypeError, AttributeError, RecursionError) as exc:
+        return {}, f"history {path} ignored ({str(exc) or type(exc).__name__}): no history"
+    return counters, None
+
+
+def _compact(obs: list[list[float]], horizon: float) -> list[list[float]]:
+    """The observations worth keeping: of a run of equal values its first and last (a count
+    from any of them is the same), and of those older than ``horizon`` (the alert's window)
+    only the newest."""
+    out = [o for i, o in enumerate(obs)
+           if i in (0, len(obs) - 1) or not obs[i - 1][1] == o[1] == obs[i + 1][1]]
+    old = [o for o in out if o[0] < horizon]
+    return (old[-1:] + [o for o in out if o[0] >= horizon])[-HISTORY_KEEP:]
+
+
+def write_history(path: str, history: dict[str, Any], b: Snapshot, t: T) -> str | None:
+    """Add this run's counters to the history and write it atomically (a temporary file in the
+    same directory, then rename); a note instead of an error when it cannot."""
+    if not path:
+        return None
+    data: dict[str, Any] = {"version": 1, "time": b.time}
+    for metric, _, kind, _, window_key, _ in FLAP_COUNTERS:
+        horizon = b.time - seconds(t["infiniband"][window_key])
+        mine: dict[str, list[list[float]]] = {}
+        for lbl, v in b.all(metric):
+            key, _ = _flap_key(kind, lbl)
+            kept = _since_reset(history.get(kind, {}).get(key, []), v)
+            mine[key] = _compact([*kept, [b.time, v]], horizon)
+        # A series not read this time (its collector failed, the netdev is gone for now) keeps
+        # its history while that lies within the window.
+        for key, obs in history.get(kind, {}).items():
+            if key not in mine and obs and obs[-1][0] >= horizon:
+                mine[key] = _compact(obs, horizon)
+        data[kind] = mine
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".doctor.", dir=directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump(data, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as exc:
+        return (f"cannot record the counters in {path} ({exc.strerror or exc}): the next run "
+                "has no history")
+    return None
+
+
 def check_mtu(c: Check) -> None:
     b, roce = c.b, c.roce_interfaces()
     least = c.t["link"]["roce_min_mtu_bytes"]
@@ -211,7 +368,9 @@ def check_mtu(c: Check) -> None:
         if name in roce and mtu < least:
             c.add("mtu", "GpunetRoceMtuTooSmall", name,
                   f"RoCE interface at MTU {mtu:.0f}, below {least}", f"ip link show {name}")
-        elif b.get("gpunet_link_mtu_mismatch", interface=name) == 1:
+        # Not elif: both alerts fire in Prometheus for a RoCE netdev below the minimum that is
+        # also not at its expected MTU, so the doctor reports both.
+        if b.get("gpunet_link_mtu_mismatch", interface=name) == 1:
             want = b.get("gpunet_link_mtu_expected_bytes", interface=name)
             c.add("mtu", "GpunetInterfaceMtuNotExpected", name,
                   f"MTU {mtu:.0f}, expected {want or 0:.0f}", f"ip link show {name}")
@@ -375,6 +534,34 @@ def check_gpus(c: Check) -> None:
                   f"XID {code:.0f} {b.time - when:.0f} s ago", "dmesg | grep -i xid")
 
 
+def check_gpu_utilization(c: Check) -> None:
+    """GpunetGpuStarved and GpunetGpusNetworkBoundBand on the check's own readings: the mean of
+    the two snapshots' utilization, where the alerts average 10 or 30 minutes."""
+    t = c.t["gpu"]
+    lo, hi = t["busy_utilization_ratio"], t["network_bound_utilization_ratio"]
+    before = {lbl.get("gpu"): v for lbl, v in c.a.all("gpunet_gpu_utilization_ratio")}
+    busy = in_band = 0
+    for lbl, v in c.b.all("gpunet_gpu_utilization_ratio"):
+        gpu = lbl.get("gpu", "")
+        if not (c.b.get("gpunet_gpu_compute_processes", gpu=gpu) or 0) > 0:
+            continue
+        util = (v + before.get(gpu, v)) / 2
+        busy += 1
+        if util < lo:
+            c.add("gpu_wait", "GpunetGpuStarved", f"GPU {gpu}",
+                  f"busy only {util:.0%} of the time while compute processes run on it "
+                  f"(limit {lo:.0%}; read over the check's {c.dt:.3g} s, the alert averages "
+                  "10 minutes)", f"nvidia-smi dmon -s u -c 10 -i {gpu}")
+        elif util < hi:
+            in_band += 1
+    if busy and in_band / busy >= t["network_bound_gpu_share"]:
+        c.add("gpu_wait", "GpunetGpusNetworkBoundBand", "node",
+              f"{in_band} of {busy} GPUs running compute processes are {lo:.0%} to {hi:.0%} "
+              "busy, the band of training that waits on its collectives (read over the "
+              f"check's {c.dt:.3g} s; the alert averages {t['network_bound_window']})",
+              "nvidia-smi dmon -s u -c 30  # and the job's other nodes")
+
+
 def check_collectives(c: Check) -> None:
     b, p = c.b, c.t["probe"]
     for lbl, v in b.all("gpunet_probe_allreduce_seconds", size=str(p["latency_size_bytes"]),
@@ -414,7 +601,8 @@ def check_collectives(c: Check) -> None:
 
 CHECKS: tuple[Callable[[Check], None], ...] = (
     check_transport, check_links, check_pfc, check_mtu, check_placement, check_gpus,
-    check_collectives, check_phy, check_retransmissions)
+    check_collectives, check_phy, check_retransmissions, check_gpu_utilization,
+    check_flap_history)
 
 
 def _progress(quiet: bool, message: str) -> None:
@@ -439,7 +627,7 @@ def _wait_for_probe(probe: Collector, timeout: float, quiet: bool) -> None:
 
 
 def report(findings: list[Finding], checked: dict[str, bool], problems: list[str],
-           runbook_url: str) -> str:
+           runbook_url: str, notes: Sequence[str] = ()) -> str:
     lines = []
     if findings:
         lines.append(f"{len(findings)} finding{'s' * (len(findings) != 1)} on this node:")
@@ -454,6 +642,8 @@ def report(findings: list[Finding], checked: dict[str, bool], problems: list[str
                 lines.append(f"      runbook: {runbook_url}#{f.alert.lower()} (alert {f.alert})")
     else:
         lines.append("No findings on this node.")
+    if notes:
+        lines += ["", "Notes (no finding):"] + [f"  {n}" for n in notes]
     lines.append("")
     lines.append("Checked: " + ", ".join(
         f"{name} ({'ok' if ok else 'FAILED'})" for name, ok in checked.items()))
@@ -481,6 +671,10 @@ def main(argv: Sequence[str]) -> int:
                         "net scope; intra too with two GPUs or more) and check it; needs torch "
                         "(pip install 'gpunet-exporter[probe]') (default: only when the probe "
                         "collector is on)")
+    d.add_argument("--state-file", default=DEFAULT_STATE, metavar="FILE",
+                   help="where the doctor records the link-downed and carrier-change counters "
+                        "it read, so the next run counts the flaps since this one; empty: "
+                        f"no history (default {DEFAULT_STATE})")
     d.add_argument("--probe-wait", type=float, default=120.0, metavar="SECONDS",
                    help="how long to wait for the probe's round when the probe is on "
                         "(default 120)")
@@ -521,8 +715,11 @@ def main(argv: Sequence[str]) -> int:
         scraper.close()
         kill_running()
     check = Check(a, b, t)
+    check.history, unreadable = read_history(args.state_file)
     for fn in CHECKS:
         fn(check)
+    unwritable = write_history(args.state_file, check.history, b, t)
+    notes = check.notes + [n for n in (unreadable, unwritable) if n]
     checked = {lbl["collector"]: v == 1 for lbl, v in b.all("gpunet_scrape_collector_success")}
     problems = early + [f"collector {n} failed" for n, ok in checked.items() if not ok]
     problems += [f"collector {n} did not start" for n in enabled if n not in collectors]
@@ -530,13 +727,15 @@ def main(argv: Sequence[str]) -> int:
     if not hardware:
         problems.append("no RDMA port and no NVIDIA GPU found")
     findings = check.findings
-    code = 1 if findings else (2 if problems else 0)
+    # Info findings (a hint such as the network-bound band, routed to no receiver by the
+    # example Alertmanager configuration) are listed but do not fail a health check.
+    code = 1 if any(f.severity != "info" for f in findings) else (2 if problems else 0)
     if args.json:
         print(json.dumps({"status": ("findings", "healthy", "could_not_check")[
             (code == 0) + 2 * (code == 2)], "exit_code": code,
             "findings": [{**asdict(f), "severity": f.severity} for f in findings],
-            "checked": checked, "problems": problems}, indent=1))
+            "checked": checked, "problems": problems, "notes": notes}, indent=1))
     else:
-        sys.stdout.write(report(findings, checked, problems, t["runbook_url"]))
+        sys.stdout.write(report(findings, checked, problems, t["runbook_url"], notes))
     return code
 

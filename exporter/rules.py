@@ -100,6 +100,20 @@ def _xid(t: T, critical: bool) -> str:
             "and on (instance, gpu) (time() - gpunet_gpu_xid_last_timestamp_seconds < 600)")
 
 
+def _network_bound(t: T) -> str:
+    """Share of the node's GPUs with compute processes whose utilization, averaged over the
+    window, lies in [busy_utilization_ratio, network_bound_utilization_ratio): above "starved",
+    below a compute-bound GPU. Per node: the ranks of a job on one node wait together."""
+    g = t["gpu"]
+    avg = f"avg_over_time(gpunet_gpu_utilization_ratio[{g['network_bound_window']}])"
+    busy = "gpunet_gpu_compute_processes > 0"
+    return (f"(\n  count by (instance, job) (\n    ({avg} >= {_g(g['busy_utilization_ratio'])})"
+            f" < {_g(g['network_bound_utilization_ratio'])}\n"
+            f"    and on (instance, gpu) {busy}\n  )\n"
+            f"  / on (instance, job)\n  count by (instance, job) ({busy})\n)"
+            f" >= {_g(g['network_bound_gpu_share'])}")
+
+
 _NODE = "on {{ $labels.instance }}"
 _PORT = "{{ $labels.device }} port {{ $labels.port }} " + _NODE
 _IF = "{{ $labels.interface }} " + _NODE
@@ -326,6 +340,11 @@ ALERTS: tuple[Alert, ...] = (
           "GPU under-utilized while compute processes run",
           f"{_GPU} is busy only {{{{ $value | humanizePercentage }}}} of the time while "
           "compute processes run on it: it is waiting, often on the network."),
+    Alert("GpunetGpusNetworkBoundBand", "gpu", "info", "15m", _network_bound,
+          "GPUs in the utilization band of network-bound training",
+          f"{{{{ $value | humanizePercentage }}}} of the GPUs running compute processes {_NODE} "
+          "have been busy, on average, more than starved GPUs but less than compute-bound ones: "
+          "the band of training that waits on its collectives."),
     Alert("GpunetNvmlDown", "gpu", "warning", "5m",
           lambda t: "gpunet_gpu_nvml_up == 0",
           "NVML not answering",

@@ -91,6 +91,15 @@ SCHEMA_FIELDS: dict[str, Field] = {
         "pcie_replays_per_minute": _num("PCIe replays per minute", 8),
         "busy_utilization_ratio": _ratio(
             "utilization under which a GPU with compute processes counts as starved", 0.5),
+        "network_bound_utilization_ratio": _ratio(
+            "upper end of the network-bound band: a GPU with compute processes whose "
+            "utilization, averaged over network_bound_window, lies from busy_utilization_ratio "
+            "up to (not including) this value is in the band", 0.8),
+        "network_bound_gpu_share": _ratio(
+            "share of a node's GPUs with compute processes that must be in the band for the "
+            "node to alert", 0.75),
+        "network_bound_window": Field("str", "window of the utilization average of the band",
+                                      default="30m"),
         "critical_xids": Field(
             "list", "XID codes that page (the GPU needs a reset or the node a drain)",
             item=Field("int", minimum=1),

@@ -47,6 +47,7 @@ from test_link import DEVINFO
 HEALTHY, FAULTY = "gpu-healthy", "gpu-faulty"
 DEGRADED_PORT, DOWN_PORT = "mlx5_5", "mlx5_3"
 NIC_PCIE_DEGRADED = "mlx5_7"  # its PCIe link trained down to x8
+MTU_PORT = "mlx5_8"  # the other RoCE port; its netdev is left at MTU 1500 on the faulty node
 QOS_DEVICE = "mlx5_9"  # the RoCE port whose netdev carries the QoS configuration
 CAPTURE = FIXTURES / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
 ETHTOOL = """\
@@ -169,7 +170,9 @@ def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str
 
     Faults of the faulty node, beyond the four the issue names: a port down, an IB port with a
     2048-byte active MTU, GPU 0 on a x8 link, on the other NUMA node than its NIC and with an
-    XID 13, GPU 1 lost, and mlx5_7's own PCIe link trained down to x8."""
+    XID 13, GPU 0 65 % busy with a compute process (the network-bound band), GPU 1 lost,
+    mlx5_7's own PCIe link trained down to x8, and the RoCE netdev of mlx5_8 at MTU 1500 (below
+    the RoCE minimum and not the expected 9000: two alerts)."""
     sysfs = st.build_dgx_h100_gpus(root)
     qos_netdev = st.make_ofed_qos(sysfs, QOS_DEVICE)  # its netdev's name; ECN files for panels
     scenario = fake_nvml.h200x2()
@@ -180,10 +183,15 @@ def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str
         st.make_port_degraded(sysfs, DEGRADED_PORT)
         st.make_port_down(sysfs, DOWN_PORT)
         st.make_peermem_unloaded(sysfs)
+        st.make_mtu_1500(sysfs, MTU_PORT)  # RoCE netdev: below 4200 and not the expected 9000
         st.set_numa_node(sysfs, f"0000:{st.DGX_GPU_BUSES[0]:02x}:00.0", 1)
         scenario["devices"][0]["nvmlDeviceGetCurrPcieLinkWidth"] = {"ok": 8}
         scenario["devices"][1]["lost"] = True
         st.make_nic_pcie_downtrained(sysfs, NIC_PCIE_DEGRADED)
+        # GPU 0 runs a training process at 65 %: the network-bound band (an info alert).
+        scenario["devices"][0]["nvmlDeviceGetUtilizationRates"] = {
+            "ok": {"gpu": 65, "memory": 30}}
+        scenario["devices"][0]["processes"] = [4242]
         devinfo = DEVINFO
     procfs = st.build_procfs(root, nvidia=st.NVRM_PROPRIETARY if faulty else st.NVRM_OPEN)
     (root / "nvml.json").write_text(json.dumps(scenario))
@@ -378,10 +386,15 @@ EXPECTED = {
     "GpunetGpuXidErrors": ("/ticket", {"gpu": "0", "xid": "13"}),
     "GpunetGpuLost": ("/pager", {"gpu": "1"}),
     "GpunetInterfacePhyErrors": ("/ticket", {}),  # on the QoS netdev, asserted below
+    # One netdev, two alerts: below the RoCE minimum and not the configured 9000.
+    "GpunetRoceMtuTooSmall": ("/ticket", {}),
+    "GpunetInterfaceMtuNotExpected": ("/ticket", {}),
 }
 # Firing in Prometheus on the faulty node, silenced by the shipped inhibition rules: NCCL on
 # sockets and GDR not ready silence the slow-collective alerts and "GDR inactive".
 INHIBITED = {"GpunetGdrInactive", "GpunetBusBandwidthLow", "GpunetAllreduceLatencyHigh"}
+# Firing in Prometheus on the faulty node, info severity: the example routes it to no receiver.
+UNROUTED = {"GpunetGpusNetworkBoundBand"}
 
 
 def test_expected_alerts_reach_the_webhook(bundle: Bundle) -> None:
@@ -416,10 +429,10 @@ def test_caused_alerts_fire_but_are_inhibited(bundle: Bundle) -> None:
     def caused() -> set[str]:
         names = {r["metric"]["alertname"] for r in query(
             bundle.prometheus, f'ALERTS{{alertstate="firing", instance="{FAULTY}"}}')}
-        return names if names >= INHIBITED else set()
+        return names if names >= INHIBITED | UNROUTED else set()
 
     firing = wait_until("the caused alerts firing in Prometheus", caused)
-    assert firing >= set(EXPECTED) | INHIBITED
+    assert firing >= set(EXPECTED) | INHIBITED | UNROUTED
 
     def suppressed() -> set[str]:
         alerts = requests.get(f"{bundle.alertmanager}/api/v2/alerts", timeout=10).json()
@@ -434,7 +447,8 @@ def test_caused_alerts_fire_but_are_inhibited(bundle: Bundle) -> None:
     delivered = {a["labels"]["alertname"] for _, a in bundle.webhook.alerts()}
     assert not delivered & INHIBITED, f"inhibited alerts were delivered: {delivered & INHIBITED}"
     # Nothing else fired on the faulty node beyond what the fixture explains.
-    assert firing == set(EXPECTED) | INHIBITED, sorted(firing)
+    assert not delivered & UNROUTED, f"info alerts were delivered: {delivered & UNROUTED}"
+    assert firing == set(EXPECTED) | INHIBITED | UNROUTED, sorted(firing)
 
 
 def test_healthy_node_raises_nothing(bundle: Bundle) -> None:
@@ -460,8 +474,8 @@ def test_health_matrix_records_every_node_and_class(bundle: Bundle) -> None:
     got = wait_until("the health matrix", matrix)
     assert set(got) == {(n, c) for n in (HEALTHY, FAULTY) for c in rules.CLASSES}
     assert all(v == 0 for (n, _), v in got.items() if n == HEALTHY)
-    assert got[(FAULTY, "link")] == 5 and got[(FAULTY, "congestion")] == 1
-    assert got[(FAULTY, "gpu")] == 3 and got[(FAULTY, "topology")] == 1
+    assert got[(FAULTY, "link")] == 7 and got[(FAULTY, "congestion")] == 1
+    assert got[(FAULTY, "gpu")] == 4 and got[(FAULTY, "topology")] == 1
     assert got[(FAULTY, "exporter")] == 0
 
 
@@ -530,8 +544,8 @@ def test_every_dashboard_query_returns_data(bundle: Bundle) -> None:
 
 def doctor(args: list[str], env: dict[str, str], *extra: str) -> tuple[int, dict[str, Any]]:
     out = subprocess.run(["gpunet-exporter", "doctor", *args, "--interval", "1", "--json",
-                          *extra], env={**os.environ, **env}, capture_output=True, text=True,
-                         timeout=300)
+                          "--state-file=", *extra], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=300)
     assert "Traceback" not in out.stderr, out.stderr
     return out.returncode, json.loads(out.stdout)
 

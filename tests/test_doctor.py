@@ -21,7 +21,9 @@ from test_alerts_e2e import build_node
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([exporter_binary(), "doctor", "--interval", "0.5", *args],
+    # No history unless a test names a state file (a later --state-file wins).
+    return subprocess.run([exporter_binary(), "doctor", "--interval", "0.5", "--state-file=",
+                           *args],
                           env={**os.environ, **(env or {})}, capture_output=True, text=True,
                           timeout=300)
 
@@ -37,12 +39,12 @@ def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]
     out = run(*args, env=env)
     assert out.returncode == 1, out.stderr
     text = out.stdout
-    assert text.startswith("14 findings on this node:")
+    assert text.startswith("17 findings on this node:")
     # Causes in the report's order, each with its findings, device and confirming command.
     positions = [text.index(title) for title in (
         "NCCL on TCP sockets", "GPUDirect RDMA off", "Degraded or flapping link",
         "PFC or ECN misconfigured", "MTU", "GPU and NIC placement", "Degraded GPU PCIe link",
-        "GPU faults", "Slow collectives")]
+        "GPU faults", "Slow collectives", "GPUs waiting")]
     assert positions == sorted(positions)
     assert "[critical] mlx5_5 port 1: runs at 200 Gb/s, expected 400 Gb/s" in text
     assert "confirm: cat /sys/class/infiniband/mlx5_5/ports/1/rate" in text
@@ -66,7 +68,7 @@ def test_thresholds_file_changes_the_verdict(faulty: tuple[list[str], dict[str, 
     out = run(*args, "--json", f"--thresholds={tmp_path / 't.yml'}", env=env)
     result: dict[str, Any] = json.loads(out.stdout)
     alerts = {f["alert"] for f in result["findings"]}
-    assert len(alerts) == 12
+    assert len(alerts) == 15
     assert "GpunetPfcDisabledOnRocePriority" not in alerts
     assert "GpunetAllreduceLatencyHigh" not in alerts
     assert result["exit_code"] == out.returncode == 1
@@ -77,7 +79,7 @@ def test_json_shape(faulty: tuple[list[str], dict[str, str]]) -> None:
     out = run(*args, "--json", "--no-collector.probe", env=env)
     result = json.loads(out.stdout)
     assert out.stderr == ""  # --json: nothing but the document
-    assert set(result) == {"status", "exit_code", "findings", "checked", "problems"}
+    assert set(result) == {"status", "exit_code", "findings", "checked", "problems", "notes"}
     lost = next(f for f in result["findings"] if f["alert"] == "GpunetGpuLost")
     assert lost == {"cause": "gpu", "alert": "GpunetGpuLost", "where": "GPU 1",
                     "message": "fallen off the bus (GPU is lost)", "severity": "critical",
@@ -144,7 +146,7 @@ def test_checks_name_real_alerts_and_causes() -> None:
     names = set(doctor_module.SEVERITY)
     source = Path(doctor_module.__file__).read_text()
     used = set(re.findall(r'"(Gpunet[A-Za-z]+)"', source))
-    assert used <= names and len(used) == 41
+    assert used <= names and len(used) == 43
     causes = set(re.findall(r'c\.add\("(\w+)"', source))
     assert causes <= set(doctor_module.CAUSES)
 
@@ -248,3 +250,144 @@ def test_retransmissions_rising_on_a_port() -> None:
     c = _snapshots(10.0, before, before)
     doctor_module.check_retransmissions(c)
     assert c.findings == []
+def test_roce_mtu_below_minimum_and_not_expected_is_two_findings(
+        faulty: tuple[list[str], dict[str, str]]) -> None:
+    """A RoCE netdev at 1500 where 9000 is expected: both MTU alerts fire in Prometheus, so the
+    doctor reports both."""
+    args, env = faulty
+    result = json.loads(run(*args, "--json", "--no-collector.probe", env=env).stdout)
+    mtu = {f["alert"]: f["message"] for f in result["findings"] if f["cause"] == "mtu"}
+    assert mtu["GpunetRoceMtuTooSmall"] == "RoCE interface at MTU 1500, below 4200"
+    assert mtu["GpunetInterfaceMtuNotExpected"] == "MTU 1500, expected 9000"
+
+
+def gpu_node(root: Path, util: list[int], procs: list[int]) -> tuple[list[str], dict[str, str]]:
+    """The healthy node of the e2e test with its two GPUs at the given utilization (%) and
+    compute process counts."""
+    args, env, _ = build_node(root, faulty=False)
+    scenario = json.loads((root / "nvml.json").read_text())
+    for dev, u, n in zip(scenario["devices"], util, procs, strict=True):
+        dev["nvmlDeviceGetUtilizationRates"] = {"ok": {"gpu": u, "memory": 10}}
+        dev["processes"] = list(range(4000, 4000 + n))
+    (root / "nvml.json").write_text(json.dumps(scenario))
+    return [*args, "--no-collector.probe", "--json"], env
+
+
+def test_network_bound_band_is_an_info_finding_exit_0(tmp_path: Path) -> None:
+    """Both GPUs with processes at 60 % and 75 %: the network-bound band, an info finding that
+    leaves the exit code at 0 (a health check must not drain a node for its job's shape)."""
+    args, env = gpu_node(tmp_path, [60, 75], [2, 1])
+    out = run(*args, env=env)
+    result = json.loads(out.stdout)
+    assert [(f["alert"], f["severity"], f["where"]) for f in result["findings"]] == [
+        ("GpunetGpusNetworkBoundBand", "info", "node")]
+    assert result["findings"][0]["message"].startswith(
+        "2 of 2 GPUs running compute processes are 50% to 80% busy")
+    assert "the alert averages 30m" in result["findings"][0]["message"]
+    assert out.returncode == result["exit_code"] == 0 and result["status"] == "healthy"
+
+
+def test_starved_gpu_is_a_finding_and_below_the_share_no_band(tmp_path: Path) -> None:
+    """GPU 0 at 20 % with a process: GpunetGpuStarved (exit 1); GPU 1 at 70 % is then one of
+    two busy GPUs in the band, under the 75 % share: no band finding. Idle GPUs count for
+    neither."""
+    args, env = gpu_node(tmp_path, [20, 70], [1, 1])
+    out = run(*args, env=env)
+    result = json.loads(out.stdout)
+    assert [(f["alert"], f["where"]) for f in result["findings"]] == [
+        ("GpunetGpuStarved", "GPU 0")]
+    assert result["findings"][0]["message"].startswith(
+        "busy only 20% of the time while compute processes run on it (limit 50%")
+    assert out.returncode == 1
+    idle, env = gpu_node(tmp_path / "idle", [20, 70], [0, 0])
+    assert json.loads(run(*idle, env=env).stdout)["findings"] == []
+
+
+def ib_tree(root: Path) -> tuple[Path, list[str]]:
+    sysfs = st.build_dgx_h100(root / "tree")
+    return sysfs, [f"--path.sysfs={sysfs}", "--collector.disable-defaults",
+                   "--collector.infiniband", "--collector.link", "--json",
+                   f"--state-file={root / 'state' / 'doctor.json'}"]
+
+
+def test_flaps_since_the_last_run_are_findings(tmp_path: Path) -> None:
+    """Run, bump the counters as two link-downed events and four carrier changes would, run
+    again: the second run names the counts since the first, as the flapping alerts would fire;
+    one more link-downed event is a note only (below the alert's count)."""
+    sysfs, args = ib_tree(tmp_path)
+    first = run(*args)
+    assert first.returncode == 0 and json.loads(first.stdout)["notes"] == []
+    downed = sysfs / "class" / "infiniband" / "mlx5_0" / "ports" / "1" / "counters" / "link_downed"
+    netdev = st._netdev(sysfs, "mlx5_1")
+    downed.write_text("2\n")
+    (netdev / "carrier_changes").write_text("6\n")  # 2 at boot, then 4
+    second = run(*args)
+    result = json.loads(second.stdout)
+    found = {f["alert"]: f for f in result["findings"]}
+    assert set(found) == {"GpunetPortFlapping", "GpunetInterfaceFlapping"}
+    assert found["GpunetPortFlapping"]["where"] == "mlx5_0 port 1"
+    assert re.fullmatch(r"2 link-downed events since the doctor run at \S+ \S+ \S+ \(the alert "
+                        r"fires from 2 within 24h\)", found["GpunetPortFlapping"]["message"])
+    assert found["GpunetInterfaceFlapping"]["message"].startswith(
+        "4 carrier changes since the doctor run at ")
+    assert second.returncode == 1
+    # The counts run from the first run while it is within the window: a third run still finds
+    # them; a third link-downed event on another port is one, below the alert's two: a note.
+    (sysfs / "class" / "infiniband" / "mlx5_2" / "ports" / "1" / "counters" / "link_downed"
+     ).write_text("1\n")
+    third = json.loads(run(*args).stdout)
+    assert {f["alert"] for f in third["findings"]} == set(found)
+    (note,) = third["notes"]
+    assert note.startswith("mlx5_2 port 1: 1 link-downed events since the doctor run at ")
+    assert note.endswith("(GpunetPortFlapping counts 2 within 24h)")
+
+
+def test_counter_reset_starts_the_history_over(tmp_path: Path) -> None:
+    sysfs, args = ib_tree(tmp_path)
+    downed = sysfs / "class" / "infiniband" / "mlx5_0" / "ports" / "1" / "counters" / "link_downed"
+    downed.write_text("5\n")
+    run(*args)
+    downed.write_text("1\n")  # perfquery -R, then one event
+    result = json.loads(run(*args).stdout)
+    assert result["findings"] == [] and result["notes"] == []
+
+
+def test_large_count_since_boot_is_a_note_exit_0(tmp_path: Path) -> None:
+    """First run, no history: 7 link-downed events since boot could be last week's; a note,
+    no finding, exit 0. The text report lists it under its own heading."""
+    sysfs, args = ib_tree(tmp_path)
+    (sysfs / "class" / "infiniband" / "mlx5_0" / "ports" / "1" / "counters" / "link_downed"
+     ).write_text("7\n")
+    out = run(*args)
+    result = json.loads(out.stdout)
+    assert out.returncode == 0 and result["findings"] == []
+    assert result["notes"] == [
+        "mlx5_0 port 1: 7 link-downed events since boot (or since the counters were cleared), "
+        "at times the doctor cannot tell (GpunetPortFlapping counts 2 within 24h)"]
+    text = run(*[a for a in args if a != "--json"]).stdout
+    assert "No findings on this node.\n\nNotes (no finding):\n  mlx5_0 port 1: 7 " in text
+
+
+@pytest.mark.parametrize("state", ["/proc/gpunet/doctor.json", "{tmp}/bad.json"])
+def test_unusable_state_file_is_one_note(tmp_path: Path, state: str) -> None:
+    """A state file that cannot be written (or read) costs the history, never the check."""
+    _, args = ib_tree(tmp_path)
+    (tmp_path / "bad.json").write_text("{not json")
+    out = run(*args, f"--state-file={state.format(tmp=tmp_path)}")
+    result = json.loads(out.stdout)
+    assert out.returncode == 0 and "Traceback" not in out.stderr and out.stderr == ""
+    (note,) = result["notes"]
+    assert ("cannot record the counters in /proc/gpunet/doctor.json (" in note
+            if state.startswith("/proc") else "bad.json ignored (" in note), note
+
+
+def test_history_keeps_what_a_count_needs() -> None:
+    """Of a run of equal values the first and last observation; of those older than the window
+    only the newest; after a counter's fall only what follows it."""
+    compact, since_reset = doctor_module._compact, doctor_module._since_reset
+    obs = [[0.0, 0.0], [10.0, 0.0], [20.0, 0.0], [30.0, 2.0], [40.0, 2.0], [50.0, 2.0]]
+    assert compact(obs, horizon=5) == [[0, 0], [20, 0], [30, 2], [50, 2]]
+    assert compact(obs, horizon=25) == [[20, 0], [30, 2], [50, 2]]
+    assert since_reset([[0.0, 5.0], [10.0, 0.0], [20.0, 1.0]], 3) == [[10, 0], [20, 1]]
+    assert since_reset([[0.0, 5.0]], 1) == []
+    assert doctor_module.seconds("1h30m") == 5400 and doctor_module.seconds("24h") == 86400
