@@ -47,7 +47,11 @@ CAUSES = {
     "gpu_pcie": "Degraded GPU PCIe link",
     "gpu": "GPU faults",
     "collective": "Slow collectives or a straggler",
+    "inventory": "RDMA devices, ports or netdevs gone",
 }
+# Findings that say something could not be checked rather than that something is wrong: alone,
+# they make the exit code 2 (could not check), not 1, and each also gives a `problems` entry.
+COULD_NOT_CHECK = frozenset({"GpunetPfcConfigUnreadable"})
 SEVERITY = {a.name: a.severity for a in rules.ALERTS}
 
 
@@ -90,6 +94,7 @@ class Check:
         self.a, self.b, self.t = a, b, t
         self.dt = max(b.time - a.time, 1e-3)
         self.findings: list[Finding] = []
+        self.problems: list[str] = []  # what the checks could not judge
 
     def rate(self, name: str) -> Iterator[tuple[Labels, float]]:
         """Per-second increase of a counter between the snapshots (series in both)."""
@@ -226,6 +231,13 @@ def check_pfc(c: Check) -> None:
                   "ignores CNPs: congestion control is off on their priority",
                   f"cat /sys/class/infiniband/{lbl['device']}/ports/{lbl['port']}/"
                   "hw_counters/rp_cnp_ignored")
+    for lbl, v in b.all("gpunet_pfc_config_refresh_success"):
+        if v == 0 and lbl["interface"] in roce:
+            name = lbl["interface"]
+            c.add("pfc", "GpunetPfcConfigUnreadable", name,
+                  "its QoS configuration cannot be read: PFC not checked there",
+                  f"mlnx_qos -i {name}  # or: dcb pfc show dev {name}")
+            c.problems.append(f"PFC on {name}: its QoS configuration cannot be read")
 
 
 def check_transport(c: Check) -> None:
@@ -337,9 +349,23 @@ def check_collectives(c: Check) -> None:
                   "cat /var/lib/gpunet-exporter/probe/*.json  # straggler")
 
 
+def check_inventory(c: Check) -> None:
+    """Devices, ports and netdevs expected (configured or learned by the exporter, whose state
+    file the doctor reads and never writes) and gone."""
+    b = c.b
+    for lbl, v in b.all("gpunet_inventory_missing"):
+        if v > 0:
+            kind = lbl["kind"]
+            names = sorted(m["name"] for m, _ in b.all("gpunet_inventory_missing_info",
+                                                        kind=kind))
+            c.add("inventory", "GpunetRdmaDeviceMissing", kind,
+                  f"{v:.0f} expected {kind} gone" + (f": {', '.join(names)}" if names else ""),
+                  "ls /sys/class/infiniband; ibv_devices; lspci -d 15b3:")
+
+
 CHECKS: tuple[Callable[[Check], None], ...] = (
     check_transport, check_links, check_pfc, check_mtu, check_placement, check_gpus,
-    check_collectives)
+    check_collectives, check_inventory)
 
 
 def _progress(quiet: bool, message: str) -> None:
@@ -431,7 +457,7 @@ def main(argv: Sequence[str]) -> int:
             early.append("the probe needs torch: pip install 'gpunet-exporter[probe]'")
         else:
             args.enable__probe = True
-    collectors, _, enabled = start_collectors(args, classes, parser)
+    collectors, _, enabled = start_collectors(args, classes, parser, learn=False)
     scraper = Scraper(collectors, args.scrape_timeout)
     quiet = args.json
     try:
@@ -450,12 +476,14 @@ def main(argv: Sequence[str]) -> int:
         fn(check)
     checked = {lbl["collector"]: v == 1 for lbl, v in b.all("gpunet_scrape_collector_success")}
     problems = early + [f"collector {n} failed" for n, ok in checked.items() if not ok]
+    problems += check.problems
     problems += [f"collector {n} did not start" for n in enabled if n not in collectors]
     hardware = any(b.all("gpunet_infiniband_port_state_id")) or any(b.all("gpunet_gpu_info"))
     if not hardware:
         problems.append("no RDMA port and no NVIDIA GPU found")
     findings = check.findings
-    code = 1 if findings else (2 if problems else 0)
+    faults = [f for f in findings if f.alert not in COULD_NOT_CHECK]
+    code = 1 if faults else (2 if problems else 0)
     if args.json:
         print(json.dumps({"status": ("findings", "healthy", "could_not_check")[
             (code == 0) + 2 * (code == 2)], "exit_code": code,
