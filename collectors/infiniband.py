@@ -279,7 +279,8 @@ class InfinibandCollector(Collector):
 
     def _inventory_families(self, cfg: Mapping[str, Any]) -> None:
         """Expected, present and missing devices, ports and netdevs (exporter/inventory.py).
-        Learned names outside device_include/exclude are not expected."""
+        Learned names outside device_include/exclude are not expected; a kind neither seen nor
+        configured has no series."""
         missing = self._inventory.update(self._present)
         inc, exc = cfg.get("device_include"), cfg.get("device_exclude")
         configured = cfg.get("inventory_expected") or {}
@@ -291,6 +292,8 @@ class InfinibandCollector(Collector):
             want = counts[kind]
             learned = present + len(names)
             expected = learned if want is None else want
+            if want is None and not learned:
+                continue  # no RDMA hardware, none expected: no series (as before)
             self._fams.add(INVENTORY_EXPECTED, [kind], expected)
             self._fams.add(INVENTORY_PRESENT, [kind], present)
             self._fams.add(INVENTORY_MISSING, [kind], max(expected - present, len(names), 0))
