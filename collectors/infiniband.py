@@ -19,6 +19,7 @@ from collectors.tables import load
 from exporter import rdma
 from exporter.collector import Collector, CollectorContext, Families, MetricSpec
 from exporter.config import Field
+from exporter.inventory import KINDS, MAX_NAMES, Inventory
 from exporter.rdma import BYTES_PER_GBIT, parse_rate
 from exporter.sysfs import parse_int, parse_uint
 
@@ -163,6 +164,31 @@ GENERIC_HW_COUNTERS_MAX = 512
 
 _HCA_TYPE = DEVICE_INFO.labels.index("hca_type")
 
+_INV_SRC = ("infiniband.inventory_expected of the config, else the names seen under "
+            "/sys/class/infiniband (and their ports' netdevs) since the exporter first ran, kept "
+            "in infiniband.inventory_state_file")
+INVENTORY_EXPECTED = MetricSpec(
+    "gpunet_inventory_expected", "gauge",
+    "How many RDMA devices, RDMA ports (device/port) or netdevs behind RDMA ports this node "
+    "should have: the configured count, or how many were ever seen (learned)", ("kind",),
+    "devices", _INV_SRC)
+INVENTORY_PRESENT = MetricSpec(
+    "gpunet_inventory_present", "gauge",
+    "How many RDMA devices, RDMA ports or netdevs behind RDMA ports this scrape found", ("kind",),
+    "devices", "/sys/class/infiniband/<device>/ports/<port>, the port's netdev")
+INVENTORY_MISSING = MetricSpec(
+    "gpunet_inventory_missing", "gauge",
+    "RDMA devices, RDMA ports or netdevs expected and not found (gone from the bus, driver "
+    "unloaded): the configured count minus those present, or the learned names not present, "
+    "whichever is larger", ("kind",), "devices", _INV_SRC)
+INVENTORY_MISSING_INFO = MetricSpec(
+    "gpunet_inventory_missing_info", "gauge",
+    "Always 1; one series per learned name not present now (bounded by the learned set, at "
+    f"most {MAX_NAMES} per kind)", ("kind", "name"), "", _INV_SRC)
+INVENTORY_SPECS = (INVENTORY_EXPECTED, INVENTORY_PRESENT, INVENTORY_MISSING,
+                   INVENTORY_MISSING_INFO)
+_EXPECTED_KEYS = {"rdma_devices": "rdma_device", "rdma_ports": "rdma_port", "netdevs": "netdev"}
+
 _RULE = Field("map", fields={
     "device": Field("regex", "device names this rule applies to"),
     "hca_type": Field("regex", "hca_type values this rule applies to (e.g. MT4129)"),
@@ -170,6 +196,11 @@ _RULE = Field("map", fields={
     "gbps": Field("number", "expected rate in Gb/s, as the rate file prints it", minimum=0,
                   required=True),
 })
+
+
+def _selected(name: str, include: Any, exclude: Any) -> bool:
+    return (include is None or bool(include.search(name))) and not (
+        exclude is not None and exclude.search(name))
 
 
 def _errno_name(exc: OSError) -> str:
@@ -192,7 +223,8 @@ class InfinibandCollector(Collector):
     metrics = (DEVICE_INFO, PORT_INFO, STATE, PHYS_STATE, RATE, WIDTH, LANE_SPEED, RATE_EXPECTED,
                RATE_DEGRADED, *COUNTER_SPECS.values(), SATURATED, PORT_COUNTER,
                *HW_PORT_SPECS.values(), PORT_HW_COUNTER, PORT_HW_DROPPED,
-               *HW_DEVICE_SPECS.values(), DEVICE_HW_COUNTER, DEVICE_HW_DROPPED)
+               *HW_DEVICE_SPECS.values(), DEVICE_HW_COUNTER, DEVICE_HW_DROPPED,
+               *INVENTORY_SPECS)
     config_fields: ClassVar[Mapping[str, Field]] = {
         "device_include": Field("regex", "only devices whose name matches"),
         "device_exclude": Field("regex", "skip devices whose name matches"),
@@ -202,15 +234,30 @@ class InfinibandCollector(Collector):
             "int", "hw_counters files without a curated name exported per port (and per "
             "device-level directory); the first ones by file name are kept",
             default=GENERIC_HW_COUNTERS_MAX, minimum=0),
+        "inventory_expected": Field("map", "how many of each this node should have; unset: "
+                                    "learned from what was seen", fields={
+            "rdma_devices": Field("int", "RDMA devices (after device_include/exclude)",
+                                  minimum=0),
+            "rdma_ports": Field("int", "RDMA ports, all devices together", minimum=0),
+            "netdevs": Field("int", "netdevs behind RDMA ports", minimum=0),
+        }),
+        "inventory_state_file": Field(
+            "str", "file keeping the learned inventory across restarts (e.g. "
+            "/var/lib/gpunet-exporter/inventory.json); unset: learned in memory only"),
     }
     flags: ClassVar[Mapping[str, tuple[str, str]]] = {
         "device-include": ("device_include", "regexp of RDMA devices to include"),
         "device-exclude": ("device_exclude", "regexp of RDMA devices to exclude"),
+        "inventory-state-file": ("inventory_state_file",
+                                 "file keeping the learned inventory across restarts"),
     }
 
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)
         self._info_cache: dict[str, tuple[tuple[int, int], list[str]]] = {}
+        self._inventory = Inventory(ctx.config.get("inventory_state_file"), ctx.learn,
+                                    ctx.log_once)
+        self._present: dict[str, set[str]] = {}
 
     def collect(self) -> Iterator[Metric]:
         cfg = self.ctx.config
@@ -223,10 +270,35 @@ class InfinibandCollector(Collector):
             where = self.ctx.sysfs.path(rdma.CLASS)
             self.ctx.log_once(logging.DEBUG, "no RDMA devices under %s", where)
         active: list[_Active] = []
+        self._present = {k: set() for k in KINDS}
         for dev in names:
             self._device(dev, active)
         self._degraded(active)
+        self._inventory_families(cfg)
         return iter(self._fams)
+
+    def _inventory_families(self, cfg: Mapping[str, Any]) -> None:
+        """Expected, present and missing devices, ports and netdevs (exporter/inventory.py).
+        Learned names outside device_include/exclude are not expected; a kind neither seen nor
+        configured has no series."""
+        missing = self._inventory.update(self._present)
+        inc, exc = cfg.get("device_include"), cfg.get("device_exclude")
+        configured = cfg.get("inventory_expected") or {}
+        counts = {kind: configured.get(key) for key, kind in _EXPECTED_KEYS.items()}
+        for kind in KINDS:
+            names = [n for n in missing[kind] if kind == "netdev" or _selected(
+                n.partition("/")[0], inc, exc)]
+            present = len(self._present[kind])
+            want = counts[kind]
+            learned = present + len(names)
+            expected = learned if want is None else want
+            if want is None and not learned:
+                continue  # no RDMA hardware, none expected: no series (as before)
+            self._fams.add(INVENTORY_EXPECTED, [kind], expected)
+            self._fams.add(INVENTORY_PRESENT, [kind], present)
+            self._fams.add(INVENTORY_MISSING, [kind], max(expected - present, len(names), 0))
+            for name in names:
+                self._fams.add(INVENTORY_MISSING_INFO, [kind, name], 1)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -276,6 +348,7 @@ class InfinibandCollector(Collector):
             self.ctx.skip(f"{base}/ports", _errno_name(exc))
             ports = []
         info = self._device_info(dev)
+        self._present["rdma_device"].add(dev)
         self._fams.add(DEVICE_INFO, info, 1)
         self._hw(f"{base}/hw_counters", [dev], {"device": dev}, HW_DEVICE_SPECS,
                  DEVICE_HW_COUNTER, DEVICE_HW_DROPPED)
@@ -323,6 +396,9 @@ class InfinibandCollector(Collector):
 
         link_layer = attr("link_layer") or ""
         netdev = rdma.netdev(self.ctx.sysfs, dev, port, link_layer)
+        self._present["rdma_port"].add(f"{dev}/{port}")
+        if netdev:
+            self._present["netdev"].add(netdev)
         self._fams.add(PORT_INFO, [dev, port, link_layer, netdev], 1)
         state = None
         for spec, fname in ((STATE, "state"), (PHYS_STATE, "phys_state")):

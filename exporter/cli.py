@@ -178,11 +178,12 @@ def resolve(args: argparse.Namespace, classes: dict[str, type[Collector]],
 
 
 def start_collectors(args: argparse.Namespace, classes: dict[str, type[Collector]],
-                     parser: argparse.ArgumentParser
+                     parser: argparse.ArgumentParser, learn: bool = True
                      ) -> tuple[dict[str, Collector], dict[str, dict[str, Any]], list[str]]:
     """The enabled collectors that started, built from the flags and the config file, every
     collector's settings, and the names of those enabled; exits 2 with one line on a bad config
-    file."""
+    file. ``learn`` False (the doctor): collectors read state kept across restarts, never
+    write it."""
     for flag, path, kind in (("--path.sysfs", args.sysfs, "sysfs"),
                              ("--path.procfs", args.procfs, "procfs")):
         problem = root_problem(path, kind)
@@ -200,7 +201,7 @@ def start_collectors(args: argparse.Namespace, classes: dict[str, type[Collector
     for name in enabled:
         logger = collector_logger(name)
         ctx = CollectorContext(name, sysfs, procfs, sections[name], logger, LogOnce(logger),
-                               nvml_module=args.nvml_module)
+                               nvml_module=args.nvml_module, learn=learn)
         try:
             collectors[name] = classes[name](ctx)
         except Exception as exc:  # one broken collector must not stop the others

@@ -90,6 +90,9 @@ class CollectorContext:
     unreadable: int = field(default=0)
     # Python module implementing the pynvml API (nvidia-ml-py); tests name a stand-in.
     nvml_module: str = "pynvml"
+    # False in a one-off reader (the doctor): state kept across restarts (the inventory) is
+    # read, never learned into nor written.
+    learn: bool = True
 
     def skip(self, what: str, reason: object) -> None:
         """Record one value that could not be read or parsed; it costs that value alone."""

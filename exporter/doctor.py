@@ -58,7 +58,11 @@ CAUSES = {
     "gpu": "GPU faults",
     "collective": "Slow collectives or a straggler",
     "gpu_wait": "GPUs waiting (starved, or in the network-bound band)",
+    "inventory": "RDMA devices, ports or netdevs gone",
 }
+# Findings that say something could not be checked rather than that something is wrong: alone,
+# they make the exit code 2 (could not check), not 1, and each also gives a `problems` entry.
+COULD_NOT_CHECK = frozenset({"GpunetPfcConfigUnreadable"})
 SEVERITY = {a.name: a.severity for a in rules.ALERTS}
 
 
@@ -105,6 +109,7 @@ class Check:
         # finding (they do not change the exit code).
         self.history: dict[str, Any] = {}
         self.notes: list[str] = []
+        self.problems: list[str] = []  # what the checks could not judge
 
     def rate(self, name: str) -> Iterator[tuple[Labels, float]]:
         """Per-second increase of a counter between the snapshots (series in both)."""
@@ -428,6 +433,13 @@ def check_pfc(c: Check) -> None:
                   "ignores CNPs: congestion control is off on their priority",
                   f"cat /sys/class/infiniband/{lbl['device']}/ports/{lbl['port']}/"
                   "hw_counters/rp_cnp_ignored")
+    for lbl, v in b.all("gpunet_pfc_config_refresh_success"):
+        if v == 0 and lbl["interface"] in roce:
+            name = lbl["interface"]
+            c.add("pfc", "GpunetPfcConfigUnreadable", name,
+                  "its QoS configuration cannot be read: PFC not checked there",
+                  f"mlnx_qos -i {name}  # or: dcb pfc show dev {name}")
+            c.problems.append(f"PFC on {name}: its QoS configuration cannot be read")
 
 
 def check_transport(c: Check) -> None:
@@ -599,10 +611,24 @@ def check_collectives(c: Check) -> None:
                   "cat /var/lib/gpunet-exporter/probe/*.json  # straggler")
 
 
+def check_inventory(c: Check) -> None:
+    """Devices, ports and netdevs expected (configured or learned by the exporter, whose state
+    file the doctor reads and never writes) and gone."""
+    b = c.b
+    for lbl, v in b.all("gpunet_inventory_missing"):
+        if v > 0:
+            kind = lbl["kind"]
+            names = sorted(m["name"] for m, _ in b.all("gpunet_inventory_missing_info",
+                                                        kind=kind))
+            c.add("inventory", "GpunetRdmaDeviceMissing", kind,
+                  f"{v:.0f} expected {kind} gone" + (f": {', '.join(names)}" if names else ""),
+                  "ls /sys/class/infiniband; ibv_devices; lspci -d 15b3:")
+
+
 CHECKS: tuple[Callable[[Check], None], ...] = (
     check_transport, check_links, check_pfc, check_mtu, check_placement, check_gpus,
     check_collectives, check_phy, check_retransmissions, check_gpu_utilization,
-    check_flap_history)
+    check_flap_history, check_inventory)
 
 
 def _progress(quiet: bool, message: str) -> None:
@@ -700,7 +726,7 @@ def main(argv: Sequence[str]) -> int:
             early.append("the probe needs torch: pip install 'gpunet-exporter[probe]'")
         else:
             args.enable__probe = True
-    collectors, _, enabled = start_collectors(args, classes, parser)
+    collectors, _, enabled = start_collectors(args, classes, parser, learn=False)
     scraper = Scraper(collectors, args.scrape_timeout)
     quiet = args.json
     try:
@@ -722,14 +748,17 @@ def main(argv: Sequence[str]) -> int:
     notes = check.notes + [n for n in (unreadable, unwritable) if n]
     checked = {lbl["collector"]: v == 1 for lbl, v in b.all("gpunet_scrape_collector_success")}
     problems = early + [f"collector {n} failed" for n, ok in checked.items() if not ok]
+    problems += check.problems
     problems += [f"collector {n} did not start" for n in enabled if n not in collectors]
     hardware = any(b.all("gpunet_infiniband_port_state_id")) or any(b.all("gpunet_gpu_info"))
     if not hardware:
         problems.append("no RDMA port and no NVIDIA GPU found")
     findings = check.findings
     # Info findings (a hint such as the network-bound band, routed to no receiver by the
-    # example Alertmanager configuration) are listed but do not fail a health check.
-    code = 1 if any(f.severity != "info" for f in findings) else (2 if problems else 0)
+    # example Alertmanager configuration) are listed but do not fail a health check; nor do
+    # findings that say something could not be checked (they are problems: exit 2).
+    faults = [f for f in findings if f.severity != "info" and f.alert not in COULD_NOT_CHECK]
+    code = 1 if faults else (2 if problems else 0)
     if args.json:
         print(json.dumps({"status": ("findings", "healthy", "could_not_check")[
             (code == 0) + 2 * (code == 2)], "exit_code": code,

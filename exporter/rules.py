@@ -213,6 +213,12 @@ ALERTS: tuple[Alert, ...] = (
           "RDMA device {{ $labels.device }} " + _NODE + " runs its PCIe link (now x{{ $value }}) "
           "slower or narrower than both its ends allow: the NIC cannot reach its line rate (x8 "
           "halves a 400G NIC)."),
+    Alert("GpunetRdmaDeviceMissing", "link", "critical", "5m",
+          lambda t: "gpunet_inventory_missing > 0",
+          "RDMA devices, ports or netdevs gone",
+          f"{{{{ $value }}}} {{{{ $labels.kind }}}} expected {_NODE} are gone (fallen off the "
+          "bus, driver unloaded); gpunet_inventory_missing_info names those learned earlier. "
+          "Their ports have no series, so no port alert can fire for them."),
     # --- congestion: PFC, pause, ECN ---------------------------------------------------------
     Alert("GpunetPfcDisabledOnRocePriority", "congestion", "critical", "5m",
           lambda t: (f'gpunet_pfc_enabled{{priority="{t["pfc"]["roce_priority"]}"}} == 0\n'
@@ -261,6 +267,13 @@ ALERTS: tuple[Alert, ...] = (
           "Congestion notifications ignored",
           f"RDMA port {_PORT} ignored {{{{ $value | printf \"%.0f\" }}}} CNPs in 10 minutes: "
           "congestion control (DCQCN) is off on the priority they arrive on."),
+    Alert("GpunetPfcConfigUnreadable", "congestion", "warning", "10m",
+          lambda t: ("gpunet_pfc_config_refresh_success == 0\n"
+                     f"  and on (instance, interface) {_ROCE_INTERFACE}"),
+          "PFC configuration of a RoCE interface cannot be read",
+          f"The QoS configuration of RoCE interface {_IF} cannot be read "
+          "(gpunet_pfc_config_refresh_success {{ $value }}: mlnx_qos, dcb or sysfs fails), so "
+          "its PFC alerts judge stale values or none."),
     # --- transport: what NCCL really uses ----------------------------------------------------
     Alert("GpunetNcclSocketFallback", "transport", "critical", "0m",
           lambda t: "gpunet_probe_socket_fallback == 1",

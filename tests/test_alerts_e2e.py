@@ -49,6 +49,7 @@ DEGRADED_PORT, DOWN_PORT = "mlx5_5", "mlx5_3"
 NIC_PCIE_DEGRADED = "mlx5_7"  # its PCIe link trained down to x8
 MTU_PORT = "mlx5_8"  # the other RoCE port; its netdev is left at MTU 1500 on the faulty node
 QOS_DEVICE = "mlx5_9"  # the RoCE port whose netdev carries the QoS configuration
+MISSING_DEVICE = "mlx5_12"  # learned earlier by the faulty node's exporter, gone since
 CAPTURE = FIXTURES / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
 ETHTOOL = """\
 #!/bin/sh
@@ -71,10 +72,12 @@ exit 94
 """
 # Stand-in for `mlnx_qos -i IF` on the QoS netdev: the hand-built report of
 # tests/fixtures/pfc (PFC on priority 5 only), or the same report with PFC moved to priority 3
-# for the healthy node.
+# for the healthy node; the other RoCE netdev gets a healthy report (PFC on 3 and 5) on both
+# nodes (a RoCE interface whose configuration cannot be read raises GpunetPfcConfigUnreadable).
 MLNX_QOS = """\
 #!/bin/sh
 [ "$1" = -i ] && [ "$2" = {netdev} ] && exec cat {report}
+[ "$1" = -i ] && [ -n "$2" ] && exec cat {healthy}
 echo "Netlink error: no such device" >&2
 exit 1
 """
@@ -83,6 +86,8 @@ PFC5 = ("\tenabled     0   0   0   0   0   1   0   0   \n"
         "\tbuffer      0   0   0   0   0   1   0   0   ")
 PFC3 = ("\tenabled     0   0   0   1   0   0   0   0   \n"
         "\tbuffer      0   0   0   1   0   0   0   0   ")
+PFC35 = ("\tenabled     0   0   0   1   0   1   0   0   \n"
+         "\tbuffer      0   0   0   1   0   1   0   0   ")
 CONFIG = """\
 collectors: {{probe: true}}
 infiniband:
@@ -172,7 +177,8 @@ def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str
     2048-byte active MTU, GPU 0 on a x8 link, on the other NUMA node than its NIC and with an
     XID 13, GPU 0 65 % busy with a compute process (the network-bound band), GPU 1 lost,
     mlx5_7's own PCIe link trained down to x8, and the RoCE netdev of mlx5_8 at MTU 1500 (below
-    the RoCE minimum and not the expected 9000: two alerts)."""
+    the RoCE minimum and not the expected 9000: two alerts), and an RDMA device (MISSING_DEVICE)
+    in the learned inventory that the tree no longer has."""
     sysfs = st.build_dgx_h100_gpus(root)
     qos_netdev = st.make_ofed_qos(sysfs, QOS_DEVICE)  # its netdev's name; ECN files for panels
     scenario = fake_nvml.h200x2()
@@ -217,15 +223,23 @@ def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str
     report = QOS_REPORT.read_text()
     assert PFC5 in report
     (root / "mlnx_qos.txt").write_text(report if faulty else report.replace(PFC5, PFC3))
+    (root / "mlnx_qos-healthy.txt").write_text(report.replace(PFC5, PFC35))
     mlnx_qos = root / "mlnx_qos"
-    mlnx_qos.write_text(MLNX_QOS.format(netdev=qos_netdev, report=root / "mlnx_qos.txt"))
+    mlnx_qos.write_text(MLNX_QOS.format(netdev=qos_netdev, report=root / "mlnx_qos.txt",
+                                        healthy=root / "mlnx_qos-healthy.txt"))
     mlnx_qos.chmod(0o755)
     config = root / "config.yml"
     config.write_text(CONFIG.format(ethtool=ethtool, state=root / "probe", mlnx_qos=mlnx_qos,
                                     ibv_devinfo=ibv_devinfo, python=sys.executable,
                                     runner=runner))
+    # The inventory the exporter learns (the doctor reads it, never writes it); the faulty
+    # node's learned earlier an RDMA device that has since fallen off the bus.
+    inventory = root / "inventory.json"
+    if faulty:
+        inventory.write_text(json.dumps({"version": 1, "rdma_device": [MISSING_DEVICE],
+                                         "rdma_port": [], "netdev": []}))
     args = [f"--path.sysfs={sysfs}", f"--path.procfs={procfs}", f"--config.file={config}",
-            "--nvml.module=fake_nvml"]
+            "--nvml.module=fake_nvml", f"--collector.infiniband.inventory-state-file={inventory}"]
     env = {"PYTHONPATH": str(REPO / "tests"), "GPUNET_FAKE_NVML": str(root / "nvml.json"),
            "GPUNET_FAKE_NVML_EVENTS": str(root / "xid-events")}
     return args, env, qos_netdev
@@ -389,6 +403,7 @@ EXPECTED = {
     # One netdev, two alerts: below the RoCE minimum and not the configured 9000.
     "GpunetRoceMtuTooSmall": ("/ticket", {}),
     "GpunetInterfaceMtuNotExpected": ("/ticket", {}),
+    "GpunetRdmaDeviceMissing": ("/pager", {"kind": "rdma_device"}),
 }
 # Firing in Prometheus on the faulty node, silenced by the shipped inhibition rules: NCCL on
 # sockets and GDR not ready silence the slow-collective alerts and "GDR inactive".
@@ -474,7 +489,7 @@ def test_health_matrix_records_every_node_and_class(bundle: Bundle) -> None:
     got = wait_until("the health matrix", matrix)
     assert set(got) == {(n, c) for n in (HEALTHY, FAULTY) for c in rules.CLASSES}
     assert all(v == 0 for (n, _), v in got.items() if n == HEALTHY)
-    assert got[(FAULTY, "link")] == 7 and got[(FAULTY, "congestion")] == 1
+    assert got[(FAULTY, "link")] == 8 and got[(FAULTY, "congestion")] == 1
     assert got[(FAULTY, "gpu")] == 4 and got[(FAULTY, "topology")] == 1
     assert got[(FAULTY, "exporter")] == 0
 

@@ -39,12 +39,12 @@ def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]
     out = run(*args, env=env)
     assert out.returncode == 1, out.stderr
     text = out.stdout
-    assert text.startswith("17 findings on this node:")
+    assert text.startswith("18 findings on this node:")
     # Causes in the report's order, each with its findings, device and confirming command.
     positions = [text.index(title) for title in (
         "NCCL on TCP sockets", "GPUDirect RDMA off", "Degraded or flapping link",
         "PFC or ECN misconfigured", "MTU", "GPU and NIC placement", "Degraded GPU PCIe link",
-        "GPU faults", "Slow collectives", "GPUs waiting")]
+        "GPU faults", "Slow collectives", "GPUs waiting", "RDMA devices, ports or netdevs gone")]
     assert positions == sorted(positions)
     assert "[critical] mlx5_5 port 1: runs at 200 Gb/s, expected 400 Gb/s" in text
     assert "confirm: cat /sys/class/infiniband/mlx5_5/ports/1/rate" in text
@@ -53,6 +53,7 @@ def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]
     assert ("[warning] mlx5_7: PCIe link at 32 GT/s x8, both ends allow 32 GT/s x16\n"
             "      confirm: sudo lspci -vv -s 0000:dc:00.0 | grep -E 'LnkCap|LnkSta'") in text
     assert "docs/runbooks.md#gpunetgdrnotready (alert GpunetGdrNotReady)" in text
+    assert "[critical] rdma_device: 1 expected rdma_device gone: mlx5_12" in text
     assert text.rstrip().endswith("topology (ok)")
     # Progress on stderr, one line per step, so a prolog's log shows where it waits.
     assert "doctor: waiting for the probe's round" in out.stderr
@@ -68,7 +69,7 @@ def test_thresholds_file_changes_the_verdict(faulty: tuple[list[str], dict[str, 
     out = run(*args, "--json", f"--thresholds={tmp_path / 't.yml'}", env=env)
     result: dict[str, Any] = json.loads(out.stdout)
     alerts = {f["alert"] for f in result["findings"]}
-    assert len(alerts) == 15
+    assert len(alerts) == 16
     assert "GpunetPfcDisabledOnRocePriority" not in alerts
     assert "GpunetAllreduceLatencyHigh" not in alerts
     assert result["exit_code"] == out.returncode == 1
@@ -146,7 +147,7 @@ def test_checks_name_real_alerts_and_causes() -> None:
     names = set(doctor_module.SEVERITY)
     source = Path(doctor_module.__file__).read_text()
     used = set(re.findall(r'"(Gpunet[A-Za-z]+)"', source))
-    assert used <= names and len(used) == 43
+    assert used <= names and len(used) == 45
     causes = set(re.findall(r'c\.add\("(\w+)"', source))
     assert causes <= set(doctor_module.CAUSES)
 
@@ -391,3 +392,38 @@ def test_history_keeps_what_a_count_needs() -> None:
     assert since_reset([[0.0, 5.0], [10.0, 0.0], [20.0, 1.0]], 3) == [[10, 0], [20, 1]]
     assert since_reset([[0.0, 5.0]], 1) == []
     assert doctor_module.seconds("1h30m") == 5400 and doctor_module.seconds("24h") == 86400
+def test_unreadable_pfc_configuration_could_not_check(tmp_path: Path) -> None:
+    """A RoCE interface whose QoS configuration cannot be read: the finding that mirrors
+    GpunetPfcConfigUnreadable, a `problems` entry, and exit 2 (could not check), not 1."""
+    args, env, netdev = build_node(tmp_path, faulty=False)
+    (tmp_path / "mlnx_qos").write_text("#!/bin/sh\necho 'Netlink error: no such device' >&2\n"
+                                       "exit 1\n")
+    out = run(*args, "--json", "--no-collector.probe", env=env)
+    result = json.loads(out.stdout)
+    assert {f["alert"] for f in result["findings"]} == {"GpunetPfcConfigUnreadable"}
+    where = sorted(f["where"] for f in result["findings"])
+    assert netdev in where and len(where) == 2  # both RoCE netdevs of the tree
+    assert sorted(result["problems"]) == [f"PFC on {n}: its QoS configuration cannot be read"
+                                          for n in where]
+    assert out.returncode == result["exit_code"] == 2
+    assert result["status"] == "could_not_check"
+
+
+def test_inventory_is_read_not_learned(tmp_path: Path) -> None:
+    """The doctor reads the exporter's learned inventory and never writes it: run on a healthy
+    node without a state file, it leaves none behind; with one naming a device the tree lacks,
+    it finds it gone."""
+    args, env, _ = build_node(tmp_path, faulty=False)
+    state = tmp_path / "inventory.json"
+    out = run(*args, "--json", "--no-collector.probe", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert not state.exists()
+    state.write_text(json.dumps({"version": 1, "rdma_device": ["mlx5_0", "mlx5_77"],
+                                 "rdma_port": ["mlx5_77/1"], "netdev": []}))
+    before = state.read_bytes()
+    out = run(*args, "--json", "--no-collector.probe", env=env)
+    result = json.loads(out.stdout)
+    assert {(f["alert"], f["where"], f["message"]) for f in result["findings"]} == {
+        ("GpunetRdmaDeviceMissing", "rdma_device", "1 expected rdma_device gone: mlx5_77"),
+        ("GpunetRdmaDeviceMissing", "rdma_port", "1 expected rdma_port gone: mlx5_77/1")}
+    assert out.returncode == 1 and state.read_bytes() == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import subprocess
@@ -499,3 +500,121 @@ def test_device_info_reread_when_device_is_recreated(dgx: Path) -> None:
     assert old["fw_ver"] == "28.39.2048" and new["fw_ver"] == "28.40.1000"
     assert {k: v for k, v in new.items() if k != "fw_ver"} == {
         k: v for k, v in old.items() if k != "fw_ver"}
+
+
+# ---- inventory (issue 16): devices, ports and netdevs that were there and are gone ------------
+
+
+def _inventory(s: Samples, name: str) -> dict[str, float]:
+    return {dict(lbl)["kind"]: v for lbl, v in series(s, name).items()}
+
+
+def _missing_names(s: Samples) -> set[tuple[str, str]]:
+    return {(dict(lbl)["kind"], dict(lbl)["name"])
+            for lbl in series(s, "gpunet_inventory_missing_info")}
+
+
+def test_inventory_learns_persists_and_notices_a_device_gone(dgx: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state" / "inventory.json"
+    state.parent.mkdir()
+    cfg = {"inventory_state_file": str(state)}
+    c = make_collector(InfinibandCollector, dgx, cfg)
+    s = samples_of(list(c.collect()))
+    assert _inventory(s, "gpunet_inventory_expected") == {
+        "rdma_device": 10, "rdma_port": 10, "netdev": 10}
+    assert _inventory(s, "gpunet_inventory_missing") == dict.fromkeys(
+        ("rdma_device", "rdma_port", "netdev"), 0)
+    assert _missing_names(s) == set()
+    doc = json.loads(state.read_text())
+    assert doc["version"] == 1 and len(doc["rdma_device"]) == 10 and "mlx5_3/1" in doc["rdma_port"]
+    assert [p.name for p in state.parent.iterdir()] == ["inventory.json"]  # no temporary left
+
+    # The NIC falls off the bus: its device, port and netdev are gone, in this process...
+    netdev = next(dict(lbl)["netdev"] for lbl in series(s, "gpunet_infiniband_port_info")
+                  if ("device", "mlx5_3") in lbl)
+    (dgx / "class/infiniband/mlx5_3").unlink()
+    s = samples_of(list(c.collect()))
+    c.close()
+    missing = _inventory(s, "gpunet_inventory_missing")
+    assert missing == {"rdma_device": 1, "rdma_port": 1, "netdev": 1}
+    assert _inventory(s, "gpunet_inventory_expected")["rdma_device"] == 10
+    assert _inventory(s, "gpunet_inventory_present")["rdma_device"] == 9
+    names = _missing_names(s)
+    assert {("rdma_device", "mlx5_3"), ("rdma_port", "mlx5_3/1")} <= names
+    assert len(names) == 3 and ("netdev", netdev) in names
+
+    # ... and after a restart, from the state file.
+    s, _ = run(dgx, cfg)
+    assert _inventory(s, "gpunet_inventory_missing")["rdma_device"] == 1
+    # A reader that must not learn (the doctor) sees the same and writes nothing.
+    before = state.read_bytes()
+    ctx = make_collector(InfinibandCollector, dgx, cfg).ctx
+    ctx.learn = False
+    c = InfinibandCollector(ctx)
+    s = samples_of(list(c.collect()))
+    assert _inventory(s, "gpunet_inventory_missing")["rdma_device"] == 1
+    assert state.read_bytes() == before
+
+    # Reset after a planned removal: delete the file; the next start learns afresh.
+    state.unlink()
+    s, _ = run(dgx, cfg)
+    assert _inventory(s, "gpunet_inventory_missing")["rdma_device"] == 0
+    assert _inventory(s, "gpunet_inventory_expected")["rdma_device"] == 9
+    assert len(json.loads(state.read_text())["rdma_device"]) == 9
+
+
+def test_inventory_without_a_state_file_learns_in_memory(dgx: Path) -> None:
+    c = make_collector(InfinibandCollector, dgx)
+    c.collect()
+    (dgx / "class/infiniband/mlx5_8").unlink()
+    s = samples_of(list(c.collect()))
+    c.close()
+    assert _inventory(s, "gpunet_inventory_missing")["rdma_device"] == 1
+    s, _ = run(dgx)  # a new process forgets
+    assert _inventory(s, "gpunet_inventory_missing")["rdma_device"] == 0
+
+
+def test_inventory_unwritable_state_dir_falls_back_to_memory(dgx: Path, tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture
+                                                             ) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    c = make_collector(InfinibandCollector, dgx,
+                       {"inventory_state_file": str(blocker / "inventory.json")})
+    with caplog.at_level("WARNING", logger="gpunet"):
+        c.collect()
+        (dgx / "class/infiniband/mlx5_0").unlink()
+        s = samples_of(list(c.collect()))
+    c.close()
+    assert _inventory(s, "gpunet_inventory_missing")["rdma_device"] == 1
+    assert any("learning in memory only" in r.getMessage() for r in caplog.records)
+
+
+def test_inventory_ignores_a_corrupt_or_huge_state_file(dgx: Path, tmp_path: Path) -> None:
+    state = tmp_path / "inventory.json"
+    for content in ("{not json", '{"version": 1, "rdma_device": 5}', "x" * 300_000,
+                    '{"version": 2}'):
+        state.write_text(content)
+        s, _ = run(dgx, {"inventory_state_file": str(state)})
+        assert _inventory(s, "gpunet_inventory_missing")["rdma_device"] == 0
+        assert len(json.loads(state.read_text())["rdma_device"]) == 10  # rewritten
+
+
+def test_inventory_configured_counts(dgx: Path) -> None:
+    s, _ = run(dgx, {"inventory_expected": {"rdma_devices": 11, "rdma_ports": 10}})
+    assert _inventory(s, "gpunet_inventory_expected") == {
+        "rdma_device": 11, "rdma_port": 10, "netdev": 10}
+    assert _inventory(s, "gpunet_inventory_missing") == {
+        "rdma_device": 1, "rdma_port": 0, "netdev": 0}
+    assert _missing_names(s) == set()  # a configured count names nobody
+
+
+def test_inventory_state_learned_outside_the_filter_is_not_expected(dgx: Path,
+                                                                    tmp_path: Path) -> None:
+    state = tmp_path / "inventory.json"
+    state.write_text(json.dumps({"version": 1, "rdma_device": ["mlx5_0", "mlx5_42"],
+                                 "rdma_port": [], "netdev": []}))
+    s, _ = run(dgx, {"inventory_state_file": str(state), "device_exclude": "mlx5_4"})
+    assert _missing_names(s) == set()
+    s, _ = run(dgx, {"inventory_state_file": str(state)})
+    assert _missing_names(s) == {("rdma_device", "mlx5_42")}
