@@ -8,7 +8,9 @@ the generated Prometheus rules use; ``--thresholds FILE`` overrides them the sam
 are grouped by root cause, each naming the device and a command that confirms it.
 
 Exit codes: 0 healthy, 1 findings, 2 could not check (a collector failed, nothing to check, or
-bad input). ``--json`` prints one JSON document instead of the report.
+bad input). Notes (settings worth knowing, such as NCCL variables a job sets on purpose) are
+printed in their own section (``notes`` in JSON) and never change the exit code. ``--json``
+prints one JSON document instead of the report.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
+from collectors.topology import NCCL_FAULT_CLASSES, NCCL_SETTING_NOTES
 from exporter import rules
 from exporter.background import kill_running
 from exporter.cli import build_parser, server_only_flags, start_collectors
@@ -64,6 +67,14 @@ class Finding:
         return SEVERITY[self.alert]
 
 
+@dataclass(frozen=True)
+class Note:
+    """A setting the doctor reports without judging it a fault: no alert fires on it and it
+    never changes the exit code (e.g. NCCL_SOCKET_IFNAME pointing at the management network)."""
+    where: str
+    message: str
+
+
 class Snapshot:
     """One collection: sample name -> [(labels, value)]."""
 
@@ -90,6 +101,7 @@ class Check:
         self.a, self.b, self.t = a, b, t
         self.dt = max(b.time - a.time, 1e-3)
         self.findings: list[Finding] = []
+        self.notes: list[Note] = []  # settings worth knowing: no alert, no effect on the exit code
 
     def rate(self, name: str) -> Iterator[tuple[Labels, float]]:
         """Per-second increase of a counter between the snapshots (series in both)."""
@@ -240,6 +252,11 @@ def check_transport(c: Check) -> None:
             c.add("nccl_tcp", "GpunetNcclEnvDisablesFastPath", lbl["variable"],
                   f"{v:.0f} GPU processes set {lbl['variable']} ({lbl['issue']})",
                   "tr '\\0' '\\n' < /proc/PID/environ | grep ^NCCL_  # PIDs: nvidia-smi")
+    for lbl, v in b.all("gpunet_topology_nccl_env_settings"):
+        if v > 0 and (lbl["variable"], lbl["value_class"]) not in NCCL_FAULT_CLASSES:
+            note = NCCL_SETTING_NOTES.get((lbl["variable"], lbl["value_class"]))
+            c.notes.append(Note(lbl["variable"], f"{v:.0f} GPU processes set it "
+                                f"({lbl['value_class']})" + (f": {note}" if note else "")))
     if not c.active_rdma_port():
         return
     if b.get("gpunet_topology_gdr_ready") == 0:
@@ -364,7 +381,7 @@ def _wait_for_probe(probe: Collector, timeout: float, quiet: bool) -> None:
 
 
 def report(findings: list[Finding], checked: dict[str, bool], problems: list[str],
-           runbook_url: str) -> str:
+           runbook_url: str, notes: Sequence[Note] = ()) -> str:
     lines = []
     if findings:
         lines.append(f"{len(findings)} finding{'s' * (len(findings) != 1)} on this node:")
@@ -379,6 +396,9 @@ def report(findings: list[Finding], checked: dict[str, bool], problems: list[str
                 lines.append(f"      runbook: {runbook_url}#{f.alert.lower()} (alert {f.alert})")
     else:
         lines.append("No findings on this node.")
+    if notes:
+        lines += ["", "Settings (notes, not findings):"]
+        lines += [f"  {n.where}: {n.message}" for n in notes]
     lines.append("")
     lines.append("Checked: " + ", ".join(
         f"{name} ({'ok' if ok else 'FAILED'})" for name, ok in checked.items()))
@@ -460,8 +480,9 @@ def main(argv: Sequence[str]) -> int:
         print(json.dumps({"status": ("findings", "healthy", "could_not_check")[
             (code == 0) + 2 * (code == 2)], "exit_code": code,
             "findings": [{**asdict(f), "severity": f.severity} for f in findings],
+            "notes": [asdict(n) for n in check.notes],
             "checked": checked, "problems": problems}, indent=1))
     else:
-        sys.stdout.write(report(findings, checked, problems, t["runbook_url"]))
+        sys.stdout.write(report(findings, checked, problems, t["runbook_url"], check.notes))
     return code
 
