@@ -17,7 +17,7 @@ from exporter import doctor as doctor_module
 
 import sysfs_tree as st
 from conftest import exporter_binary
-from test_alerts_e2e import build_node
+from test_alerts_e2e import HEALTHY_JOB_ENV, HEALTHY_JOB_PID, build_node
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -75,7 +75,7 @@ def test_json_shape(faulty: tuple[list[str], dict[str, str]]) -> None:
     out = run(*args, "--json", "--no-collector.probe", env=env)
     result = json.loads(out.stdout)
     assert out.stderr == ""  # --json: nothing but the document
-    assert set(result) == {"status", "exit_code", "findings", "checked", "problems"}
+    assert set(result) == {"status", "exit_code", "findings", "notes", "checked", "problems"}
     lost = next(f for f in result["findings"] if f["alert"] == "GpunetGpuLost")
     assert lost == {"cause": "gpu", "alert": "GpunetGpuLost", "where": "GPU 1",
                     "message": "fallen off the bus (GPU is lost)", "severity": "critical",
@@ -169,3 +169,25 @@ def test_doctor_speaks_like_the_alerts(faulty: tuple[list[str], dict[str, str]])
     assert "inter probe: NCCL runs over TCP sockets although RDMA should carry it" in text
     assert ("inter probe: NCCL's network channels do not use GPUDirect RDMA while RDMA ports "
             "are up: data is staged through host memory") in text
+
+
+def test_settings_are_notes_not_findings(tmp_path: Path) -> None:
+    """Issue 16: a good job's NCCL settings (bootstrap on the management bond, a forced
+    algorithm) are printed as notes and leave the exit code at 0; a fault in the same process is
+    a finding (exit 1) and is not repeated as a note."""
+    args, env, _ = build_node(tmp_path, faulty=False)
+    out = run(*args, "--no-collector.probe", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert text.startswith("No findings on this node.\n\nSettings (notes, not findings):\n")
+    assert ("  NCCL_SOCKET_IFNAME: 1 GPU processes set it (non_rdma_netdev): bootstrap and "
+            "NCCL's socket traffic on a non-RDMA interface") in text
+    assert "  NCCL_ALGO: 1 GPU processes set it (ring): forcing algorithms" in text
+    st.write_process(tmp_path / "proc", HEALTHY_JOB_PID,
+                     {**HEALTHY_JOB_ENV, "NCCL_IB_DISABLE": "1"})
+    out = run(*args, "--no-collector.probe", "--json", env=env)
+    result = json.loads(out.stdout)
+    assert out.returncode == result["exit_code"] == 1
+    assert [(f["alert"], f["where"]) for f in result["findings"]] == [
+        ("GpunetNcclEnvDisablesFastPath", "NCCL_IB_DISABLE")]
+    assert {n["where"] for n in result["notes"]} == {"NCCL_SOCKET_IFNAME", "NCCL_ALGO"}
