@@ -175,8 +175,10 @@ def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str
     procfs = st.build_procfs(root, nvidia=st.NVRM_PROPRIETARY if faulty else st.NVRM_OPEN)
     if not faulty:
         # A good job's settings, not faults (issue 16): bootstrap on the management bond, a forced
-        # algorithm. The healthy node must still raise nothing, in Prometheus and in the doctor.
+        # algorithm. The healthy node must still raise nothing, in Prometheus and in the doctor;
+        # its GPU is busy (a process at low utilization would be GpunetGpuStarved).
         scenario["devices"][0]["processes"] = [HEALTHY_JOB_PID]
+        scenario["devices"][0]["nvmlDeviceGetUtilizationRates"] = {"ok": {"gpu": 97, "memory": 40}}
         st.write_process(procfs, HEALTHY_JOB_PID, HEALTHY_JOB_ENV)
     (root / "nvml.json").write_text(json.dumps(scenario))
     (root / "xid-events").write_text("0 13\n" if faulty else "")
