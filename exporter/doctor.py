@@ -10,10 +10,11 @@ are grouped by root cause, each naming the device and a command that confirms it
 Exit codes: 0 healthy (or only info findings), 1 findings, 2 could not check (a collector failed,
 nothing to check, or bad input). ``--json`` prints one JSON document instead of the report.
 
-The link-downed and carrier-change counters it read go to a small state file (``--state-file``),
-so that the next run can count the flaps since this one, as the flapping alerts count them over
-hours; notes (no finding, no effect on the exit code) say what it saw but cannot place in the
-alerts' windows.
+Notes say what is worth knowing but no finding: NCCL settings a job makes on purpose, and the
+link-downed and carrier-change counts it cannot place in the alerts' windows. They are printed in
+their own section (``notes`` in JSON) and never change the exit code. The counters it read go to
+a small state file (``--state-file``), so that the next run can count the flaps since this one, as
+the flapping alerts count them over hours.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
+from collectors.topology import NCCL_FAULT_CLASSES, NCCL_SETTING_NOTES
 from exporter import rules
 from exporter.background import kill_running
 from exporter.cli import build_parser, server_only_flags, start_collectors
@@ -79,6 +81,14 @@ class Finding:
         return SEVERITY[self.alert]
 
 
+@dataclass(frozen=True)
+class Note:
+    """A setting the doctor reports without judging it a fault: no alert fires on it and it
+    never changes the exit code (e.g. NCCL_SOCKET_IFNAME pointing at the management network)."""
+    where: str
+    message: str
+
+
 class Snapshot:
     """One collection: sample name -> [(labels, value)]."""
 
@@ -105,10 +115,10 @@ class Check:
         self.a, self.b, self.t = a, b, t
         self.dt = max(b.time - a.time, 1e-3)
         self.findings: list[Finding] = []
-        # What earlier doctor runs saw (the state file), and lines that inform but are no
-        # finding (they do not change the exit code).
+        # What earlier doctor runs saw (the state file), and what is worth knowing but no
+        # finding: no alert, no effect on the exit code.
         self.history: dict[str, Any] = {}
-        self.notes: list[str] = []
+        self.notes: list[Note] = []
         self.problems: list[str] = []  # what the checks could not judge
 
     def rate(self, name: str) -> Iterator[tuple[Labels, float]]:
@@ -292,13 +302,13 @@ def check_flap_history(c: Check) -> None:
             since = recent[0] if recent else (obs[-1] if obs else None)
             if since is not None and v > since[1]:
                 older = "" if recent else f", longer ago than the alert's {window}"
-                c.notes.append(f"{where}: {v - since[1]:.0f} {what} since the doctor run at "
-                               f"{_when(since[0])}{older} ({alert} counts {count} within "
-                               f"{window})")
+                c.notes.append(Note(where, f"{v - since[1]:.0f} {what} since the doctor run at "
+                                   f"{_when(since[0])}{older} ({alert} counts {count} within "
+                                   f"{window})"))
             elif v >= count:
-                c.notes.append(f"{where}: {v:.0f} {what} since boot (or since the counters "
-                               f"were cleared), at times the doctor cannot tell ({alert} "
-                               f"counts {count} within {window})")
+                c.notes.append(Note(where, f"{v:.0f} {what} since boot (or since the counters "
+                                   f"were cleared), at times the doctor cannot tell ({alert} "
+                                   f"counts {count} within {window})"))
 
 
 def read_history(path: str) -> tuple[dict[str, Any], str | None]:
@@ -454,6 +464,11 @@ def check_transport(c: Check) -> None:
             c.add("nccl_tcp", "GpunetNcclEnvDisablesFastPath", lbl["variable"],
                   f"{v:.0f} GPU processes set {lbl['variable']} ({lbl['issue']})",
                   "tr '\\0' '\\n' < /proc/PID/environ | grep ^NCCL_  # PIDs: nvidia-smi")
+    for lbl, v in b.all("gpunet_topology_nccl_env_settings"):
+        if v > 0 and (lbl["variable"], lbl["value_class"]) not in NCCL_FAULT_CLASSES:
+            note = NCCL_SETTING_NOTES.get((lbl["variable"], lbl["value_class"]))
+            c.notes.append(Note(lbl["variable"], f"{v:.0f} GPU processes set it "
+                                f"({lbl['value_class']})" + (f": {note}" if note else "")))
     if not c.active_rdma_port():
         return
     if b.get("gpunet_topology_gdr_ready") == 0:
@@ -653,7 +668,7 @@ def _wait_for_probe(probe: Collector, timeout: float, quiet: bool) -> None:
 
 
 def report(findings: list[Finding], checked: dict[str, bool], problems: list[str],
-           runbook_url: str, notes: Sequence[str] = ()) -> str:
+           runbook_url: str, notes: Sequence[Note] = ()) -> str:
     lines = []
     if findings:
         lines.append(f"{len(findings)} finding{'s' * (len(findings) != 1)} on this node:")
@@ -669,7 +684,8 @@ def report(findings: list[Finding], checked: dict[str, bool], problems: list[str
     else:
         lines.append("No findings on this node.")
     if notes:
-        lines += ["", "Notes (no finding):"] + [f"  {n}" for n in notes]
+        lines += ["", "Notes (no finding, no effect on the exit code):"]
+        lines += [f"  {n.where}: {n.message}" for n in notes]
     lines.append("")
     lines.append("Checked: " + ", ".join(
         f"{name} ({'ok' if ok else 'FAILED'})" for name, ok in checked.items()))
@@ -745,7 +761,7 @@ def main(argv: Sequence[str]) -> int:
     for fn in CHECKS:
         fn(check)
     unwritable = write_history(args.state_file, check.history, b, t)
-    notes = check.notes + [n for n in (unreadable, unwritable) if n]
+    notes = check.notes + [Note("state file", n) for n in (unreadable, unwritable) if n]
     checked = {lbl["collector"]: v == 1 for lbl, v in b.all("gpunet_scrape_collector_success")}
     problems = early + [f"collector {n} failed" for n, ok in checked.items() if not ok]
     problems += check.problems
@@ -763,7 +779,8 @@ def main(argv: Sequence[str]) -> int:
         print(json.dumps({"status": ("findings", "healthy", "could_not_check")[
             (code == 0) + 2 * (code == 2)], "exit_code": code,
             "findings": [{**asdict(f), "severity": f.severity} for f in findings],
-            "checked": checked, "problems": problems, "notes": notes}, indent=1))
+            "checked": checked, "problems": problems, "notes": [asdict(n) for n in notes]},
+            indent=1))
     else:
         sys.stdout.write(report(findings, checked, problems, t["runbook_url"], notes))
     return code

@@ -45,6 +45,8 @@ from conftest import FIXTURES, REPO, Exporter, free_port
 from test_link import DEVINFO
 
 HEALTHY, FAULTY = "gpu-healthy", "gpu-faulty"
+HEALTHY_JOB_PID = 4242
+HEALTHY_JOB_ENV = {"PATH": "/usr/bin", "NCCL_SOCKET_IFNAME": "bond0", "NCCL_ALGO": "Ring"}
 DEGRADED_PORT, DOWN_PORT = "mlx5_5", "mlx5_3"
 NIC_PCIE_DEGRADED = "mlx5_7"  # its PCIe link trained down to x8
 MTU_PORT = "mlx5_8"  # the other RoCE port; its netdev is left at MTU 1500 on the faulty node
@@ -200,6 +202,13 @@ def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str
         scenario["devices"][0]["processes"] = [4242]
         devinfo = DEVINFO
     procfs = st.build_procfs(root, nvidia=st.NVRM_PROPRIETARY if faulty else st.NVRM_OPEN)
+    if not faulty:
+        # A good job's settings, not faults (issue 16): bootstrap on the management bond, a forced
+        # algorithm. The healthy node must still raise nothing, in Prometheus and in the doctor;
+        # its GPU is busy (a process at low utilization would be GpunetGpuStarved).
+        scenario["devices"][0]["processes"] = [HEALTHY_JOB_PID]
+        scenario["devices"][0]["nvmlDeviceGetUtilizationRates"] = {"ok": {"gpu": 97, "memory": 40}}
+        st.write_process(procfs, HEALTHY_JOB_PID, HEALTHY_JOB_ENV)
     (root / "nvml.json").write_text(json.dumps(scenario))
     (root / "xid-events").write_text("0 13\n" if faulty else "")
     (root / "devinfo.txt").write_text(devinfo)
@@ -473,8 +482,15 @@ def test_healthy_node_raises_nothing(bundle: Bundle) -> None:
                 if a["labels"].get("instance") == HEALTHY]
     # The same rules saw the healthy node's series: it is not silent for lack of data.
     for expr in ("gpunet_infiniband_port_rate_degraded", "gpunet_pfc_enabled",
-                 "gpunet_probe_socket_fallback", "gpunet_topology_gdr_ready"):
+                 "gpunet_probe_socket_fallback", "gpunet_topology_gdr_ready",
+                 "gpunet_topology_nccl_env_findings"):
         assert query(bundle.prometheus, f'{expr}{{instance="{HEALTHY}"}}'), expr
+    # Its GPU process's settings were audited and counted, as settings only (issue 16).
+    for expr in ('gpunet_topology_nccl_env_settings{variable="NCCL_SOCKET_IFNAME", '
+                 f'value_class="non_rdma_netdev", instance="{HEALTHY}"}} == 1',
+                 f'gpunet_topology_nccl_env_settings{{variable="NCCL_ALGO", value_class="ring", '
+                 f'instance="{HEALTHY}"}} == 1'):
+        assert query(bundle.prometheus, expr), expr
 
 
 def test_health_matrix_records_every_node_and_class(bundle: Bundle) -> None:
@@ -580,3 +596,11 @@ def test_doctor_agrees_with_prometheus(bundle: Bundle) -> None:
         assert result["status"] == ("findings" if node == FAULTY else "healthy")
         assert result["problems"] == []
         assert all(result["checked"].values()) and "probe" in result["checked"]
+        # The healthy node's job settings are notes: shown, never a finding or exit code 1.
+        notes = {n["where"]: n["message"] for n in result["notes"]}
+        if node == HEALTHY:
+            assert set(notes) == {"NCCL_SOCKET_IFNAME", "NCCL_ALGO"}, notes
+            assert notes["NCCL_SOCKET_IFNAME"].startswith("1 GPU processes set it "
+                                                          "(non_rdma_netdev): bootstrap")
+        else:
+            assert notes == {}

@@ -17,7 +17,7 @@ from exporter import doctor as doctor_module
 
 import sysfs_tree as st
 from conftest import exporter_binary
-from test_alerts_e2e import build_node
+from test_alerts_e2e import HEALTHY_JOB_ENV, HEALTHY_JOB_PID, build_node
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -338,7 +338,7 @@ def test_flaps_since_the_last_run_are_findings(tmp_path: Path) -> None:
      ).write_text("1\n")
     third = json.loads(run(*args).stdout)
     assert {f["alert"] for f in third["findings"]} == set(found)
-    (note,) = third["notes"]
+    (note,) = [f"{n['where']}: {n['message']}" for n in third["notes"]]
     assert note.startswith("mlx5_2 port 1: 1 link-downed events since the doctor run at ")
     assert note.endswith("(GpunetPortFlapping counts 2 within 24h)")
 
@@ -362,11 +362,12 @@ def test_large_count_since_boot_is_a_note_exit_0(tmp_path: Path) -> None:
     out = run(*args)
     result = json.loads(out.stdout)
     assert out.returncode == 0 and result["findings"] == []
-    assert result["notes"] == [
-        "mlx5_0 port 1: 7 link-downed events since boot (or since the counters were cleared), "
-        "at times the doctor cannot tell (GpunetPortFlapping counts 2 within 24h)"]
+    assert result["notes"] == [{"where": "mlx5_0 port 1", "message":
+        "7 link-downed events since boot (or since the counters were cleared), "
+        "at times the doctor cannot tell (GpunetPortFlapping counts 2 within 24h)"}]
     text = run(*[a for a in args if a != "--json"]).stdout
-    assert "No findings on this node.\n\nNotes (no finding):\n  mlx5_0 port 1: 7 " in text
+    assert ("No findings on this node.\n\nNotes (no finding, no effect on the exit code):\n"
+            "  mlx5_0 port 1: 7 ") in text
 
 
 @pytest.mark.parametrize("state", ["/proc/gpunet/doctor.json", "{tmp}/bad.json"])
@@ -377,7 +378,7 @@ def test_unusable_state_file_is_one_note(tmp_path: Path, state: str) -> None:
     out = run(*args, f"--state-file={state.format(tmp=tmp_path)}")
     result = json.loads(out.stdout)
     assert out.returncode == 0 and "Traceback" not in out.stderr and out.stderr == ""
-    (note,) = result["notes"]
+    (note,) = [f"{n['where']}: {n['message']}" for n in result["notes"]]
     assert ("cannot record the counters in /proc/gpunet/doctor.json (" in note
             if state.startswith("/proc") else "bad.json ignored (" in note), note
 
@@ -427,3 +428,24 @@ def test_inventory_is_read_not_learned(tmp_path: Path) -> None:
         ("GpunetRdmaDeviceMissing", "rdma_device", "1 expected rdma_device gone: mlx5_77"),
         ("GpunetRdmaDeviceMissing", "rdma_port", "1 expected rdma_port gone: mlx5_77/1")}
     assert out.returncode == 1 and state.read_bytes() == before
+def test_settings_are_notes_not_findings(tmp_path: Path) -> None:
+    """Issue 16: a good job's NCCL settings (bootstrap on the management bond, a forced
+    algorithm) are printed as notes and leave the exit code at 0; a fault in the same process is
+    a finding (exit 1) and is not repeated as a note."""
+    args, env, _ = build_node(tmp_path, faulty=False)
+    out = run(*args, "--no-collector.probe", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert text.startswith(
+        "No findings on this node.\n\nNotes (no finding, no effect on the exit code):\n")
+    assert ("  NCCL_SOCKET_IFNAME: 1 GPU processes set it (non_rdma_netdev): bootstrap and "
+            "NCCL's socket traffic on a non-RDMA interface") in text
+    assert "  NCCL_ALGO: 1 GPU processes set it (ring): forcing algorithms" in text
+    st.write_process(tmp_path / "proc", HEALTHY_JOB_PID,
+                     {**HEALTHY_JOB_ENV, "NCCL_IB_DISABLE": "1"})
+    out = run(*args, "--no-collector.probe", "--json", env=env)
+    result = json.loads(out.stdout)
+    assert out.returncode == result["exit_code"] == 1
+    assert [(f["alert"], f["where"]) for f in result["findings"]] == [
+        ("GpunetNcclEnvDisablesFastPath", "NCCL_IB_DISABLE")]
+    assert {n["where"] for n in result["notes"]} == {"NCCL_SOCKET_IFNAME", "NCCL_ALGO"}

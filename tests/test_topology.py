@@ -19,12 +19,16 @@ import pytest
 from collectors.infiniband import InfinibandCollector
 from collectors.link import LinkCollector
 from collectors.topology import (
+    NCCL_FAULT_CLASSES,
     NCCL_FINDINGS,
+    NCCL_SETTING_NOTES,
+    NCCL_SETTINGS,
     Endpoint,
     TopologyCollector,
     _pci_sort_key,
     _strtol,
     env_findings,
+    env_settings,
     parse_environ,
     parse_kernel_release,
     parse_nvidia_version,
@@ -566,17 +570,20 @@ NONE: set[tuple[str, str]] = set()
     ({"NCCL_NET": "SOCKET"}, {("NCCL_NET", "socket_forced")}),
     ({"NCCL_NET": "IB"}, NONE),
     ({"NCCL_NET": "Sockets"}, NONE),
-    # NCCL_SOCKET_IFNAME: prefixes, =exact, ^exclusion (not judged), one character ignored.
-    ({"NCCL_SOCKET_IFNAME": "eno1"}, {("NCCL_SOCKET_IFNAME", "no_rdma_interface")}),
-    ({"NCCL_SOCKET_IFNAME": "eth,docker"}, {("NCCL_SOCKET_IFNAME", "no_rdma_interface")}),
-    ({"NCCL_SOCKET_IFNAME": "ib"}, NONE),
-    ({"NCCL_SOCKET_IFNAME": "eno1,enp41"}, NONE),
-    ({"NCCL_SOCKET_IFNAME": "=ibp24s0"}, NONE),
-    ({"NCCL_SOCKET_IFNAME": "=ibp24"}, {("NCCL_SOCKET_IFNAME", "no_rdma_interface")}),
-    ({"NCCL_SOCKET_IFNAME": "^docker,lo"}, NONE),
-    ({"NCCL_SOCKET_IFNAME": "^=eno1"}, NONE),
-    ({"NCCL_SOCKET_IFNAME": "e"}, NONE),
-    ({"NCCL_SOCKET_IFNAME": "ibp24s0:1"}, NONE),
+    # NCCL_P2P_LEVEL: LOC (or legacy 0) turns P2P off, unless NCCL_P2P_DISABLE decided already.
+    ({"NCCL_P2P_LEVEL": "LOC"}, {("NCCL_P2P_LEVEL", "p2p_disabled")}),
+    ({"NCCL_P2P_LEVEL": "0"}, {("NCCL_P2P_LEVEL", "p2p_disabled")}),
+    ({"NCCL_P2P_LEVEL": "NVL"}, NONE),
+    ({"NCCL_P2P_LEVEL": "SYS"}, NONE),
+    ({"NCCL_P2P_LEVEL": "LOC", "NCCL_P2P_DISABLE": "1"}, {("NCCL_P2P_DISABLE", "p2p_disabled")}),
+    # NCCL_SOCKET_IFNAME is a setting, never a fault: it carries bootstrap and socket traffic.
+    ({"NCCL_SOCKET_IFNAME": "eno1"}, NONE),
+    ({"NCCL_SOCKET_IFNAME": "bond0"}, NONE),
+    ({"NCCL_SOCKET_IFNAME": "=ibp24"}, NONE),
+    # Settings with at most a note: forced algorithms and protocols, buffers, channels, SHM.
+    ({"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple", "NCCL_BUFFSIZE": "1024",
+      "NCCL_MAX_NCHANNELS": "1", "NCCL_SHM_DISABLE": "1", "NCCL_CROSS_NIC": "1"}, NONE),
+    ({"NCCL_NET_GDR_LEVEL": "PIX", "NCCL_IB_HCA": "mlx5_0"}, NONE),
     # NCCL_IB_HCA: dev[:port] entries, prefixes unless =, ^ not judged; any unknown entry.
     ({"NCCL_IB_HCA": "mlx5_0"}, NONE),
     ({"NCCL_IB_HCA": "mlx5"}, NONE),
@@ -600,6 +607,70 @@ def test_env_findings_without_rdma() -> None:
     # No RDMA netdev at all: where sockets go says nothing then; a named HCA is still unknown.
     assert env_findings({"NCCL_SOCKET_IFNAME": "eno1", "NCCL_IB_HCA": "mlx5_0"}, set(), []) == {
         ("NCCL_IB_HCA", "unknown_device")}
+    assert env_settings({"NCCL_SOCKET_IFNAME": "eno1"}, set(), []) == {
+        "NCCL_SOCKET_IFNAME": "non_rdma_netdev"}
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, {}),
+    ({"NCCL_DEBUG": "INFO", "NCCL_IB_DISABLE": ""}, {}),  # not audited; empty is unset
+    ({"NCCL_IB_DISABLE": "0", "NCCL_SHM_DISABLE": "1"},
+     {"NCCL_IB_DISABLE": "enabled", "NCCL_SHM_DISABLE": "disabled"}),
+    ({"NCCL_NET": "IB"}, {"NCCL_NET": "ib"}),
+    ({"NCCL_NET": "AWS Libfabric"}, {"NCCL_NET": "other"}),  # a plugin's name: never a label
+    ({"NCCL_NET": "socket"}, {"NCCL_NET": "socket"}),
+    # Path levels: names (case matters), legacy numbers 0-5 (above 5 clamps to SYS).
+    ({"NCCL_NET_GDR_LEVEL": "PIX"}, {"NCCL_NET_GDR_LEVEL": "pix"}),
+    ({"NCCL_NET_GDR_LEVEL": "2"}, {"NCCL_NET_GDR_LEVEL": "pxb"}),
+    ({"NCCL_NET_GDR_LEVEL": "3"}, {"NCCL_NET_GDR_LEVEL": "phb"}),
+    ({"NCCL_NET_GDR_LEVEL": "17"}, {"NCCL_NET_GDR_LEVEL": "sys"}),
+    ({"NCCL_NET_GDR_LEVEL": "pix"}, {"NCCL_NET_GDR_LEVEL": "unrecognized"}),
+    ({"NCCL_NET_GDR_LEVEL": "PXB", "NCCL_IB_GDR_LEVEL": "LOC"},
+     {"NCCL_NET_GDR_LEVEL": "pxb", "NCCL_IB_GDR_LEVEL": "overridden"}),
+    ({"NCCL_P2P_DISABLE": "2", "NCCL_P2P_LEVEL": "NVL"},
+     {"NCCL_P2P_DISABLE": "no_effect", "NCCL_P2P_LEVEL": "nvl"}),
+    ({"NCCL_P2P_DISABLE": "1", "NCCL_P2P_LEVEL": "SYS"}, {"NCCL_P2P_DISABLE": "disabled"}),
+    # NCCL_SOCKET_IFNAME: prefixes, =exact, ^exclusion (not judged), one character ignored.
+    ({"NCCL_SOCKET_IFNAME": "bond0"}, {"NCCL_SOCKET_IFNAME": "non_rdma_netdev"}),
+    ({"NCCL_SOCKET_IFNAME": "eth,docker"}, {"NCCL_SOCKET_IFNAME": "non_rdma_netdev"}),
+    ({"NCCL_SOCKET_IFNAME": "=ibp24"}, {"NCCL_SOCKET_IFNAME": "non_rdma_netdev"}),
+    ({"NCCL_SOCKET_IFNAME": "ib"}, {"NCCL_SOCKET_IFNAME": "rdma_netdev"}),
+    ({"NCCL_SOCKET_IFNAME": "eno1,enp41"}, {"NCCL_SOCKET_IFNAME": "rdma_netdev"}),
+    ({"NCCL_SOCKET_IFNAME": "=ibp24s0"}, {"NCCL_SOCKET_IFNAME": "rdma_netdev"}),
+    ({"NCCL_SOCKET_IFNAME": "ibp24s0:1"}, {"NCCL_SOCKET_IFNAME": "rdma_netdev"}),
+    ({"NCCL_SOCKET_IFNAME": "^docker,lo"}, {"NCCL_SOCKET_IFNAME": "exclusion"}),
+    ({"NCCL_SOCKET_IFNAME": "e"}, {"NCCL_SOCKET_IFNAME": "ignored"}),
+    ({"NCCL_IB_HCA": "mlx5_0:1,mlx5_3:1"}, {"NCCL_IB_HCA": "devices_present"}),
+    ({"NCCL_IB_HCA": "mlx5_0,mlx5_10"}, {"NCCL_IB_HCA": "unknown_device"}),
+    ({"NCCL_IB_HCA": "^mlx5_42"}, {"NCCL_IB_HCA": "exclusion"}),
+    # NCCL_ALGO / NCCL_PROTO: one known name (any case), a list, an exclusion, anything else.
+    ({"NCCL_ALGO": "Ring"}, {"NCCL_ALGO": "ring"}),
+    ({"NCCL_ALGO": "Tree,Ring"}, {"NCCL_ALGO": "list"}),
+    ({"NCCL_ALGO": "^NVLS"}, {"NCCL_ALGO": "exclusion"}),
+    ({"NCCL_ALGO": "allreduce:tree;broadcast:ring"}, {"NCCL_ALGO": "other"}),
+    ({"NCCL_PROTO": "LL128"}, {"NCCL_PROTO": "ll128"}),
+    ({"NCCL_PROTO": "^LL128"}, {"NCCL_PROTO": "exclusion"}),
+    ({"NCCL_PROTO": "Fast"}, {"NCCL_PROTO": "other"}),
+    # NCCL_BUFFSIZE against the 4 MiB default; channels and cross-NIC are only named.
+    ({"NCCL_BUFFSIZE": "1048576"}, {"NCCL_BUFFSIZE": "below_default"}),
+    ({"NCCL_BUFFSIZE": "0x400000"}, {"NCCL_BUFFSIZE": "default_or_above"}),
+    ({"NCCL_BUFFSIZE": "big"}, {"NCCL_BUFFSIZE": "invalid"}),
+    ({"NCCL_CROSS_NIC": "2", "NCCL_MIN_NCHANNELS": "32", "NCCL_MAX_NCHANNELS": "4"},
+     {"NCCL_CROSS_NIC": "2", "NCCL_MIN_NCHANNELS": "set", "NCCL_MAX_NCHANNELS": "set"}),
+    ({"NCCL_CROSS_NIC": "yes"}, {"NCCL_CROSS_NIC": "other"}),
+])
+def test_env_settings(env: dict[str, str], expected: dict[str, str]) -> None:
+    settings = env_settings(env, DGX_NETDEVS, DGX_DEVICES)
+    assert settings == expected
+    assert all(cls in NCCL_SETTINGS[var] for var, cls in settings.items())  # the fixed vocabulary
+
+
+def test_fault_classes_and_notes_are_in_the_vocabulary() -> None:
+    assert {(var, issue) for (var, _), issue in NCCL_FAULT_CLASSES.items()} == set(NCCL_FINDINGS)
+    for var, cls in (*NCCL_FAULT_CLASSES, *NCCL_SETTING_NOTES):
+        assert cls in NCCL_SETTINGS[var], (var, cls)
+    # A fault is never also a mere note: the doctor reports it once, as a finding.
+    assert not set(NCCL_FAULT_CLASSES) & set(NCCL_SETTING_NOTES)
 
 
 def test_strtol() -> None:
@@ -622,8 +693,9 @@ def write_processes(proc: Path) -> dict[int, dict[str, str]]:
     envs = {
         100: {"PATH": "/usr/bin", "NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "INFO"},
         200: {"NCCL_NET_GDR_LEVEL": "LOC", "NCCL_P2P_DISABLE": "1", "NCCL_NET": "socket"},
-        300: {"NCCL_SOCKET_IFNAME": "eno1", "NCCL_IB_HCA": "=mlx5_0:1,mlx5_12"},
-        400: {"NCCL_SOCKET_IFNAME": "ib", "NCCL_IB_HCA": "mlx5", "NCCL_IB_DISABLE": "1"},
+        300: {"NCCL_SOCKET_IFNAME": "bond0", "NCCL_IB_HCA": "=mlx5_0:1,mlx5_12"},
+        400: {"NCCL_SOCKET_IFNAME": "ib", "NCCL_IB_HCA": "mlx5", "NCCL_IB_DISABLE": "1",
+              "NCCL_ALGO": "Ring"},
         500: {"HOME": "/root"},
     }
     for pid, env in envs.items():
@@ -642,13 +714,25 @@ def test_nccl_audit(dgx: Path, proc: Path) -> None:
                         ("NCCL_NET_GDR_LEVEL", "gdr_disabled"): 1,
                         ("NCCL_P2P_DISABLE", "p2p_disabled"): 1,
                         ("NCCL_NET", "socket_forced"): 1,
-                        ("NCCL_SOCKET_IFNAME", "no_rdma_interface"): 1,
                         ("NCCL_IB_HCA", "unknown_device"): 1}
+    # Every audited variable a process sets, by class, faults included; only classes present.
+    settings = {(dict(lbl)["variable"], dict(lbl)["value_class"]): v
+                for lbl, v in series(s, P + "nccl_env_settings").items()}
+    assert settings == {("NCCL_IB_DISABLE", "disabled"): 2, ("NCCL_NET_GDR_LEVEL", "loc"): 1,
+                        ("NCCL_P2P_DISABLE", "disabled"): 1, ("NCCL_NET", "socket"): 1,
+                        ("NCCL_SOCKET_IFNAME", "non_rdma_netdev"): 1,
+                        ("NCCL_SOCKET_IFNAME", "rdma_netdev"): 1,
+                        ("NCCL_IB_HCA", "unknown_device"): 1,
+                        ("NCCL_IB_HCA", "devices_present"): 1, ("NCCL_ALGO", "ring"): 1}
     assert value(s, P + "nccl_env_processes", result="inspected") == 5
     assert value(s, P + "nccl_env_processes", result="unreadable") == 1
     leaked = {v for env in envs.values() for v in env.values()} | {str(pid) for pid in envs}
     audit = {v for (name, lbl) in s if name.startswith(P + "nccl_") for _, v in lbl}
-    assert audit and not leaked & audit  # no values, no PIDs
+    # Labels come from a fixed vocabulary only (a value such as "socket" may equal a class name).
+    vocabulary = {*NCCL_SETTINGS, *(c for cs in NCCL_SETTINGS.values() for c in cs),
+                  *(issue for _, issue in NCCL_FINDINGS), "inspected", "unreadable"}
+    assert audit and audit <= vocabulary
+    assert not (leaked - vocabulary) & audit  # no values, no PIDs
 
 
 def test_nccl_audit_all_zero_and_absent_without_nvml(dgx: Path, proc: Path) -> None:
@@ -724,8 +808,10 @@ def test_nccl_audit_real_proc(dgx: Path) -> None:
     assert unreadable == 0
     assert value(s, P + "nccl_env_processes", result="inspected") == 1
     assert value(s, P + "nccl_env_findings", variable="NCCL_IB_DISABLE", issue="ib_disabled") == 1
-    assert value(s, P + "nccl_env_findings", variable="NCCL_SOCKET_IFNAME",
-                 issue="no_rdma_interface") == 1
+    assert value(s, P + "nccl_env_settings", variable="NCCL_SOCKET_IFNAME",
+                 value_class="non_rdma_netdev") == 1
+    assert not any(dict(lbl)["variable"] == "NCCL_SOCKET_IFNAME"
+                   for lbl in series(s, P + "nccl_env_findings"))
 
 
 def test_nccl_audit_eacces_for_real_as_unprivileged_user() -> None:
