@@ -32,13 +32,13 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from collectors.topology import NCCL_FAULT_CLASSES, NCCL_SETTING_NOTES
 from exporter import rules
 from exporter.background import kill_running
 from exporter.cli import build_parser, server_only_flags, start_collectors
 from exporter.collector import Collector
 from exporter.config import ConfigError, read_regular
 from exporter.logs import setup
+from exporter.ncclenv import NCCL_FAULT_CLASSES, NCCL_SETTING_NOTES
 from exporter.registry import Scraper, discover
 from exporter.thresholds import load
 

@@ -140,15 +140,11 @@ from collectors.pfc_config import (
 )
 from collectors.probe import ProbeCollector
 from collectors.topology import (
-    NCCL_FINDINGS,
     PATHS,
     Endpoint,
     TopologyCollector,
-    _strtol,
     acs_control,
     endpoint,
-    env_findings,
-    parse_environ,
     parse_kernel_release,
     parse_nvidia_version,
     parse_starttime,
@@ -177,6 +173,13 @@ from exporter.ethtool import (
     EthtoolReader,
     NicStats,
     parse_stats_text,
+)
+from exporter.ncclenv import (
+    NCCL_FINDINGS,
+    NCCL_SETTINGS,
+    env_findings,
+    parse_environ,
+    strtol,
 )
 from exporter.probe import ncclog, results
 from exporter.probe.runner import Cluster, cluster_from_env, parse_bytes, parse_sizes
@@ -1205,11 +1208,11 @@ ENVIRON = ("PATH=/usr/bin\0NCCL_IB_HCA=^=mlx5_0:1,mlx5_9\0NCCL_NET_GDR_LEVEL=LOC
 def test_topology_text(environ: bytes, stat: str, version: str, release: str,
                        env: dict[str, str], netdevs: set[str], devices: list[str]) -> None:
     parsed = parse_environ(environ)
-    assert set(parsed) <= {v for v, _ in NCCL_FINDINGS}
+    assert set(parsed) <= set(NCCL_SETTINGS)
     assert set(env_findings(parsed, netdevs, devices)) <= set(NCCL_FINDINGS)
     assert set(env_findings(env, netdevs, devices)) <= set(NCCL_FINDINGS)
     for value in env.values():
-        assert isinstance(_strtol(value), int)
+        assert isinstance(strtol(value), int)
     start = parse_starttime(stat)
     assert start is None or start >= 0
     module = parse_nvidia_version(version)

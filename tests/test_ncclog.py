@@ -62,8 +62,7 @@ def _fixture(mode: str, rank: int, pid: int, **over: Any) -> dict[str, Any]:
         env["NCCL_P2P_DISABLE"] = "1"
         problems.append("p2p_disabled_by_env")
     if mode == "socket":
-        env["NCCL_SHM_DISABLE"] = "1"
-        problems.append("shm_disabled_by_env")
+        env["NCCL_SHM_DISABLE"] = "1"  # a setting, not a fault: P2P decides
     base: dict[str, Any] = {
         "host": "vm", "pid": pid, "rank": rank, "nranks": 2, "cuda_dev": rank,
         "nccl_version": "2.28.9", "net": "Socket", "transports": [], "net_transports": [],
@@ -72,8 +71,7 @@ def _fixture(mode: str, rank: int, pid: int, **over: Any) -> dict[str, Any]:
     return {**base, **over}
 
 
-SOCKET_PROBLEMS = ["no_ib_device", "p2p_disabled_by_env", "plugin_not_found",
-                   "shm_disabled_by_env", "socket_fallback"]
+SOCKET_PROBLEMS = ["no_ib_device", "p2p_disabled_by_env", "plugin_not_found", "socket_fallback"]
 EXPECTED = {
     "nccl-2.28.9-h200x2-p2p-rank0.log": _fixture("p2p", 0, 663, transports=["P2P"]),
     "nccl-2.28.9-h200x2-p2p-rank1.log": _fixture("p2p", 1, 664, transports=["P2P"]),
@@ -419,8 +417,9 @@ def test_no_ib_device() -> None:
     ("NCCL_P2P_DISABLE set by environment to 0x1.", {"NCCL_P2P_DISABLE": "0x1"},
      ["p2p_disabled_by_env"]),  # strtoll(..., 0)
     ("NCCL_P2P_DISABLE set by environment to 2.", {"NCCL_P2P_DISABLE": "2"}, []),  # exactly 1
-    ("NCCL_SHM_DISABLE set by environment to 1.", {"NCCL_SHM_DISABLE": "1"},
-     ["shm_disabled_by_env"]),
+    ("NCCL_SHM_DISABLE set by environment to 1.", {"NCCL_SHM_DISABLE": "1"}, []),  # a setting
+    ("NCCL_P2P_LEVEL set by environment to LOC.", {"NCCL_P2P_LEVEL": "LOC"},
+     ["p2p_disabled_by_env"]),
     ("NCCL_NET set by environment to socket.", {"NCCL_NET": "socket"}, ["socket_forced_by_env"]),
     ("NCCL_NET set by environment to IB.", {"NCCL_NET": "IB"}, []),
     ("NCCL_NET_GDR_LEVEL set by environment to LOC.", {"NCCL_NET_GDR_LEVEL": "LOC"},
@@ -697,10 +696,9 @@ def test_explain_socket_log() -> None:
         f"    no_ib_device: {ncclog.PROBLEMS['no_ib_device']}",
         f"    plugin_not_found: {ncclog.PROBLEMS['plugin_not_found']}",
         f"    p2p_disabled_by_env: {ncclog.PROBLEMS['p2p_disabled_by_env']}",
-        f"    shm_disabled_by_env: {ncclog.PROBLEMS['shm_disabled_by_env']}",
         "",
         "overall: 1 process in 1 NCCL log: problems: socket_fallback, no_ib_device, "
-        "plugin_not_found, p2p_disabled_by_env, shm_disabled_by_env"]
+        "plugin_not_found, p2p_disabled_by_env"]
 
 
 def test_explain_healthy_ib_log() -> None:

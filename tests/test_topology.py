@@ -19,23 +19,25 @@ import pytest
 from collectors.infiniband import InfinibandCollector
 from collectors.link import LinkCollector
 from collectors.topology import (
-    NCCL_FAULT_CLASSES,
-    NCCL_FINDINGS,
-    NCCL_SETTING_NOTES,
-    NCCL_SETTINGS,
     Endpoint,
     TopologyCollector,
     _pci_sort_key,
-    _strtol,
-    env_findings,
-    env_settings,
-    parse_environ,
     parse_kernel_release,
     parse_nvidia_version,
     parse_starttime,
     relation,
 )
 from exporter.collector import Collector
+from exporter.ncclenv import (
+    NCCL_FAULT_CLASSES,
+    NCCL_FINDINGS,
+    NCCL_SETTING_NOTES,
+    NCCL_SETTINGS,
+    env_findings,
+    env_settings,
+    parse_environ,
+    strtol,
+)
 from exporter.nvml import Gpu
 from exporter.sysfs import Root
 
@@ -676,7 +678,7 @@ def test_fault_classes_and_notes_are_in_the_vocabulary() -> None:
 def test_strtol() -> None:
     for text, n in (("0x1f", 31), ("010", 8), ("-3", -3), (" 7abc", 7), ("", 0), ("abc", 0),
                     ("0x", 0), ("09", 0), ("+12", 12), ("0XA", 10)):
-        assert _strtol(text) == n, text
+        assert strtol(text) == n, text
 
 
 def test_parse_environ_and_stat() -> None:

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TextIO
 
+from exporter.ncclenv import env_findings
 from exporter.sysfs import parse_int, parse_uint
 
 MAX_WARNINGS = 20
@@ -44,12 +45,9 @@ PROBLEMS: dict[str, str] = {
     "gdr_disabled": "GPUDirect RDMA is off: the NIC cannot reach GPU memory and every message "
                     "is staged through host memory (check nvidia_peermem or DMA-BUF, "
                     "NCCL_NET_GDR_LEVEL, the GPU-NIC PCIe path)",
-    "p2p_disabled_by_env": "NCCL_P2P_DISABLE=1 is set in the environment: GPUs of one node "
-                           "exchange data through host memory (SHM) or the network instead of "
-                           "NVLink or PCIe peer-to-peer",
-    "shm_disabled_by_env": "NCCL_SHM_DISABLE=1 is set in the environment: where P2P is not "
-                           "possible, ranks of one node talk over the network instead of "
-                           "shared memory",
+    "p2p_disabled_by_env": "NCCL_P2P_DISABLE=1 (or NCCL_P2P_LEVEL=LOC) is set in the "
+                           "environment: GPUs of one node exchange data through host memory "
+                           "(SHM) or the network instead of NVLink or PCIe peer-to-peer",
     "nccl_warn": "NCCL printed WARN lines",
 }
 
@@ -135,47 +133,17 @@ _CUDA_DEV = re.compile(r"\bcudaDev ([0-9]+)\b", _A)
 _COMPLETION = re.compile(r"Got completion from peer .* with (?:error|status)")
 
 
-def _strtol(value: str) -> int | None:
-    """The leading integer of ``value`` as C's strtol(value, NULL, 0) reads it (after leading
-    blanks, an optional sign, 0x for hex, a leading 0 for octal), None when there is none."""
-    m = re.match(r"\s*([+-]?)(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*)", value)
-    if not m:
-        return None
-    digits = m.group(2)
-    if digits[:2].lower() == "0x":
-        n = int(digits, 16)
-    else:
-        n = int(digits, 8 if len(digits) > 1 and digits[0] == "0" else 10)
-    return -n if m.group(1) == "-" else n
+# The faults of the NCCL environment audit (exporter.ncclenv) and their problem codes here.
+ENV_PROBLEMS = {"ib_disabled": "ib_disabled_by_env", "socket_forced": "socket_forced_by_env",
+                "gdr_disabled": "gdr_disabled_by_env", "p2p_disabled": "p2p_disabled_by_env"}
 
 
 def harmful_env(env: dict[str, str]) -> set[str]:
     """The problem codes of the NCCL settings in ``env`` that certainly take a fast path away,
-    judged as NCCL reads each variable: NCCL_IB_DISABLE and NCCL_P2P_DISABLE/NCCL_SHM_DISABLE
-    through ncclParam/ncclGetLevel (an integer; 1 disables P2P and SHM, any non-zero value IB),
-    NCCL_NET compared with strcasecmp, NCCL_NET_GDR_LEVEL a path name compared with strcmp or
-    a legacy number (LOC and 0 turn GPUDirect RDMA off)."""
-    out = set()
-    if _truthy_param(env.get("NCCL_IB_DISABLE", "0")):
-        out.add("ib_disabled_by_env")
-    if env.get("NCCL_NET", "").strip().lower() == "socket":
-        out.add("socket_forced_by_env")
-    gdr = env.get("NCCL_NET_GDR_LEVEL", env.get("NCCL_IB_GDR_LEVEL", ""))
-    if gdr == "LOC" or ("0" <= gdr[:1] <= "9" and _strtol(gdr) == 0):
-        out.add("gdr_disabled_by_env")
-    if _strtol(env.get("NCCL_P2P_DISABLE", "")) == 1:
-        out.add("p2p_disabled_by_env")
-    if _strtol(env.get("NCCL_SHM_DISABLE", "")) == 1:
-        out.add("shm_disabled_by_env")
-    return out
-
-
-def _truthy_param(value: str) -> bool:
-    """An NCCL integer parameter read with strtoll(..., 0): "0" is off, anything else on."""
-    try:
-        return int(value, 0) != 0
-    except ValueError:
-        return value.strip().lstrip("0") != ""
+    judged by the same rules as the topology collector's audit of GPU processes
+    (exporter.ncclenv; an NCCL_IB_HCA naming no device is not judged: the log's machine is not
+    this one)."""
+    return {ENV_PROBLEMS[issue] for _, issue in env_findings(env, (), ()) if issue in ENV_PROBLEMS}
 
 
 class _Rank:
