@@ -452,6 +452,33 @@ def check_pfc(c: Check) -> None:
             c.problems.append(f"PFC on {name}: its QoS configuration cannot be read")
 
 
+def check_job_rdma_idle(c: Check) -> None:
+    """GpunetGpuJobRdmaIdle: GPUs with compute processes starved (the mean of the two readings
+    below gpu.busy_utilization_ratio) while the RDMA ports, all together, move less than
+    infiniband.rdma_idle_bytes_per_second between the readings."""
+    if not c.active_rdma_port():
+        return
+    rates = [r for name in ("gpunet_infiniband_port_transmitted_bytes_total",
+                            "gpunet_infiniband_port_received_bytes_total")
+             for _, r in c.rate(name)]
+    idle = c.t["infiniband"]["rdma_idle_bytes_per_second"]
+    if not rates or sum(rates) >= idle:
+        return
+    lo = c.t["gpu"]["busy_utilization_ratio"]
+    before = {lbl.get("gpu"): v for lbl, v in c.a.all("gpunet_gpu_utilization_ratio")}
+    starved = [lbl.get("gpu", "") for lbl, v in c.b.all("gpunet_gpu_utilization_ratio")
+               if (c.b.get("gpunet_gpu_compute_processes", gpu=lbl.get("gpu", "")) or 0) > 0
+               and (v + before.get(lbl.get("gpu"), v)) / 2 < lo]
+    if starved:
+        c.add("nccl_tcp", "GpunetGpuJobRdmaIdle", "node",
+              f"{len(starved)} GPUs with compute processes (GPU {', '.join(starved)}) are busy "
+              f"less than {lo:.0%} while the RDMA ports move {sum(rates):.3g} B/s (idle below "
+              f"{idle:.3g}): the job's traffic is not on RDMA, or it does not use the network "
+              f"(read over the check's {c.dt:.3g} s; the alert averages 10 minutes)",
+              "NCCL_DEBUG=INFO in the job, then: gpunet-probe explain-log <its log>; "
+              "tr '\\0' '\\n' < /proc/PID/environ | grep ^NCCL_  # PIDs: nvidia-smi")
+
+
 def check_transport(c: Check) -> None:
     b = c.b
     for lbl, v in b.all("gpunet_probe_socket_fallback"):
@@ -641,8 +668,8 @@ def check_inventory(c: Check) -> None:
 
 
 CHECKS: tuple[Callable[[Check], None], ...] = (
-    check_transport, check_links, check_pfc, check_mtu, check_placement, check_gpus,
-    check_collectives, check_phy, check_retransmissions, check_gpu_utilization,
+    check_transport, check_job_rdma_idle, check_links, check_pfc, check_mtu, check_placement,
+    check_gpus, check_collectives, check_phy, check_retransmissions, check_gpu_utilization,
     check_flap_history, check_inventory)
 
 

@@ -289,6 +289,22 @@ ALERTS: tuple[Alert, ...] = (
           "nvidia_peermem not loaded and no DMA-BUF",
           f"GPUDirect RDMA cannot work {_NODE}: no peer-memory module (nvidia_peermem) is "
           "loaded and the driver or kernel cannot use DMA-BUF."),
+    Alert("GpunetGpuJobRdmaIdle", "transport", "warning", "30m",
+          lambda t: ("count by (instance) (\n"
+                     "  avg_over_time(gpunet_gpu_utilization_ratio[10m]) < "
+                     f"{_g(t['gpu']['busy_utilization_ratio'])}\n"
+                     "  and on (instance, gpu) gpunet_gpu_compute_processes > 0\n)\n"
+                     "and on (instance)\n"
+                     "(\n  sum by (instance) (\n"
+                     "    rate(gpunet_infiniband_port_transmitted_bytes_total[10m])\n"
+                     "    + rate(gpunet_infiniband_port_received_bytes_total[10m])\n  ) < "
+                     f"{_g(t['infiniband']['rdma_idle_bytes_per_second'])}\n)\n"
+                     f"and on (instance) {_ACTIVE_RDMA_PORT}"),
+          "GPU job starved while the RDMA ports are idle",
+          f"{{{{ $value }}}} GPUs {_NODE} run compute processes but are starved while its RDMA "
+          "ports carry almost nothing: the job's traffic is not on RDMA (NCCL on sockets, as "
+          "in a container without the InfiniBand libraries) or the job does not use the "
+          "network."),
     Alert("GpunetNcclEnvDisablesFastPath", "transport", "warning", "10m",
           lambda t: "gpunet_topology_nccl_env_findings > 0",
           "GPU processes run NCCL with a fast path turned off",

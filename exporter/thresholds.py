@@ -64,6 +64,9 @@ SCHEMA_FIELDS: dict[str, Field] = {
             "implied_nak_seq_err hw_counters), each a lost packet and a retransmission", 10),
         "ack_timeouts_per_second": _num(
             "QP ACK timer expiries per second (local_ack_timeout_err hw_counter)", 1),
+        "rdma_idle_bytes_per_second": _num(
+            "bytes per second, sent and received over all of a node's RDMA ports together, "
+            "below which the ports are idle (GpunetGpuJobRdmaIdle)", 1e6),
     }),
     "link": Field("map", "MTU of the RoCE netdevs", default={}, fields={
         "roce_min_mtu_bytes": _int(

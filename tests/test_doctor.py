@@ -147,7 +147,7 @@ def test_checks_name_real_alerts_and_causes() -> None:
     names = set(doctor_module.SEVERITY)
     source = Path(doctor_module.__file__).read_text()
     used = set(re.findall(r'"(Gpunet[A-Za-z]+)"', source))
-    assert used <= names and len(used) == 45
+    assert used <= names and len(used) == 46
     causes = set(re.findall(r'c\.add\("(\w+)"', source))
     assert causes <= set(doctor_module.CAUSES)
 
@@ -185,6 +185,43 @@ def _snapshots(dt: float, before: dict[str, list[tuple[dict[str, str], float]]],
     b.time = a.time + dt
     from exporter import rules, thresholds
     return doctor_module.Check(a, b, thresholds.defaults(rules.ALERT_NAMES))
+
+
+def _job_readings(moved: float, util: tuple[float, float, float] = (0.2, 0.3, 0.9),
+                  state: float = 4, procs: float = 1
+                  ) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """One reading: three GPUs at ``util`` with ``procs`` compute processes each, one RDMA port
+    in ``state`` whose byte counters stand at ``moved``."""
+    port = {"device": "mlx5_0", "port": "1"}
+    return {"gpunet_gpu_utilization_ratio": [({"gpu": str(g)}, u) for g, u in enumerate(util)],
+            "gpunet_gpu_compute_processes": [({"gpu": str(g)}, procs) for g in range(3)],
+            "gpunet_infiniband_port_state_id": [(port, state)],
+            "gpunet_infiniband_port_transmitted_bytes_total": [(port, moved)],
+            "gpunet_infiniband_port_received_bytes_total": [(port, moved)]}
+
+
+@pytest.mark.parametrize("moved,state,procs,found", [
+    (100.0, 4, 1, True),   # 20 B/s in 10 s: idle; GPUs 0 and 1 starved
+    (1e8, 4, 1, False),    # 20 MB/s: the job's traffic is on RDMA
+    (100.0, 1, 1, False),  # no ACTIVE port: not this alert's business
+    (100.0, 4, 0, False),  # no compute process: nobody waits
+])
+def test_gpu_job_with_idle_rdma_ports(moved: float, state: float, procs: float,
+                                      found: bool) -> None:
+    """GpunetGpuJobRdmaIdle on the doctor's two readings, as the rule judges it (promtool
+    covers the same four cases in alerts/gpunet.rules.test.yml)."""
+    c = _snapshots(10.0, _job_readings(0.0, state=state, procs=procs),
+                   _job_readings(moved, state=state, procs=procs))
+    doctor_module.check_job_rdma_idle(c)
+    if not found:
+        assert c.findings == []
+        return
+    (f,) = c.findings
+    assert (f.cause, f.alert, f.where, f.severity) == (
+        "nccl_tcp", "GpunetGpuJobRdmaIdle", "node", "warning")
+    assert f.message.startswith("2 GPUs with compute processes (GPU 0, 1) are busy less than 50% "
+                                "while the RDMA ports move 20 B/s")
+    assert "explain-log" in f.confirm
 
 
 def test_phy_errors_rising_on_a_roce_interface() -> None:
@@ -295,9 +332,11 @@ def test_starved_gpu_is_a_finding_and_below_the_share_no_band(tmp_path: Path) ->
     args, env = gpu_node(tmp_path, [20, 70], [1, 1])
     out = run(*args, env=env)
     result = json.loads(out.stdout)
-    assert [(f["alert"], f["where"]) for f in result["findings"]] == [
-        ("GpunetGpuStarved", "GPU 0")]
-    assert result["findings"][0]["message"].startswith(
+    # The fixture's RDMA counters stand still: a starved job beside idle RDMA ports, too.
+    assert sorted((f["alert"], f["where"]) for f in result["findings"]) == [
+        ("GpunetGpuJobRdmaIdle", "node"), ("GpunetGpuStarved", "GPU 0")]
+    (starved,) = [f for f in result["findings"] if f["alert"] == "GpunetGpuStarved"]
+    assert starved["message"].startswith(
         "busy only 20% of the time while compute processes run on it (limit 50%")
     assert out.returncode == 1
     idle, env = gpu_node(tmp_path / "idle", [20, 70], [0, 0])
