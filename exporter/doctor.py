@@ -24,7 +24,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -40,6 +39,7 @@ from exporter.config import ConfigError, read_regular
 from exporter.logs import setup
 from exporter.ncclenv import NCCL_FAULT_CLASSES, NCCL_SETTING_NOTES
 from exporter.registry import Scraper, discover
+from exporter.statefile import write_json
 from exporter.thresholds import load
 
 PROG = "gpunet-exporter doctor"
@@ -359,16 +359,7 @@ def write_history(path: str, history: dict[str, Any], b: Snapshot, t: T) -> str 
     directory = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".doctor.", dir=directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(data, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_json(path, data)
     except OSError as exc:
         return (f"cannot record the counters in {path} ({exc.strerror or exc}): the next run "
                 "has no history")

@@ -14,13 +14,12 @@ that falls off the bus sends one too. A reader that must not learn (the doctor) 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping
+
+from exporter.statefile import write_json
 
 KINDS = ("rdma_device", "rdma_port", "netdev")
 MAX_NAMES = 256  # per kind: a node has tens of RDMA devices at most
@@ -108,17 +107,4 @@ def read_state(path: str, log: Log) -> dict[str, set[str]]:
 def write_state(path: str, known: Mapping[str, set[str]]) -> None:
     """Write the state file atomically (same-directory temporary file, fsync, rename)."""
     doc = {"version": VERSION, **{k: sorted(known.get(k, ()))[:MAX_NAMES] for k in KINDS}}
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".inventory.", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, indent=1)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_json(path, doc)

@@ -596,8 +596,12 @@ def build_dgx_h100_faulty(root: Path) -> Path:
     make_mtu_1500(sys, FAULTY_EXAMPLE["mtu_1500"])
     netdev = make_ofed_qos(sys, FAULTY_EXAMPLE["qos_pcp_priority_5"], pfc_priority=5,
                            trust="pcp")
+    # The node's other RoCE netdev answers mlnx_qos too, configured as it should be: a node
+    # whose QoS configuration cannot be read at all is another fault (GpunetPfcConfigUnreadable).
+    other = _netdev(sys, FAULTY_EXAMPLE["mtu_1500"]).name
     tools = root / "mlnx_qos"
     _write(tools, {f"{netdev}.txt": mlnx_qos_report(pfc_priority=5, trust="pcp"),
+                   f"{other}.txt": mlnx_qos_report(),
                    "mlnx_qos": MLNX_QOS_REPLAY})
     (tools / "mlnx_qos").chmod(0o755)
     return sys

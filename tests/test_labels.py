@@ -231,7 +231,7 @@ def test_rdma_device_name_not_utf8(dgx: Path) -> None:
     each collector that names RDMA devices; the rest of the node stands."""
     # Its series, as the collector makes them while the device has a good name.
     alone = make_collector(InfinibandCollector, dgx, {"device_include": "^mlx5_3$"})
-    per_device = len(samples_of(list(alone.collect())))
+    per_device = len([k for k in samples_of(list(alone.collect())) if ("device", "mlx5_3") in k[1]])
     alone.close()
     netdev = st._netdev(dgx, "mlx5_3").name
     relink(dgx / IB / "mlx5_3", badname(dgx / IB / "mlx5_"))
@@ -266,8 +266,12 @@ def test_rdma_device_name_not_utf8_topology(tmp_path: Path) -> None:
     s, _ = expose(c)
     paths = series(s, "gpunet_topology_gpu_nic_path")
     assert len(paths) == 8 * 9  # 8 GPUs, the 9 devices with a good name
-    # Per GPU: the path to it and the ACS count of that pair; GPU 3's nearest NIC is mlx5_3.
-    assert unreadable(s, "topology") == 8 * 2 + 1
+    # Per GPU: the path to it and the ACS count of that pair; GPU 3's nearest NIC and nearest
+    # rail NIC are mlx5_3; and the device's own PCIe link series (as many as mlx5_0 has).
+    pcie = [k for k in s if k[0].startswith("gpunet_topology_nic_pcie_")
+            and ("device", "mlx5_0") in k[1]]
+    assert len(pcie) >= 10
+    assert unreadable(s, "topology") == 8 * 2 + 2 + len(pcie)
     assert value(s, "gpunet_topology_gpu_nearest_nic", gpu="0", device="mlx5_0",
                  path="PIX") == 1
     assert not series(s, "gpunet_topology_gpu_nearest_nic").keys() & {

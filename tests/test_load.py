@@ -740,7 +740,8 @@ def test_soak_devices_come_and_go(node: Node, tmp_path: Path) -> None:
     with MLNX_OFED QoS files) likewise, a dangling class link added and removed, mlx5_8's netdev
     taken down and up. After each change the main thread scrapes twice and checks the second
     (the first may join a collection that began before the change: concurrent scrapes share
-    one): a removed device has no series left, a re-plugged one has all of them back. Every
+    one): a removed device has no series left but the inventory's missing_info naming it, a
+    re-plugged one has all of them back (and is missing no more). Every
     response of every scraper is checked for completeness. Threads, descriptors and RSS are
     compared at rest (scrapers held, connections open) after the warm-up and at the end."""
     for dev in SOAK_TRIMMED:
@@ -805,8 +806,14 @@ def test_soak_devices_come_and_go(node: Node, tmp_path: Path) -> None:
 
         def gone(f: Function) -> Callable[[Samples], str]:
             def problem(s: Samples) -> str:
-                stale = has_label_value(s, *f.names)
-                return f"{len(stale)} stale series, e.g. {stale[:3]}" if stale else ""
+                # The inventory names what it has seen and misses now: not stale, wanted.
+                stale = [k for k in has_label_value(s, *f.names)
+                         if k[0] != "gpunet_inventory_missing_info"]
+                if stale:
+                    return f"{len(stale)} stale series, e.g. {stale[:3]}"
+                missing = {dict(k[1]).get("name") for k in s
+                           if k[0] == "gpunet_inventory_missing_info"}
+                return "" if f.names[0] in missing else f"the inventory misses no {f.names[0]}"
             return problem
 
         def back(s: Samples) -> str:

@@ -22,6 +22,7 @@ from hypothesis import strategies as hs
 from collectors.probe import REASONS, ProbeCollector
 from exporter import nvml
 from exporter.probe import results, runner
+from exporter.statefile import write_json
 
 import sysfs_tree as st
 from conftest import REPO, Samples, free_port, make_collector, parse, samples_of, series, value
@@ -139,7 +140,7 @@ def good_result(**over: Any) -> dict[str, Any]:
 
 def test_result_round_trip(tmp_path: Path) -> None:
     path = str(tmp_path / "intra.json")
-    results.write_atomic(path, good_result())
+    write_json(path, good_result())
     r = results.read(path)
     assert r.success and r.world_size == 2 and r.sizes[0].busbw_bytes_per_second == 4.1e8
     assert r.sizes[1].skipped and r.sizes[1].median_seconds == 0
@@ -404,7 +405,7 @@ def test_crashing_runner_counts_crash_and_is_restarted(collector: Probe) -> None
 def test_results_from_files_and_garbage(collector: Probe, tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()
-    results.write_atomic(str(state / "intra.json"), good_result())
+    write_json(str(state / "intra.json"), good_result())
     s = collector.wait("gpunet_probe_success", scope="intra")
     assert value(s, "gpunet_probe_size_skipped", scope="intra", size="67108864") == 1
     assert value(s, "gpunet_probe_runner_running") is None  # runner: none starts nothing
@@ -413,7 +414,7 @@ def test_results_from_files_and_garbage(collector: Probe, tmp_path: Path) -> Non
     assert value(s, "gpunet_probe_success", scope="intra") == 1  # last good values stay
     assert value(s, "gpunet_probe_allreduce_seconds", scope="intra", size="8192",
                  stat="median") == 2e-5
-    results.write_atomic(str(state / "intra.json"), good_result(
+    write_json(str(state / "intra.json"), good_result(
         success=False, failure="nccl_error", error="NCCL WARN ..."))
     s = collector.wait("gpunet_probe_failures_total", scope="intra", reason="nccl_error")
     assert value(s, "gpunet_probe_success", scope="intra") == 0
@@ -425,13 +426,13 @@ def test_socket_fallback_and_transports(collector: Probe, tmp_path: Path) -> Non
     state = tmp_path / "state"
     state.mkdir()
     # Inter-node over NET/Socket while this node has ACTIVE RDMA ports: fallback.
-    results.write_atomic(str(state / "inter.json"), good_result(
+    write_json(str(state / "inter.json"), good_result(
         scope="inter", transports=["NET", "P2P"], net_transports=["Socket"], gdr=False,
         problems=["gdr_disabled", "socket_fallback"]))
     # Intra-node on P2P only: no fallback.
-    results.write_atomic(str(state / "intra.json"), good_result())
+    write_json(str(state / "intra.json"), good_result())
     # NIC loopback on sockets while RDMA ports are ACTIVE: fallback too.
-    results.write_atomic(str(state / "net.json"), good_result(
+    write_json(str(state / "net.json"), good_result(
         scope="net", transports=["NET"], net_transports=["Socket"], gdr=False))
     s = collector.wait("gpunet_probe_success", scope="inter")
     assert value(s, "gpunet_probe_socket_fallback", scope="inter") == 1
@@ -456,7 +457,7 @@ def test_net_scope_hcas_link_ratio_and_straggler(collector: Probe, tmp_path: Pat
              {"bytes": 67108864, "skipped": False, "median_seconds": 2e-3, "p99_seconds": 3e-3,
               "max_seconds": 3e-3, "algbw_bytes_per_second": 3.3e10,
               "busbw_bytes_per_second": 3.0e10}]
-    results.write_atomic(str(state / "net.json"), good_result(
+    write_json(str(state / "net.json"), good_result(
         scope="net", sizes=sizes, transports=["NET"], net_transports=["IB"], gdr=False,
         hcas=[{"device": "mlx5_0", "port": "1", "ranks": [0], "gdr": True,
                "rate_bytes_per_second": 5e10},
@@ -476,11 +477,11 @@ def test_net_scope_hcas_link_ratio_and_straggler(collector: Probe, tmp_path: Pat
     assert value(s, "gpunet_probe_socket_fallback", scope="net") == 0  # IB carried it
     # A remote late rank (cluster mode, another node's) is not named here; a skipped largest
     # size gives no link ratio; a one-rank round no latency or bandwidth at all.
-    results.write_atomic(str(state / "inter.json"), good_result(
+    write_json(str(state / "inter.json"), good_result(
         scope="inter", link_bytes_per_second=2.5e10,
         straggler={"wait_seconds": 4e-3, "wait_ratio": 0.66, "late_share": 1.0, "rank": 9,
                    "gpu": 1, "local": False}))
-    results.write_atomic(str(state / "intra.json"), good_result(world_size=1))
+    write_json(str(state / "intra.json"), good_result(world_size=1))
     s = collector.wait("gpunet_probe_success", scope="inter")
     s = collector.wait("gpunet_probe_world_size", scope="intra")
     assert not scoped(s, "gpunet_probe_straggler_info", "inter")
@@ -495,7 +496,7 @@ def test_socket_fallback_needs_an_active_rdma_port(tmp_path: Path) -> None:
     empty.mkdir()
     state = tmp_path / "state"
     state.mkdir()
-    results.write_atomic(str(state / "inter.json"), good_result(
+    write_json(str(state / "inter.json"), good_result(
         scope="inter", transports=["NET"], net_transports=["Socket"]))
     p = Probe(empty, state, {"runner": "none"})
     try:

@@ -106,7 +106,8 @@ def test_faulty_example_differs_by_its_faults(dgx: Path, tmp_path: Path) -> None
 def test_faulty_example_mlnx_qos_replays_the_same_configuration(tmp_path: Path) -> None:
     """The faulty node's recorded `mlnx_qos -i` report says what its qos/ files say (trust pcp,
     the lossless buffer on priority 5) plus what no sysfs file holds: PFC on priority 5 only.
-    The replay script prints it for that netdev and fails, as mlnx_qos does, for any other."""
+    The replay script prints it for that netdev, a healthy one (PFC on 3) for the node's other
+    RoCE netdev, and fails, as mlnx_qos does, for any other."""
     sys = st.build_dgx_h100_faulty(tmp_path)
     netdev = st._netdev(sys, "mlx5_9").name
     replay = tmp_path / "mlnx_qos" / "mlnx_qos"
@@ -122,7 +123,12 @@ def test_faulty_example_mlnx_qos_replays_the_same_configuration(tmp_path: Path) 
     assert report.buffer_size == from_sysfs.buffer_size
     other = subprocess.run([str(replay), "-i", "enp41s0f0np0"], capture_output=True, text=True,
                            timeout=10)
-    assert other.returncode == 1 and other.stdout == ""
+    assert other.returncode == 0, other.stderr
+    healthy = parse_mlnx_qos(other.stdout)
+    assert healthy.pfc == {p: p == 3 for p in range(8)} and healthy.trust == "dscp"
+    none = subprocess.run([str(replay), "-i", "ibp24s0"], capture_output=True, text=True,
+                          timeout=10)
+    assert none.returncode == 1 and none.stdout == ""
 
 
 def test_mlnx_qos_report_with_dscp_trust_lists_the_default_map() -> None:

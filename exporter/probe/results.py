@@ -11,12 +11,10 @@ torch here: the exporter imports this module.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,24 +31,6 @@ FAILURE_REASONS = ("timeout", "crash", "nccl_error", "no_gpu", "init_error", "er
 
 def result_path(state_dir: str, scope: str) -> str:
     return os.path.join(state_dir, f"{scope}.json")
-
-
-def write_atomic(path: str, data: Mapping[str, Any]) -> None:
-    """Replace ``path`` with ``data`` as JSON so that readers never see a partial file."""
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=1, sort_keys=True)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 @dataclass(frozen=True)

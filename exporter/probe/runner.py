@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from exporter.probe import results
+from exporter.statefile import write_json
 from exporter.sysfs import parse_uint
 
 EXIT_ROUND_FAILED = 4
@@ -250,7 +251,7 @@ def _visible_gpus() -> int:
 def _fail(state_dir: str, scope: str, reason: str, error: str, backend: str,
           started: float | None = None) -> None:
     now = time.time()
-    results.write_atomic(results.result_path(state_dir, scope), {
+    write_json(results.result_path(state_dir, scope), {
         "version": results.VERSION, "scope": scope, "time": now,
         "started": now if started is None else started, "success": False, "failure": reason,
         "error": error[:500], "backend": backend})
@@ -267,7 +268,7 @@ def _said_since(state_dir: str, scope: str, since: float) -> bool:
 def write_status(state_dir: str, phase: str, scope: str, since: float, round_no: int) -> None:
     """What the launcher does now, for the exporter's supervisor: ``init`` (a group starts),
     ``round`` (a group measures) or ``sleep`` (until the next round), since when."""
-    results.write_atomic(os.path.join(state_dir, results.STATUS), {
+    write_json(os.path.join(state_dir, results.STATUS), {
         "version": results.VERSION, "phase": phase, "scope": scope, "since": since,
         "round": round_no, "pid": os.getpid()})
 
@@ -562,7 +563,7 @@ def worker(args: argparse.Namespace, cluster: Cluster | None = None) -> int:
                     control.reply("failed")
                 return EXIT_ROUND_FAILED
             if writer:
-                results.write_atomic(results.result_path(args.state_dir, scope), result)
+                write_json(results.result_path(args.state_dir, scope), result)
             if control:
                 control.reply("done")
                 continue
