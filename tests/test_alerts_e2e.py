@@ -51,6 +51,7 @@ DEGRADED_PORT, DOWN_PORT = "mlx5_5", "mlx5_3"
 NIC_PCIE_DEGRADED = "mlx5_7"  # its PCIe link trained down to x8
 MTU_PORT = "mlx5_8"  # the other RoCE port; its netdev is left at MTU 1500 on the faulty node
 QOS_DEVICE = "mlx5_9"  # the RoCE port whose netdev carries the QoS configuration
+RETRANSMITTING = MTU_PORT  # its out_of_sequence hw_counter rises while the bundle runs
 MISSING_DEVICE = "mlx5_12"  # learned earlier by the faulty node's exporter, gone since
 CAPTURE = FIXTURES / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
 ETHTOOL = """\
@@ -79,7 +80,7 @@ exit 94
 MLNX_QOS = """\
 #!/bin/sh
 [ "$1" = -i ] && [ "$2" = {netdev} ] && exec cat {report}
-[ "$1" = -i ] && [ -n "$2" ] && exec cat {healthy}
+[ "$1" = -i ] && [ -n "$2" ] && [ -f {healthy} ] && exec cat {healthy}
 echo "Netlink error: no such device" >&2
 exit 1
 """
@@ -179,8 +180,9 @@ def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str
     2048-byte active MTU, GPU 0 on a x8 link, on the other NUMA node than its NIC and with an
     XID 13, GPU 0 65 % busy with a compute process (the network-bound band), GPU 1 lost,
     mlx5_7's own PCIe link trained down to x8, and the RoCE netdev of mlx5_8 at MTU 1500 (below
-    the RoCE minimum and not the expected 9000: two alerts), and an RDMA device (MISSING_DEVICE)
-    in the learned inventory that the tree no longer has."""
+    the RoCE minimum and not the expected 9000: two alerts) whose QoS configuration cannot be
+    read and whose out_of_sequence counter rises while the bundle runs, and an RDMA device
+    (MISSING_DEVICE) in the learned inventory that the tree no longer has."""
     sysfs = st.build_dgx_h100_gpus(root)
     qos_netdev = st.make_ofed_qos(sysfs, QOS_DEVICE)  # its netdev's name; ECN files for panels
     scenario = fake_nvml.h200x2()
@@ -232,7 +234,8 @@ def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str
     report = QOS_REPORT.read_text()
     assert PFC5 in report
     (root / "mlnx_qos.txt").write_text(report if faulty else report.replace(PFC5, PFC3))
-    (root / "mlnx_qos-healthy.txt").write_text(report.replace(PFC5, PFC35))
+    if not faulty:  # the faulty node's other RoCE netdev answers nothing: PFC unreadable there
+        (root / "mlnx_qos-healthy.txt").write_text(report.replace(PFC5, PFC35))
     mlnx_qos = root / "mlnx_qos"
     mlnx_qos.write_text(MLNX_QOS.format(netdev=qos_netdev, report=root / "mlnx_qos.txt",
                                         healthy=root / "mlnx_qos-healthy.txt"))
@@ -340,6 +343,7 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bundle]:
     exporters: list[Exporter] = []
     hook = Webhook()
     server = hook.start()
+    done = threading.Event()
     try:
         qos_netdev = ""
         targets = []
@@ -351,6 +355,18 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bundle]:
             e = Exporter([*args, "--no-hotplug"], env=env)
             exporters.append(e)
             targets.append({"targets": [f"127.0.0.1:{e.port}"], "labels": {"instance": name}})
+
+        # The faulty node's RoCE port loses packets: its out_of_sequence counter rises by
+        # 200 a second while the bundle runs (GpunetRoceRetransmissions, for Prometheus and the
+        # doctor alike).
+        counter = (tmp / FAULTY / "sys/class/infiniband" / RETRANSMITTING /
+                   "ports/1/hw_counters/out_of_sequence")
+
+        def retransmit() -> None:
+            while not done.wait(0.2):
+                counter.write_text(f"{int(counter.read_text()) + 40}\n")
+
+        threading.Thread(target=retransmit, daemon=True).start()
 
         # Rules: the generator's, every `for:` 0s through a thresholds file.
         overrides = tmp / "thresholds.yml"
@@ -388,6 +404,7 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bundle]:
         wait_until("both targets up", lambda: len(query(prom, 'up{job="gpunet"} == 1')) == 2)
         yield Bundle(prom, f"http://127.0.0.1:{am_port}", hook, qos_netdev, nodes)
     finally:
+        done.set()
         for p in procs:
             stop(p)
         for e in exporters:
@@ -413,6 +430,8 @@ EXPECTED = {
     "GpunetRoceMtuTooSmall": ("/ticket", {}),
     "GpunetInterfaceMtuNotExpected": ("/ticket", {}),
     "GpunetRdmaDeviceMissing": ("/pager", {"kind": "rdma_device"}),
+    "GpunetPfcConfigUnreadable": ("/ticket", {}),  # on mlx5_8's netdev, asserted below
+    "GpunetRoceRetransmissions": ("/ticket", {"device": RETRANSMITTING, "port": "1"}),
 }
 # Firing in Prometheus on the faulty node, silenced by the shipped inhibition rules: NCCL on
 # sockets and GDR not ready silence the slow-collective alerts and "GDR inactive".
@@ -505,9 +524,9 @@ def test_health_matrix_records_every_node_and_class(bundle: Bundle) -> None:
     got = wait_until("the health matrix", matrix)
     assert set(got) == {(n, c) for n in (HEALTHY, FAULTY) for c in rules.CLASSES}
     assert all(v == 0 for (n, _), v in got.items() if n == HEALTHY)
-    assert got[(FAULTY, "link")] == 8 and got[(FAULTY, "congestion")] == 1
+    assert got[(FAULTY, "link")] == 8 and got[(FAULTY, "congestion")] == 2
     assert got[(FAULTY, "gpu")] == 4 and got[(FAULTY, "topology")] == 1
-    assert got[(FAULTY, "exporter")] == 0
+    assert got[(FAULTY, "exporter")] == 0 and got[(FAULTY, "transport")] == 4
 
 
 def test_port_down_inhibits_its_symptoms(bundle: Bundle) -> None:
@@ -594,7 +613,11 @@ def test_doctor_agrees_with_prometheus(bundle: Bundle) -> None:
         assert found == firing - {"GpunetBusBandwidthLow"}, node
         assert code == (1 if node == FAULTY else 0)
         assert result["status"] == ("findings" if node == FAULTY else "healthy")
-        assert result["problems"] == []
+        # The faulty node's other RoCE netdev: PFC could not be checked there (a finding that
+        # mirrors GpunetPfcConfigUnreadable, and a problem).
+        assert result["problems"] == ([] if node == HEALTHY else [
+            f"PFC on {st._netdev(Path(args[0].split('=', 1)[1]), MTU_PORT).name}: its QoS "
+            "configuration cannot be read"])
         assert all(result["checked"].values()) and "probe" in result["checked"]
         # The healthy node's job settings are notes: shown, never a finding or exit code 1.
         notes = {n["where"]: n["message"] for n in result["notes"]}
