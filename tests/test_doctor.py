@@ -39,7 +39,7 @@ def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]
     out = run(*args, env=env)
     assert out.returncode == 1, out.stderr
     text = out.stdout
-    assert text.startswith("18 findings on this node:")
+    assert text.startswith("19 findings on this node:")
     # Causes in the report's order, each with its findings, device and confirming command.
     positions = [text.index(title) for title in (
         "NCCL on TCP sockets", "GPUDirect RDMA off", "Degraded or flapping link",
@@ -54,7 +54,9 @@ def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]
             "      confirm: sudo lspci -vv -s 0000:dc:00.0 | grep -E 'LnkCap|LnkSta'") in text
     assert "docs/runbooks.md#gpunetgdrnotready (alert GpunetGdrNotReady)" in text
     assert "[critical] rdma_device: 1 expected rdma_device gone: mlx5_12" in text
-    assert text.rstrip().endswith("topology (ok)")
+    # Last, what could not be checked: the other RoCE netdev's QoS configuration.
+    assert text.rstrip().endswith("topology (ok)\nCould not check: PFC on enp41s0f0np0: its QoS "
+                                  "configuration cannot be read")
     # Progress on stderr, one line per step, so a prolog's log shows where it waits.
     assert "doctor: waiting for the probe's round" in out.stderr
     assert "doctor: reading counters again in 0.5 s" in out.stderr
@@ -69,7 +71,7 @@ def test_thresholds_file_changes_the_verdict(faulty: tuple[list[str], dict[str, 
     out = run(*args, "--json", f"--thresholds={tmp_path / 't.yml'}", env=env)
     result: dict[str, Any] = json.loads(out.stdout)
     alerts = {f["alert"] for f in result["findings"]}
-    assert len(alerts) == 16
+    assert len(alerts) == 17
     assert "GpunetPfcDisabledOnRocePriority" not in alerts
     assert "GpunetAllreduceLatencyHigh" not in alerts
     assert result["exit_code"] == out.returncode == 1
