@@ -401,15 +401,19 @@ class TopologyCollector(Collector):
 
     def _pairs(self, fams: Families, gpus: list[Endpoint], nics: list[Endpoint]) -> None:
         acs: dict[str, bool | None] = {}  # bridge dir -> redirect, for this scrape
+        rails = {nic.name for nic in nics if self._is_rail(nic.name)}
         for gpu in gpus:
             best: tuple[int, int, str] | None = None
             best_nic: Endpoint | None = None
+            best_rail: tuple[tuple[int, int, str], Endpoint] | None = None
             for nic in nics:
                 rel = relation(gpu, nic)
                 fams.add(GPU_NIC_PATH, [gpu.name, nic.name, rel.path], 1)
                 key = (RANK[rel.path], len(rel.bridges), nic.name)
                 if best is None or key < best:
                     best, best_nic = key, nic
+                if nic.name in rails and (best_rail is None or key < best_rail[0]):
+                    best_rail = (key, nic)
                 redirects = 0
                 for bridge in rel.bridges:
                     if bridge not in acs:
@@ -423,28 +427,19 @@ class TopologyCollector(Collector):
                     fams.add(ACS_REDIRECT, [gpu.name, nic.name], redirects)
             if best is not None and best_nic is not None:
                 fams.add(NEAREST_NIC, [gpu.name, best_nic.name, PATHS[best[0]]], 1)
-            self._nearest_rail(fams, gpu, nics)
+            if best_rail is not None:
+                # The NUMA question is the rail's: a storage port on the GPU's node does not
+                # hide a rail NIC across the sockets.
+                (rank, _, _), rail = best_rail
+                fams.add(NEAREST_RAIL_NIC, [gpu.name, rail.name, PATHS[rank]], 1)
+                if gpu.numa >= 0 and rail.numa >= 0:
+                    fams.add(NUMA_MISMATCH, [gpu.name], int(gpu.numa != rail.numa))
 
     def _is_rail(self, name: str) -> bool:
         cfg = self.ctx.config
         include, exclude = cfg.get("rail_devices"), cfg.get("rail_exclude")
         return ((include is None or bool(include.search(name)))
                 and not (exclude is not None and exclude.search(name)))
-
-    def _nearest_rail(self, fams: Families, gpu: Endpoint, nics: list[Endpoint]) -> None:
-        """The GPU's nearest rail NIC, and whether it is on another NUMA node: a storage port
-        on the GPU's node does not hide a rail NIC across the sockets."""
-        ranked = []
-        for nic in nics:
-            if self._is_rail(nic.name):
-                rel = relation(gpu, nic)
-                ranked.append(((RANK[rel.path], len(rel.bridges), nic.name), nic))
-        if not ranked:
-            return
-        key, nic = min(ranked, key=lambda pair: pair[0])
-        fams.add(NEAREST_RAIL_NIC, [gpu.name, nic.name, PATHS[key[0]]], 1)
-        if gpu.numa >= 0 and nic.numa >= 0:
-            fams.add(NUMA_MISMATCH, [gpu.name], int(gpu.numa != nic.numa))
 
     def _link_end(self, device_dir: str) -> dict[str, float | int | None] | None:
         """The link attributes of one PCI function or bridge; None when its directory is gone."""
