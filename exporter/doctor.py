@@ -83,8 +83,9 @@ class Finding:
 
 @dataclass(frozen=True)
 class Note:
-    """A setting the doctor reports without judging it a fault: no alert fires on it and it
-    never changes the exit code (e.g. NCCL_SOCKET_IFNAME pointing at the management network)."""
+    """What the doctor reports without judging it a fault: no alert fires on it and it never
+    changes the exit code (an NCCL setting such as NCCL_SOCKET_IFNAME on the management network,
+    flaps it cannot place in an alert's window, a state file it cannot use)."""
     where: str
     message: str
 
@@ -134,6 +135,17 @@ class Check:
 
     def active_rdma_port(self) -> bool:
         return any(v == 4 for _, v in self.b.all("gpunet_infiniband_port_state_id"))
+
+    def working_gpus(self) -> dict[str, float]:
+        """GPU -> its utilization, the mean of the two readings, for each GPU that runs compute
+        processes (the GPUs the starved and band alerts judge)."""
+        before = {lbl.get("gpu"): v for lbl, v in self.a.all("gpunet_gpu_utilization_ratio")}
+        out = {}
+        for lbl, v in self.b.all("gpunet_gpu_utilization_ratio"):
+            gpu = lbl.get("gpu", "")
+            if (self.b.get("gpunet_gpu_compute_processes", gpu=gpu) or 0) > 0:
+                out[gpu] = (v + before.get(gpu, v)) / 2
+        return out
 
     def roce_interfaces(self) -> set[str]:
         return {lbl["interface"] for lbl, _ in self.b.all("gpunet_link_info")
@@ -456,10 +468,7 @@ def check_job_rdma_idle(c: Check) -> None:
     if not rates or sum(rates) >= idle:
         return
     lo = c.t["gpu"]["busy_utilization_ratio"]
-    before = {lbl.get("gpu"): v for lbl, v in c.a.all("gpunet_gpu_utilization_ratio")}
-    starved = [lbl.get("gpu", "") for lbl, v in c.b.all("gpunet_gpu_utilization_ratio")
-               if (c.b.get("gpunet_gpu_compute_processes", gpu=lbl.get("gpu", "")) or 0) > 0
-               and (v + before.get(lbl.get("gpu"), v)) / 2 < lo]
+    starved = [gpu for gpu, util in c.working_gpus().items() if util < lo]
     if starved:
         c.add("nccl_tcp", "GpunetGpuJobRdmaIdle", "node",
               f"{len(starved)} GPUs with compute processes (GPU {', '.join(starved)}) are busy "
@@ -584,14 +593,9 @@ def check_gpu_utilization(c: Check) -> None:
     the two snapshots' utilization, where the alerts average 10 or 30 minutes."""
     t = c.t["gpu"]
     lo, hi = t["busy_utilization_ratio"], t["network_bound_utilization_ratio"]
-    before = {lbl.get("gpu"): v for lbl, v in c.a.all("gpunet_gpu_utilization_ratio")}
-    busy = in_band = 0
-    for lbl, v in c.b.all("gpunet_gpu_utilization_ratio"):
-        gpu = lbl.get("gpu", "")
-        if not (c.b.get("gpunet_gpu_compute_processes", gpu=gpu) or 0) > 0:
-            continue
-        util = (v + before.get(gpu, v)) / 2
-        busy += 1
+    working = c.working_gpus()
+    busy, in_band = len(working), 0
+    for gpu, util in working.items():
         if util < lo:
             c.add("gpu_wait", "GpunetGpuStarved", f"GPU {gpu}",
                   f"busy only {util:.0%} of the time while compute processes run on it "

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
+from exporter.config import ConfigError, read_regular
 from exporter.statefile import write_json
 
 KINDS = ("rdma_device", "rdma_port", "netdev")
@@ -79,18 +81,10 @@ class Inventory:
 def read_state(path: str, log: Log) -> dict[str, set[str]]:
     """The names of the state file; empty sets where it is absent, unreadable or not ours."""
     known: dict[str, set[str]] = {k: set() for k in KINDS}
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
-        return known
-    except OSError as exc:
-        log(logging.WARNING, "inventory: cannot read %s: %s", path, exc.strerror or exc)
+    if not os.path.lexists(path):
         return known
     try:
-        if len(data) > MAX_FILE_BYTES:
-            raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
-        doc = json.loads(data.decode("utf-8"))
+        doc = json.loads(read_regular(path, MAX_FILE_BYTES).decode("utf-8"))
         if not isinstance(doc, dict) or doc.get("version") != VERSION:
             raise ValueError("not an inventory state file of version 1")
         for kind in KINDS:
@@ -98,7 +92,7 @@ def read_state(path: str, log: Log) -> dict[str, set[str]]:
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 raise ValueError(f"{kind} is not a list of names")
             known[kind] = set(names[:MAX_NAMES])
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+    except (ConfigError, ValueError, UnicodeDecodeError, RecursionError) as exc:
         log(logging.WARNING, "inventory: ignoring %s: %s", path, str(exc)[:200])
         return {k: set() for k in KINDS}
     return known
