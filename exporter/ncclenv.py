@@ -9,18 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-# The NCCL environment audit. Faults: settings that certainly take a fast path away, every
-# (variable, issue) it can report; they feed gpunet_topology_nccl_env_findings and the alert.
-NCCL_FINDINGS = (
-    ("NCCL_IB_DISABLE", "ib_disabled"),
-    ("NCCL_NET_GDR_LEVEL", "gdr_disabled"),
-    ("NCCL_IB_GDR_LEVEL", "gdr_disabled"),
-    ("NCCL_P2P_DISABLE", "p2p_disabled"),
-    ("NCCL_P2P_LEVEL", "p2p_disabled"),
-    ("NCCL_NET", "socket_forced"),
-    ("NCCL_IB_HCA", "unknown_device"),
-)
-# The (variable, value_class) of a setting that is one of the faults above, and its issue.
+# The NCCL environment audit. Faults: settings that certainly take a fast path away. The
+# (variable, value_class) of each, and its issue.
 NCCL_FAULT_CLASSES = {
     ("NCCL_IB_DISABLE", "disabled"): "ib_disabled",
     ("NCCL_NET_GDR_LEVEL", "loc"): "gdr_disabled",
@@ -30,6 +20,8 @@ NCCL_FAULT_CLASSES = {
     ("NCCL_NET", "socket"): "socket_forced",
     ("NCCL_IB_HCA", "unknown_device"): "unknown_device",
 }
+# Every (variable, issue) the audit can report: gpunet_topology_nccl_env_findings and the alert.
+NCCL_FINDINGS = tuple(dict.fromkeys((v, issue) for (v, _), issue in NCCL_FAULT_CLASSES.items()))
 # Path levels NCCL accepts by name (ncclTopoGetLevel compares with strcmp, up to SYS; the set
 # differs a little between releases), and the legacy numbers 0-5 it maps to names.
 NCCL_LEVELS = ("LOC", "NVL", "NVB", "C2C", "PIX", "PXB", "PXN", "P2C", "PHB", "SYS")
