@@ -194,16 +194,17 @@ def check_against_smi(url: str, checks: Checks) -> dict[str, Any]:
         s.items(), key=lambda kv: (kv[0][0], sorted(kv[0][1]))) if n.startswith("gpunet_")}}
 
 
-def time_calls(n: int) -> dict[str, Any]:
-    """Median cost of the per-scrape collection with the real NVML, and of its parts."""
-    sys.path.insert(0, str(REPO))
+def time_calls(n: int, site: Path) -> dict[str, Any]:
+    """Median cost of the per-scrape collection with the real NVML, and of its parts, measured
+    on this checkout as installed into ``site``."""
+    sys.path.insert(0, str(site))
     import pynvml
 
-    from collectors.gpu import GpuCollector
-    from exporter import nvml
-    from exporter.collector import CollectorContext, LogOnce, collector_logger
-    from exporter.config import Field, validate
-    from exporter.sysfs import Root
+    from gpunet_exporter.collector import CollectorContext, LogOnce, collector_logger
+    from gpunet_exporter.collectors.gpu import GpuCollector
+    from gpunet_exporter.config import Field, validate
+    from gpunet_exporter.sources import nvml
+    from gpunet_exporter.sources.sysfs import Root
 
     cfg = validate({"counters_interval_seconds": 3600}, Field(
         "map", fields=dict(GpuCollector.config_fields)), "gpu")
@@ -334,7 +335,7 @@ def gpu(args: argparse.Namespace) -> int:
         port = free_port()
         env = {**os.environ, "PYTHONPATH": str(site)}
         exp = subprocess.Popen(
-            [sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}",
+            [sys.executable, "-m", "gpunet_exporter", f"--web.listen-address=127.0.0.1:{port}",
              "--collector.disable-defaults", "--collector.gpu", "--collector.topology",
              "--log.level=debug"],
             env=env, stderr=subprocess.PIPE, text=True)
@@ -363,7 +364,7 @@ def gpu(args: argparse.Namespace) -> int:
             out["exporter_log_tail"] = err.splitlines()[-40:]
             load.terminate()
             load.wait(timeout=30)
-    out["timing"] = time_calls(args.scrapes)
+        out["timing"] = time_calls(args.scrapes, site)
     return finish(out, checks, args.out, "gpu_check.json")
 
 
@@ -389,7 +390,7 @@ def probe_exporter(site: Path, tmp: Path, rounds: int, checks: Checks) -> dict[s
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(site)}
     exp = subprocess.Popen(
-        [sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{port}",
+        [sys.executable, "-m", "gpunet_exporter", f"--web.listen-address=127.0.0.1:{port}",
          "--collector.disable-defaults", "--collector.probe", "--collector.infiniband",
          f"--config.file={cfg}"], env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}/metrics"
@@ -463,7 +464,7 @@ def runner_once(site: Path, state: Path, env_extra: dict[str, str],
                 *extra: str) -> tuple[dict[str, Any] | None, str]:
     """One round of ``gpunet-probe run`` (the launcher, no exporter); the net result."""
     r = subprocess.run(
-        [sys.executable, "-m", "exporter.probe.cli", "run", "--state-dir", str(state),
+        [sys.executable, "-m", "gpunet_exporter.probe.cli", "run", "--state-dir", str(state),
          "--scopes", "net", "--rounds", "1", *extra], capture_output=True, text=True,
         timeout=300, env={**os.environ, "PYTHONPATH": str(site), **env_extra})
     try:
@@ -502,7 +503,7 @@ def probe_inter(site: Path, tmp: Path, checks: Checks) -> dict[str, Any]:
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
              str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-             "--master-port", str(port), "-m", "exporter.probe.cli", "run", "--state-dir",
+             "--master-port", str(port), "-m", "gpunet_exporter.probe.cli", "run", "--state-dir",
              str(tmp / f"state-inter-{node}"), "--rounds", "1"], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=300)[0][-1500:] for p in procs]
@@ -517,7 +518,7 @@ def probe_inter(site: Path, tmp: Path, checks: Checks) -> dict[str, Any]:
                    f"{json.dumps(str(tmp / 'state-inter-1'))}\n")
     eport = free_port()
     exp = subprocess.Popen(
-        [sys.executable, "-m", "exporter", f"--web.listen-address=127.0.0.1:{eport}",
+        [sys.executable, "-m", "gpunet_exporter", f"--web.listen-address=127.0.0.1:{eport}",
          "--collector.disable-defaults", "--collector.probe", f"--config.file={cfg}"],
         env={**os.environ, "PYTHONPATH": str(site)}, stderr=subprocess.PIPE, text=True)
     s: dict[Any, float] = {}

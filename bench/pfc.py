@@ -55,18 +55,16 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # measure this working tree, not an installed copy
-
 from prometheus_client.core import Metric  # noqa: E402
 from prometheus_client.exposition import generate_latest  # noqa: E402
 from prometheus_client.registry import CollectorRegistry  # noqa: E402
 from scrape import cpu_model, emit  # noqa: E402  (bench/scrape.py, next to this script)
 
-from collectors.pfc import PfcCollector  # noqa: E402
-from exporter.collector import CollectorContext, LogOnce, collector_logger  # noqa: E402
-from exporter.config import Field, validate  # noqa: E402
-from exporter.ethtool import EthtoolReader, NicStats, parse_stats_text  # noqa: E402
-from exporter.sysfs import Root  # noqa: E402
+from gpunet_exporter.collector import CollectorContext, LogOnce, collector_logger  # noqa: E402
+from gpunet_exporter.collectors.pfc import PfcCollector  # noqa: E402
+from gpunet_exporter.config import Field, validate  # noqa: E402
+from gpunet_exporter.sources.ethtool import EthtoolReader, NicStats, parse_stats_text  # noqa: E402
+from gpunet_exporter.sources.sysfs import Root  # noqa: E402
 
 MLX5_CAPTURE = REPO / "tests/fixtures/synthetic/ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
 INTERFACES = ("va0", "va1")

@@ -27,15 +27,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from exporter.probe import runner
+from gpunet_exporter.probe import runner
 
 
 def args_for(sizes: list[int], warmup: int, iterations: int) -> argparse.Namespace:

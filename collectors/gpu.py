@@ -3,7 +3,7 @@ XID errors, and lost GPUs.
 
 Calls, return types and errors: docs/formats.md §6 (nvidia-ml-py, ``import pynvml``; verified on
 2 x H200 and on an H100, see docs/gpu.md). NVML is reached through the process-wide session of
-exporter/nvml.py, so the gpu and topology collectors share one initialisation.
+exporter/sources/nvml.py, so the gpu and topology collectors share one initialisation.
 
 Two tiers, because some NVML reads are firmware round trips (measured on an H100 with driver
 580: about 0.17 ms for each PCIe error counter field, 20 ms for each PCIe throughput sample):
@@ -31,11 +31,11 @@ from typing import Any, ClassVar
 
 from prometheus_client.core import Metric
 
-from exporter import nvml
-from exporter.background import Refresher
-from exporter.collector import Collector, CollectorContext, Families, MetricSpec
-from exporter.config import Field
-from exporter.nvml import Gpu, Session, error_name
+from gpunet_exporter.background import Refresher
+from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from gpunet_exporter.config import Field
+from gpunet_exporter.sources import nvml
+from gpunet_exporter.sources.nvml import Gpu, Session, error_name
 
 _G = ("gpu",)
 _NVML = "NVML"

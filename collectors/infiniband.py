@@ -15,13 +15,13 @@ from typing import Any, ClassVar
 
 from prometheus_client.core import Metric
 
-from collectors.tables import load
-from exporter import rdma
-from exporter.collector import Collector, CollectorContext, Families, MetricSpec
-from exporter.config import Field
-from exporter.inventory import KINDS, MAX_NAMES, Inventory
-from exporter.rdma import BYTES_PER_GBIT, parse_rate
-from exporter.sysfs import parse_int, parse_uint
+from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from gpunet_exporter.collectors.tables import load
+from gpunet_exporter.config import Field
+from gpunet_exporter.inventory import KINDS, MAX_NAMES, Inventory
+from gpunet_exporter.sources import rdma
+from gpunet_exporter.sources.rdma import BYTES_PER_GBIT, parse_rate
+from gpunet_exporter.sources.sysfs import parse_int, parse_uint
 
 STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
 PHYS_STATES = {1: "Sleep", 2: "Polling", 3: "Disabled", 4: "PortConfigurationTraining",

@@ -17,11 +17,12 @@ from typing import Any, ClassVar
 
 from prometheus_client.core import Metric
 
-from exporter import rdma
-from exporter.background import Refresher, run_command
-from exporter.collector import Collector, CollectorContext, Families, MetricSpec
-from exporter.config import Field
-from exporter.sysfs import parse_int, parse_uint
+from gpunet_exporter.background import Refresher
+from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from gpunet_exporter.config import Field
+from gpunet_exporter.sources import rdma
+from gpunet_exporter.sources.commands import run_command
+from gpunet_exporter.sources.sysfs import parse_int, parse_uint
 
 # RFC 2863 operational states as the kernel prints them (include/uapi/linux/if.h IF_OPER_*).
 OPERSTATES = {"unknown": 0, "notpresent": 1, "down": 2, "lowerlayerdown": 3, "testing": 4,

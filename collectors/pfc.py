@@ -30,7 +30,14 @@ from typing import Any, ClassVar, Protocol
 
 from prometheus_client.core import Metric
 
-from collectors.pfc_config import (
+from gpunet_exporter.background import Refresher
+from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from gpunet_exporter.collectors.tables import load
+from gpunet_exporter.config import Field
+from gpunet_exporter.sources import rdma
+from gpunet_exporter.sources.commands import CommandError, CommandTimeout, run_command
+from gpunet_exporter.sources.ethtool import EthtoolReader, NicStats, parse_stats_text
+from gpunet_exporter.sources.qos import (
     PRIORITIES,
     QOS_FILES,
     Ecn,
@@ -40,12 +47,6 @@ from collectors.pfc_config import (
     parse_qos_sysfs,
     read_ecn,
 )
-from collectors.tables import load
-from exporter import rdma
-from exporter.background import CommandError, CommandTimeout, Refresher, run_command
-from exporter.collector import Collector, CollectorContext, Families, MetricSpec
-from exporter.config import Field
-from exporter.ethtool import EthtoolReader, NicStats, parse_stats_text
 
 SOURCES = ("mlnx_qos", "dcb", "sysfs")
 FIRST_REFRESH_WAIT = 1.0  # seconds the first scrape waits for the first configuration round

@@ -32,11 +32,11 @@ from typing import IO, ClassVar
 
 from prometheus_client.core import Metric
 
-from exporter import nvml, rdma
-from exporter.collector import Collector, CollectorContext, Families, MetricSpec
-from exporter.config import Field
-from exporter.probe import results
-from exporter.probe.results import Result
+from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from gpunet_exporter.config import Field
+from gpunet_exporter.probe import results
+from gpunet_exporter.probe.results import Result
+from gpunet_exporter.sources import nvml, rdma
 
 REASONS = (*results.FAILURE_REASONS, "bad_result")
 _S = ("scope",)
@@ -221,7 +221,7 @@ class ProbeCollector(Collector):
 
     def command(self) -> list[str]:
         cfg = self.ctx.config
-        base = list(cfg.get("command") or [sys.executable, "-m", "exporter.probe.cli"])
+        base = list(cfg.get("command") or [sys.executable, "-m", "gpunet_exporter.probe.cli"])
         return [*base, "run", "--state-dir", self.state_dir, "--backend", cfg["backend"],
                 "--nprocs", str(cfg["nprocs"]), "--scopes", ",".join(cfg["scopes"]),
                 "--path.sysfs", self.ctx.sysfs.root,

@@ -10,7 +10,7 @@ def load(name: str) -> list[dict[str, str]]:
     """The rows of a table as dicts of stripped strings (a missing field is ""). Raises
     ValueError naming the file and row for a row with more fields than the header (an unquoted
     comma), which would otherwise lose its text silently."""
-    text = (files("collectors") / "data" / name).read_text(encoding="utf-8")
+    text = (files("gpunet_exporter.collectors") / "data" / name).read_text(encoding="utf-8")
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     rows = []
     for number, row in enumerate(csv.DictReader(lines), start=1):

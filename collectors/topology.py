@@ -23,12 +23,26 @@ from typing import ClassVar
 
 from prometheus_client.core import Metric
 
-from exporter import nvml, rdma
-from exporter.collector import Collector, CollectorContext, Families, MetricSpec
-from exporter.config import Field
-from exporter.ncclenv import NCCL_FAULT_CLASSES, NCCL_FINDINGS, env_settings, parse_environ
-from exporter.pcie import PATHS, PCI_ADDRESS, RANK, Endpoint, endpoint, relation, resolve
-from exporter.sysfs import parse_int, parse_uint
+from gpunet_exporter.collector import (
+    Collector,
+    CollectorContext,
+    Families,
+    MetricSpec,
+    Privilege,
+)
+from gpunet_exporter.config import Field
+from gpunet_exporter.nccl.env import NCCL_FAULT_CLASSES, NCCL_FINDINGS, env_settings, parse_environ
+from gpunet_exporter.sources import nvml, rdma
+from gpunet_exporter.sources.pcie import (
+    PATHS,
+    PCI_ADDRESS,
+    RANK,
+    Endpoint,
+    endpoint,
+    relation,
+    resolve,
+)
+from gpunet_exporter.sources.sysfs import parse_int, parse_uint
 
 _NVIDIA = "0x10de"
 _GPU_CLASSES = ("0x0300", "0x0302")  # VGA compatible controller, 3D controller
@@ -272,6 +286,14 @@ class TopologyCollector(Collector):
         "device-include": ("device_include", "regexp of RDMA devices to include"),
         "device-exclude": ("device_exclude", "regexp of RDMA devices to exclude"),
     }
+    # The kernel shows a config file beyond its first 64 bytes only to CAP_SYS_ADMIN
+    # (drivers/pci/pci-sysfs.c, pci_read_config); /proc/PID/environ of another user's process is
+    # mode 0400 (CAP_DAC_READ_SEARCH) and opening it needs ptrace read access (CAP_SYS_PTRACE).
+    privileges = (
+        Privilege("ACS redirect of PCIe bridges", ("CAP_SYS_ADMIN",)),
+        Privilege("NCCL environment audit of other users' GPU processes",
+                  ("CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH"), option="nccl_env_audit"),
+    )
 
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)

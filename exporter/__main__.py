@@ -1,3 +1,3 @@
-from exporter.cli import main
+from gpunet_exporter.cli import main
 
 main()

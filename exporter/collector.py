@@ -17,8 +17,8 @@ from typing import Any, ClassVar, Literal
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
 
-from exporter.config import Field
-from exporter.sysfs import Root
+from gpunet_exporter.config import Field
+from gpunet_exporter.sources.sysfs import Root
 
 MetricType = Literal["gauge", "counter"]
 
@@ -77,6 +77,17 @@ class LogOnce:
         self._logger.log(level if first else logging.DEBUG, msg, *args)
 
 
+@dataclass(frozen=True)
+class Privilege:
+    """A reading that needs more than an ordinary user's rights; root is never needed, and the
+    service's warning for running as root names these capabilities instead
+    (daemon/privileges.py)."""
+
+    what: str
+    capabilities: tuple[str, ...]
+    option: str | None = None  # a boolean setting of the collector that turns this reading off
+
+
 @dataclass
 class CollectorContext:
     """What a collector gets from the core: roots, its config section, a logger."""
@@ -109,8 +120,8 @@ class Collector(abc.ABC):
 
     Subclasses set ``name`` (also the flag ``--collector.<name>`` and the metric subsystem),
     ``description``, ``metrics`` (every family it can emit), and optionally ``config_fields``
-    (the schema of its YAML section) and ``flags`` (extra ``--collector.<name>.<flag>`` options,
-    mapped to keys of its config section).
+    (the schema of its YAML section), ``flags`` (extra ``--collector.<name>.<flag>`` options,
+    mapped to keys of its config section) and ``privileges`` (readings that want a capability).
     """
 
     name: ClassVar[str]
@@ -119,6 +130,7 @@ class Collector(abc.ABC):
     metrics: ClassVar[tuple[MetricSpec, ...]] = ()
     config_fields: ClassVar[Mapping[str, Field]] = {}
     flags: ClassVar[Mapping[str, tuple[str, str]]] = {}
+    privileges: ClassVar[tuple[Privilege, ...]] = ()
 
     def __init__(self, ctx: CollectorContext) -> None:
         self.ctx = ctx
@@ -129,7 +141,7 @@ class Collector(abc.ABC):
 
     def device_event(self, subsystem: str, action: str,  # noqa: B027 - optional hook
                      properties: Mapping[str, str]) -> None:
-        """A device appeared, went away or changed (exporter/hotplug.py); does nothing by default.
+        """A device appeared, went away or changed (daemon/hotplug.py); does nothing by default.
 
         ``subsystem`` is ``infiniband``, ``net`` or ``pci``; ``action`` is ``add``, ``remove``,
         ``bind``, ``unbind``, ``change`` or ``move``; ``properties`` are the uevent's

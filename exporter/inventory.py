@@ -20,8 +20,8 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
-from exporter.config import ConfigError, read_regular
-from exporter.statefile import write_json
+from gpunet_exporter.config import ConfigError, read_regular
+from gpunet_exporter.statefile import write_json
 
 KINDS = ("rdma_device", "rdma_port", "netdev")
 MAX_NAMES = 256  # per kind: a node has tens of RDMA devices at most

@@ -27,9 +27,8 @@ from importlib.metadata import entry_points
 
 from prometheus_client.core import Metric
 
-from exporter import __version__
-from exporter.collector import Collector, MetricSpec
-from exporter.hotplug import ACTIONS, SUBSYSTEMS, Hotplug
+from gpunet_exporter import __version__
+from gpunet_exporter.collector import Collector, MetricSpec
 
 log = logging.getLogger("gpunet.exporter")
 
@@ -70,20 +69,6 @@ def discover() -> dict[str, type[Collector]]:
     return dict(sorted(found.items()))
 
 
-# Hot-plug (exporter/hotplug.py), exported by the Scraper next to the scrape metrics.
-HOTPLUG_MONITORING = MetricSpec(
-    "gpunet_hotplug_monitoring", "gauge",
-    "1 while the exporter receives hot-plug events (uevents) of InfiniBand, network and PCI "
-    "devices, 0 when it cannot (no pyudev or libudev, netlink refused) or --no-hotplug; devices "
-    "are re-listed on every scrape either way", (), "boolean",
-    "pyudev netlink monitor (udev, or kernel uevents without udevd)")
-DEVICE_EVENTS = MetricSpec(
-    "gpunet_device_events_total", "counter",
-    f"Device events received since the exporter started, by subsystem ({', '.join(SUBSYSTEMS)}) "
-    f"and action ({', '.join(ACTIONS)}; anything else is other); a series appears with its "
-    "first event. Kernel net events come only from the exporter's network namespace",
-    ("subsystem", "action"), "events", "udev or kernel uevents (netlink)")
-
 SCRAPE_METRICS = (
     MetricSpec(
         "gpunet_scrape_collector_duration_seconds", "gauge",
@@ -102,8 +87,6 @@ SCRAPE_METRICS = (
         "gpunet_exporter_build_info", "gauge",
         "Always 1; labels carry the exporter and Python versions", ("version", "python_version"),
         "", "exporter"),
-    HOTPLUG_MONITORING,
-    DEVICE_EVENTS,
 )
 
 
@@ -118,7 +101,7 @@ SCRAPE_METRICS = (
 # of a label; and a Prometheus whose label_value_length_limit (which fails the whole scrape for
 # one longer value) is 256 or more keeps every scrape of this exporter.
 LABEL_VALUE_MAX = 256
-# The label names every Prometheus version parses, and that exporter/http.py's encoding
+# The label names every Prometheus version parses, and that exporter/web/http.py's encoding
 # shortcut assumes; a third-party collector's other names are refused here.
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _good_label_names: set[str] = set()  # names found valid: those of the specs, a few dozen
@@ -272,11 +255,9 @@ class Runner:
 class Scraper:
     """The single prometheus_client collector that runs all enabled collectors per scrape."""
 
-    def __init__(self, collectors: Mapping[str, Collector], timeout: float,
-                 hotplug: Hotplug | None = None) -> None:
+    def __init__(self, collectors: Mapping[str, Collector], timeout: float) -> None:
         self.runners = [Runner(c) for c in collectors.values()]
         self.timeout = timeout
-        self.hotplug = hotplug
 
     def collect(self, timeout: float | None = None) -> Iterator[Metric]:
         """Every collector's families. ``timeout`` (else the one set by :func:`request_timeout`)
@@ -320,18 +301,6 @@ class Scraper:
         info = SCRAPE_METRICS[3].family()
         info.add_metric([__version__, platform.python_version()], 1)
         yield info
-        yield from self._hotplug()
-
-    def _hotplug(self) -> Iterator[Metric]:
-        monitoring = HOTPLUG_MONITORING.family()
-        monitoring.add_metric([], int(self.hotplug is not None and self.hotplug.monitoring))
-        yield monitoring
-        counts = self.hotplug.counts() if self.hotplug is not None else {}
-        if counts:
-            events = DEVICE_EVENTS.family()
-            for labels, n in sorted(counts.items()):
-                events.add_metric(list(labels), n)
-            yield events
 
     def close(self) -> None:
         for r in self.runners:

@@ -20,9 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from exporter.collector import Collector, CollectorContext, LogOnce, collector_logger
-from exporter.config import Field, validate
-from exporter.sysfs import Root
+from gpunet_exporter.collector import Collector, CollectorContext, LogOnce, collector_logger
+from gpunet_exporter.config import Field, validate
+from gpunet_exporter.sources.sysfs import Root
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"  # every fixture, with its SOURCES.md

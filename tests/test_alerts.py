@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from exporter import rules, thresholds
+from gpunet_exporter.health import rules, thresholds
 
 from conftest import REPO
 
@@ -33,7 +33,7 @@ def tool(name: str) -> str:
 
 
 def run_rules(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "exporter.rules", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "gpunet_exporter.health.rules", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -66,7 +66,7 @@ def test_rule_file_is_generated_from_the_defaults() -> None:
     out = run_rules("--check", str(RULES))
     assert out.returncode == 0, (
         f"{out.stderr}alerts/gpunet.rules.yml is stale: run "
-        "`python -m exporter.rules -o alerts/gpunet.rules.yml`")
+        "`python -m gpunet_exporter.health.rules -o alerts/gpunet.rules.yml`")
     assert RULES.read_text() == rules.render(thresholds.defaults(rules.ALERT_NAMES))
 
 

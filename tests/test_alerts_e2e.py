@@ -36,8 +36,8 @@ import pytest
 import requests
 import yaml
 
-from exporter import rules, thresholds
-from exporter.probe import results
+from gpunet_exporter.health import rules, thresholds
+from gpunet_exporter.probe import results
 
 import fake_nvml
 import sysfs_tree as st

@@ -114,8 +114,8 @@ def test_sysfs_parent_given_for_the_tree_gets_a_hint() -> None:
 
 def test_help_says_what_every_flag_does_and_its_default() -> None:
     """Every flag has help text; a flag with a default value names it."""
-    from exporter.cli import build_parser
-    from exporter.registry import discover
+    from gpunet_exporter.options import build_parser
+    from gpunet_exporter.registry import discover
 
     for server in (True, False):
         parser = build_parser(discover(), server=server)

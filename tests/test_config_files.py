@@ -15,9 +15,8 @@ from unittest import mock
 
 import pytest
 
-from exporter import config, thresholds
-from exporter.cli import config_schema
-from exporter.config import (
+from gpunet_exporter import config
+from gpunet_exporter.config import (
     MAX_DEPTH,
     MAX_FILE_BYTES,
     MAX_VALUES,
@@ -30,8 +29,10 @@ from exporter.config import (
     short,
     validate,
 )
-from exporter.registry import discover
-from exporter.rules import ALERT_NAMES
+from gpunet_exporter.health import thresholds
+from gpunet_exporter.health.rules import ALERT_NAMES
+from gpunet_exporter.options import config_schema
+from gpunet_exporter.registry import discover
 
 from test_cli import alias_bomb, merge_bomb
 

@@ -8,25 +8,27 @@ from pathlib import Path
 
 import pytest
 
-from collectors.infiniband import InfinibandCollector
-from collectors.link import LinkCollector
-from collectors.pfc import PfcCollector
-from exporter.ethtool import parse_stats_text
-from exporter.http import SCRAPES_REJECTED
-from exporter.metricsdoc import own_metrics, render
-from exporter.registry import SCRAPE_METRICS, discover
+from gpunet_exporter.collectors.infiniband import InfinibandCollector
+from gpunet_exporter.collectors.link import LinkCollector
+from gpunet_exporter.collectors.pfc import PfcCollector
+from gpunet_exporter.daemon import hotplug
+from gpunet_exporter.health.metricsdoc import own_metrics, render
+from gpunet_exporter.registry import SCRAPE_METRICS, discover
+from gpunet_exporter.sources.ethtool import parse_stats_text
+from gpunet_exporter.web.http import SCRAPES_REJECTED
 
 import sysfs_tree as st
 from conftest import FIXTURES, REPO, collect, make_collector, samples_of
 
-ALL_SPECS = [*SCRAPE_METRICS, SCRAPES_REJECTED,
+ALL_SPECS = [*SCRAPE_METRICS, *hotplug.METRICS, SCRAPES_REJECTED,
              *(s for c in discover().values() for s in c.metrics)]
 
 
 def test_metrics_md_is_fresh() -> None:
     committed = (REPO / "docs" / "metrics.md").read_text()
     assert committed == render(), (
-        "docs/metrics.md is stale: run `python -m exporter.metricsdoc > docs/metrics.md`")
+        "docs/metrics.md is stale: run "
+        "`python -m gpunet_exporter.health.metricsdoc > docs/metrics.md`")
 
 
 def test_every_exported_family_is_documented(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from exporter import doctor as doctor_module
+from gpunet_exporter.health import doctor as doctor_module
 
 import sysfs_tree as st
 from conftest import exporter_binary
@@ -185,7 +185,7 @@ def _snapshots(dt: float, before: dict[str, list[tuple[dict[str, str], float]]],
     a, b = doctor_module.Snapshot([]), doctor_module.Snapshot([])
     a.samples, b.samples = before, after
     b.time = a.time + dt
-    from exporter import rules, thresholds
+    from gpunet_exporter.health import rules, thresholds
     return doctor_module.Check(a, b, thresholds.defaults(rules.ALERT_NAMES))
 
 

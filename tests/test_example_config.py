@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collectors.gpu import GpuCollector
-from collectors.pfc import PfcCollector
-from collectors.probe import ProbeCollector
-from exporter.cli import config_schema
-from exporter.config import Field, load_file, validate
-from exporter.registry import discover
+from gpunet_exporter.collectors.gpu import GpuCollector
+from gpunet_exporter.collectors.pfc import PfcCollector
+from gpunet_exporter.collectors.probe import ProbeCollector
+from gpunet_exporter.config import Field, load_file, validate
+from gpunet_exporter.options import config_schema
+from gpunet_exporter.registry import discover
 
 from conftest import REPO
 

@@ -83,7 +83,7 @@ tables.load (collectors/tables.py)    rows of str -> str, or ValueError     regr
 Already fuzzed elsewhere, not repeated here: random text into parse_mlnx_qos and its whitespace
 invariance (test_pfc.py); random lines, random NCCL-prefixed lines, random bytes and every
 truncation of real lines into ncclog.parse_lines (test_ncclog.py); random bytes through
-json.loads into results.parse (test_probe.py). exporter/http.py (parse_listen_address) is left
+json.loads into results.parse (test_probe.py). exporter/web/http.py (parse_listen_address) is left
 out while it is being reworked.
 
 Bugs this suite found are pinned by regression tests at the end, each with its minimal input
@@ -125,21 +125,15 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.parser import text_string_to_metric_families
 
-from collectors import tables
-from collectors.gpu import GpuCollector
-from collectors.infiniband import HW_NAMES, InfinibandCollector, parse_state
-from collectors.link import LinkCollector, parse_ibv_devinfo, roce_active_mtu
-from collectors.pfc import NAMES, PfcCollector, _plan
-from collectors.pfc_config import (
-    PRIORITIES,
-    QosConfig,
-    parse_dcb,
-    parse_mlnx_qos,
-    parse_qos_sysfs,
-    read_ecn,
-)
-from collectors.probe import ProbeCollector
-from collectors.topology import (
+from gpunet_exporter.background import Refresher
+from gpunet_exporter.collector import Collector
+from gpunet_exporter.collectors import tables
+from gpunet_exporter.collectors.gpu import GpuCollector
+from gpunet_exporter.collectors.infiniband import HW_NAMES, InfinibandCollector, parse_state
+from gpunet_exporter.collectors.link import LinkCollector, parse_ibv_devinfo, roce_active_mtu
+from gpunet_exporter.collectors.pfc import NAMES, PfcCollector, _plan
+from gpunet_exporter.collectors.probe import ProbeCollector
+from gpunet_exporter.collectors.topology import (
     PATHS,
     Endpoint,
     TopologyCollector,
@@ -150,10 +144,7 @@ from collectors.topology import (
     parse_starttime,
     relation,
 )
-from exporter import nvml, rdma, thresholds
-from exporter.background import Refresher
-from exporter.collector import Collector
-from exporter.config import (
+from gpunet_exporter.config import (
     MAX_VALUES,
     ConfigError,
     Field,
@@ -163,7 +154,20 @@ from exporter.config import (
     short,
     validate,
 )
-from exporter.ethtool import (
+from gpunet_exporter.health import thresholds
+from gpunet_exporter.nccl import log as ncclog
+from gpunet_exporter.nccl.env import (
+    NCCL_FINDINGS,
+    NCCL_SETTINGS,
+    env_findings,
+    parse_environ,
+    strtol,
+)
+from gpunet_exporter.probe import results
+from gpunet_exporter.probe.runner import Cluster, cluster_from_env, parse_bytes, parse_sizes
+from gpunet_exporter.registry import drop_unexposable, label_problem
+from gpunet_exporter.sources import nvml, rdma
+from gpunet_exporter.sources.ethtool import (
     ETH_GSTRING_LEN,
     ETH_SS_STATS,
     ETHTOOL_GDRVINFO,
@@ -174,19 +178,17 @@ from exporter.ethtool import (
     NicStats,
     parse_stats_text,
 )
-from exporter.ncclenv import (
-    NCCL_FINDINGS,
-    NCCL_SETTINGS,
-    env_findings,
-    parse_environ,
-    strtol,
+from gpunet_exporter.sources.qos import (
+    PRIORITIES,
+    QosConfig,
+    parse_dcb,
+    parse_mlnx_qos,
+    parse_qos_sysfs,
+    read_ecn,
 )
-from exporter.probe import ncclog, results
-from exporter.probe.runner import Cluster, cluster_from_env, parse_bytes, parse_sizes
-from exporter.rdma import parse_rate
-from exporter.registry import drop_unexposable, label_problem
-from exporter.sysfs import Root, parse_int, parse_uint
-from exporter.webconfig import BasicAuth, _schema, load_web_config, wrap
+from gpunet_exporter.sources.rdma import parse_rate
+from gpunet_exporter.sources.sysfs import Root, parse_int, parse_uint
+from gpunet_exporter.web.webconfig import BasicAuth, _schema, load_web_config, wrap
 
 import fake_nvml
 import sysfs_tree as st

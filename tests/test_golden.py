@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from collectors.infiniband import COUNTER_SPECS
+from gpunet_exporter.collectors.infiniband import COUNTER_SPECS
 
 import fake_nvml
 import sysfs_tree as st

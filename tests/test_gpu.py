@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from collectors.gpu import XID_LABELS_PER_GPU, GpuCollector, XidWatcher
-from exporter import nvml
+from gpunet_exporter.collectors.gpu import XID_LABELS_PER_GPU, GpuCollector, XidWatcher
+from gpunet_exporter.sources import nvml
 
 import fake_nvml
 from conftest import REPO, Samples, collect, make_collector, parse, samples_of, series, value

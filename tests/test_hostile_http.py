@@ -1,4 +1,4 @@
-"""Hostile clients against the real exporter and its real HTTP server (exporter/httpserver.py):
+"""Hostile clients against the real exporter and its real HTTP server (exporter/web/httpserver.py):
 request desync and smuggling, garbage, HTTP/0.9, oversized heads and bodies, slowloris with a
 legitimate scraper alongside, a burst of connections, the connection cap, clients that leave in
 the middle of an answer. bench/hostile.py measures the same cases side by side with
@@ -110,7 +110,7 @@ def test_slowloris_costs_no_thread_and_is_cut_off(run_exporter: Any) -> None:
     """200 connections each sending a request head one byte at a time: the process gains no
     thread, a legitimate scraper alongside gets every full answer, and each slow connection gets
     408 and is closed once HEAD_TIMEOUT (10 s) has passed since it connected."""
-    from exporter.httpserver import HEAD_TIMEOUT
+    from gpunet_exporter.web.httpserver import HEAD_TIMEOUT
 
     e = run_exporter(SYSFS)
     assert requests.get(f"{e.url}/metrics", timeout=10).status_code == 200

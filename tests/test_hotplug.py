@@ -21,15 +21,15 @@ from typing import Any
 
 import pytest
 
-from collectors.gpu import GpuCollector
-from collectors.link import LinkCollector
-from collectors.pfc import PfcCollector
-from exporter import nvml
-from exporter.background import Refresher
-from exporter.collector import Collector, CollectorContext, LogOnce, collector_logger
-from exporter.hotplug import Hotplug
-from exporter.registry import Scraper
-from exporter.sysfs import Root
+from gpunet_exporter.background import Refresher
+from gpunet_exporter.collector import Collector, CollectorContext, LogOnce, collector_logger
+from gpunet_exporter.collectors.gpu import GpuCollector
+from gpunet_exporter.collectors.link import LinkCollector
+from gpunet_exporter.collectors.pfc import PfcCollector
+from gpunet_exporter.daemon.hotplug import Hotplug
+from gpunet_exporter.registry import Scraper
+from gpunet_exporter.sources import nvml
+from gpunet_exporter.sources.sysfs import Root
 
 import fake_nvml
 import sysfs_tree as st
@@ -58,8 +58,9 @@ def wait_for(cond: Callable[[], object], timeout: float = 5.0) -> bool:
     return True
 
 
-def scrape(scraper: Scraper) -> dict[Any, float]:
-    return samples_of(list(scraper.collect()))
+def scrape(scraper: Scraper, hotplug: Hotplug | None = None) -> dict[Any, float]:
+    """One scrape as the service's registry makes it: the collectors, then hot-plug's own."""
+    return samples_of([*scraper.collect(), *(hotplug.collect() if hotplug else ())])
 
 
 # ---- the dispatcher ---------------------------------------------------------------------------
@@ -98,7 +99,7 @@ def test_counting_label_bounds_and_dispatch() -> None:
     assert rec.events == [("net", "add", {"INTERFACE": "veth0"}), ("net", "add", {}),
                           ("net", "remove", {}), ("pci", "bind", NVIDIA),
                           ("infiniband", "move", {}), ("net", "change", {})]
-    s = scrape(Scraper({}, 1.0, hp))
+    s = scrape(Scraper({}, 1.0), hp)
     events = series(s, "gpunet_device_events_total")
     assert events[frozenset({("subsystem", "net"), ("action", "add")})] == 2
     assert {dict(k)["subsystem"] for k in events} == {"net", "pci", "infiniband", "other"}
@@ -106,10 +107,9 @@ def test_counting_label_bounds_and_dispatch() -> None:
 
 
 def test_no_events_no_series_and_monitoring_0_without_monitor() -> None:
-    s = scrape(Scraper({}, 1.0))
+    s = scrape(Scraper({}, 1.0), Hotplug({}))
     assert value(s, "gpunet_hotplug_monitoring") == 0
     assert not series(s, "gpunet_device_events_total")
-    assert value(scrape(Scraper({}, 1.0, Hotplug({}))), "gpunet_hotplug_monitoring") == 0
 
 
 def test_refresher_wake() -> None:
@@ -291,7 +291,7 @@ def test_without_pyudev_monitoring_0_and_logged_once(monkeypatch: pytest.MonkeyP
                                                  "pyudev"), msgs
     assert msgs[0].endswith("devices are re-listed on every scrape")
     assert caplog.records[-1].levelno == logging.INFO
-    s = scrape(Scraper({"rec": rec}, 1.0, hp))
+    s = scrape(Scraper({"rec": rec}, 1.0), hp)
     assert value(s, "gpunet_hotplug_monitoring") == 0
     assert value(s, "gpunet_scrape_collector_success", collector="recorder") == 1
 
@@ -347,7 +347,7 @@ def test_real_monitor_sees_a_veth_pair_come_and_go(netns: str) -> None:
     pytest.importorskip("pyudev")
     got = in_netns(netns, textwrap.dedent("""\
         import json, subprocess, time
-        from exporter.hotplug import Hotplug
+        from gpunet_exporter.daemon.hotplug import Hotplug
 
         class Rec:
             name = "rec"

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from collectors.infiniband import COUNTER_SPECS, InfinibandCollector
-from exporter.config import ConfigError
-from exporter.sysfs import Root
+from gpunet_exporter.collectors.infiniband import COUNTER_SPECS, InfinibandCollector
+from gpunet_exporter.config import ConfigError
+from gpunet_exporter.sources.sysfs import Root
 
 import sysfs_tree as st
 from conftest import UPSTREAM, Samples, collect, make_collector, samples_of, series, value
@@ -351,7 +351,7 @@ def test_eacces_for_real_as_unprivileged_user(tmp_path: Path) -> None:
             "import os, sys\n"
             "sys.path.insert(0, sys.argv[2])\n"
             "from conftest import collect, value\n"
-            "from collectors.infiniband import InfinibandCollector\n"
+            "from gpunet_exporter.collectors.infiniband import InfinibandCollector\n"
             "if os.geteuid() == 0:  # imports done: root's pyenv is not readable for nobody\n"
             "    os.setgid(65534); os.setuid(65534)\n"
             "s, n = collect(InfinibandCollector, sys.argv[1])\n"

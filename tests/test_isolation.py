@@ -14,7 +14,7 @@ SYSFS = str(UPSTREAM / "node_exporter-sysfs-infiniband" / "tree" / "sys")
 PLUGIN = '''
 import time
 from prometheus_client.core import GaugeMetricFamily
-from exporter.collector import Collector
+from gpunet_exporter.collector import Collector
 
 
 class Fine(Collector):

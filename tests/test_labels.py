@@ -27,16 +27,16 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.samples import Sample
 
-from collectors.infiniband import InfinibandCollector
-from collectors.link import LinkCollector
-from collectors.pfc import PfcCollector
-from collectors.probe import ProbeCollector
-from collectors.topology import TopologyCollector
-from exporter.collector import Collector
-from exporter.ethtool import NicStats, parse_stats_text
-from exporter.http import _landing
-from exporter.logs import JSONFormatter, LogfmtFormatter
-from exporter.registry import LABEL_VALUE_MAX, Scraper, drop_unexposable, label_problem
+from gpunet_exporter.collector import Collector
+from gpunet_exporter.collectors.infiniband import InfinibandCollector
+from gpunet_exporter.collectors.link import LinkCollector
+from gpunet_exporter.collectors.pfc import PfcCollector
+from gpunet_exporter.collectors.probe import ProbeCollector
+from gpunet_exporter.collectors.topology import TopologyCollector
+from gpunet_exporter.logs import JSONFormatter, LogfmtFormatter
+from gpunet_exporter.registry import LABEL_VALUE_MAX, Scraper, drop_unexposable, label_problem
+from gpunet_exporter.sources.ethtool import NicStats, parse_stats_text
+from gpunet_exporter.web.http import _landing
 
 import sysfs_tree as st
 from conftest import (
@@ -432,7 +432,7 @@ def test_log_line_with_a_name_not_utf8(formatter: logging.Formatter) -> None:
 
 PLUGIN = '''
 from prometheus_client.core import GaugeMetricFamily
-from exporter.collector import Collector
+from gpunet_exporter.collector import Collector
 
 
 class Odd(Collector):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from collectors.link import LinkCollector
+from gpunet_exporter.collectors.link import LinkCollector
 
 import sysfs_tree as st
 from conftest import Samples, collect, make_collector, samples_of, series, value

@@ -41,9 +41,9 @@ from prometheus_client.core import Metric
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.collector import Collector
-from exporter.http import scrape_timeout
-from exporter.registry import Scraper, request_timeout
+from gpunet_exporter.collector import Collector
+from gpunet_exporter.registry import Scraper, request_timeout
+from gpunet_exporter.web.http import scrape_timeout
 
 import fake_nvml
 import sysfs_tree as st
@@ -431,8 +431,8 @@ def test_blocking_nvml_call_costs_only_gpu(node: Node) -> None:
 def test_fifo_in_sysfs_costs_one_value(node: Node, writer: bool) -> None:
     """FIFOs in place of a port counter (infiniband), a netdev attribute (link) and a PCI
     bridge's config space (topology), with no writer or with one that holds them open and
-    writes nothing. Reads open with O_NONBLOCK (exporter/sysfs.py), so a FIFO blocks nothing:
-    each costs its one value (gpunet_scrape_collector_unreadable_values), the collectors
+    writes nothing. Reads open with O_NONBLOCK (exporter/sources/sysfs.py), so a FIFO blocks
+    nothing: each costs its one value (gpunet_scrape_collector_unreadable_values), the collectors
     succeed, the scrape answers in time, and nothing piles up across scrapes."""
     port = node.sysfs / "class/infiniband/mlx5_0/ports/1"
     netdev = node.sysfs / "class/net/ibp24s0"

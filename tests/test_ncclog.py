@@ -1,4 +1,4 @@
-"""The NCCL INFO log parser (exporter/probe/ncclog.py) and explain-log (exporter/probe/explain.py).
+"""The NCCL INFO log parser (exporter/nccl/log.py) and explain-log (exporter/nccl/explain.py).
 
 Lines are built from the format strings quoted in docs/formats.md section 5, with the
 NCCL versions that print them; the real 2.28.9 logs and the synthetic IB+GDR log are checked in
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from exporter.probe import ncclog
-from exporter.probe.ncclog import RankReport, looks_like_nccl_log, parse_lines, summarize
+from gpunet_exporter.nccl import log as ncclog
+from gpunet_exporter.nccl.log import RankReport, looks_like_nccl_log, parse_lines, summarize
 
 from conftest import FIXTURES, REPO
 
@@ -672,7 +672,7 @@ def test_docs_explain_every_problem_code() -> None:
 # explain-log, as a subprocess
 
 def explain(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    p = subprocess.run([sys.executable, "-m", "exporter.probe.explain", *args], cwd=REPO,
+    p = subprocess.run([sys.executable, "-m", "gpunet_exporter.nccl.explain", *args], cwd=REPO,
                        input=stdin, capture_output=True, text=True, timeout=60)
     assert "Traceback" not in p.stderr, p.stderr
     return p

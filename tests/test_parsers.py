@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from collectors.infiniband import parse_state
-from collectors.link import parse_ibv_devinfo, roce_active_mtu
-from exporter.rdma import parse_rate
+from gpunet_exporter.collectors.infiniband import parse_state
+from gpunet_exporter.collectors.link import parse_ibv_devinfo, roce_active_mtu
+from gpunet_exporter.sources.rdma import parse_rate
 
 # (speed name, per-lane Gb/s) from docs/formats.md §1.3; widths 1X 2X 4X 8X 12X.
 SPEEDS = [("SDR", 2.5), ("DDR", 5), ("QDR", 10), ("FDR10", 10), ("FDR", 14), ("EDR", 25),

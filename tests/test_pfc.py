@@ -21,8 +21,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from collectors.pfc import _PRIORITY_IN_NAME, COUNTER_SPECS, NAMES, OTHER, PfcCollector
-from collectors.pfc_config import (
+from gpunet_exporter.collectors.pfc import (
+    _PRIORITY_IN_NAME,
+    COUNTER_SPECS,
+    NAMES,
+    OTHER,
+    PfcCollector,
+)
+from gpunet_exporter.collectors.tables import load
+from gpunet_exporter.sources.ethtool import NicStats, parse_stats_text
+from gpunet_exporter.sources.qos import (
     QOS_FILES,
     QosConfig,
     parse_dcb,
@@ -30,9 +38,7 @@ from collectors.pfc_config import (
     parse_qos_sysfs,
     read_ecn,
 )
-from collectors.tables import load
-from exporter.ethtool import NicStats, parse_stats_text
-from exporter.sysfs import Root
+from gpunet_exporter.sources.sysfs import Root
 
 import sysfs_tree as st
 from conftest import (
@@ -597,7 +603,7 @@ def in_netns(ns: str, code: str) -> dict[str, object]:
 def test_ioctl_reads_what_ethtool_prints(netns: str) -> None:
     got = in_netns(netns, textwrap.dedent("""\
         import json, subprocess
-        from exporter.ethtool import EthtoolReader, parse_stats_text
+        from gpunet_exporter.sources.ethtool import EthtoolReader, parse_stats_text
         r = EthtoolReader()
         out = {}
         for ifname in ("va", "vc"):
@@ -633,8 +639,8 @@ def test_ioctl_reads_what_ethtool_prints(netns: str) -> None:
 def test_interface_that_disappears_between_listing_and_reading(netns: str) -> None:
     got = in_netns(netns, textwrap.dedent("""\
         import errno, json, subprocess
-        from collectors.pfc import PfcCollector
-        from exporter.ethtool import EthtoolReader
+        from gpunet_exporter.collectors.pfc import PfcCollector
+        from gpunet_exporter.sources.ethtool import EthtoolReader
         from conftest import make_collector
 
         class Vanishing:

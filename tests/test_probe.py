@@ -19,10 +19,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as hs
 
-from collectors.probe import REASONS, ProbeCollector
-from exporter import nvml
-from exporter.probe import results, runner
-from exporter.statefile import write_json
+from gpunet_exporter.collectors.probe import REASONS, ProbeCollector
+from gpunet_exporter.probe import results, runner
+from gpunet_exporter.sources import nvml
+from gpunet_exporter.statefile import write_json
 
 import sysfs_tree as st
 from conftest import REPO, Samples, free_port, make_collector, parse, samples_of, series, value
@@ -33,7 +33,7 @@ GLOO = {"backend": "gloo", "nprocs": 2, "sizes": [4096, 65536], "warmup": 1, "it
 
 def probe(*args: str, env: dict[str, str] | None = None,
           timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "exporter.probe.cli", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "gpunet_exporter.probe.cli", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
 
@@ -234,7 +234,7 @@ def test_two_gloo_ranks_under_torchrun_cluster_mode(tmp_path: Path) -> None:
     """Cluster mode: torchrun starts the ranks; the node's local rank 0 writes inter.json."""
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "exporter.probe.cli", "run", "--backend", "gloo", "--sizes", "4KiB",
+         "-m", "gpunet_exporter.probe.cli", "run", "--backend", "gloo", "--sizes", "4KiB",
          "--warmup", "1", "--iterations", "4", "--rounds", "1", "--state-dir", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]

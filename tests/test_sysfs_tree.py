@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from collectors.pfc_config import QOS_FILES, parse_mlnx_qos, parse_qos_sysfs
+from gpunet_exporter.sources.qos import QOS_FILES, parse_mlnx_qos, parse_qos_sysfs
 
 import sysfs_tree as st
 

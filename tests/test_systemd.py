@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from collectors.probe import ProbeCollector
-from exporter.privileges import NEEDS
+from gpunet_exporter.collectors.probe import ProbeCollector
+from gpunet_exporter.daemon.privileges import declared
 
 from conftest import REPO
 
@@ -131,7 +131,7 @@ def test_optional_capabilities_commented_match_privileges() -> None:
     """The commented-out capability lines list exactly what exporter.privileges says the
     collectors can use (a drop-in may pick some)."""
     text = UNIT.read_text(encoding="utf-8")
-    wanted = {c for n in NEEDS for c in n.capabilities}
+    wanted = {c for n in declared() for c in n.capabilities}
     for key in ("CapabilityBoundingSet", "AmbientCapabilities"):
         m = re.search(rf"^#{key}=(.*)$", text, re.M)
         assert m, key
@@ -160,8 +160,8 @@ def test_exec_and_environment_file() -> None:
 def test_default_file_examples_parse() -> None:
     """ARGS in the environment file, and every commented example, are flags the exporter
     accepts."""
-    from exporter.cli import build_parser
-    from exporter.registry import discover
+    from gpunet_exporter.options import build_parser
+    from gpunet_exporter.registry import discover
 
     parser = build_parser(discover())
     text = DEFAULT.read_text(encoding="utf-8")

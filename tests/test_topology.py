@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from collectors.infiniband import InfinibandCollector
-from collectors.link import LinkCollector
-from collectors.topology import (
+from gpunet_exporter.collector import Collector
+from gpunet_exporter.collectors.infiniband import InfinibandCollector
+from gpunet_exporter.collectors.link import LinkCollector
+from gpunet_exporter.collectors.topology import (
     Endpoint,
     TopologyCollector,
     _pci_sort_key,
@@ -27,8 +28,7 @@ from collectors.topology import (
     parse_starttime,
     relation,
 )
-from exporter.collector import Collector
-from exporter.ncclenv import (
+from gpunet_exporter.nccl.env import (
     NCCL_FAULT_CLASSES,
     NCCL_FINDINGS,
     NCCL_SETTING_NOTES,
@@ -38,8 +38,8 @@ from exporter.ncclenv import (
     parse_environ,
     strtol,
 )
-from exporter.nvml import Gpu
-from exporter.sysfs import Root
+from gpunet_exporter.sources.nvml import Gpu
+from gpunet_exporter.sources.sysfs import Root
 
 import sysfs_tree as st
 from conftest import Samples, collect, make_collector, parse, samples_of, series, value
@@ -831,7 +831,7 @@ def test_nccl_audit_eacces_for_real_as_unprivileged_user() -> None:
             "import os, sys\n"
             "sys.path.insert(0, sys.argv[3])\n"
             "from conftest import make_collector, samples_of, value\n"
-            "from collectors.topology import TopologyCollector\n"
+            "from gpunet_exporter.collectors.topology import TopologyCollector\n"
             "if os.geteuid() == 0:  # imports done: root's pyenv is not readable for nobody\n"
             "    os.setgid(65534); os.setuid(65534)\n"
             "class Nvml:\n"
@@ -912,7 +912,7 @@ def test_placement_cache_follows_hot_plug(dgx: Path, proc: Path) -> None:
 def test_probe_pins_each_gpu_to_the_nearest_active_port(dgx: Path) -> None:
     """The net scope pins each rank to the ACTIVE RDMA port nearest its GPU: the same device
     the topology collector names, a PIX pair on a DGX H100, eight GPUs on eight HCAs."""
-    from exporter.probe import placement
+    from gpunet_exporter.probe import placement
 
     s, _ = run(dgx)
     named = nearest(s)
@@ -1021,7 +1021,11 @@ def test_nic_on_a_host_bridge_has_no_verdict(tmp_path: Path) -> None:
 
 
 def test_parse_link_attributes() -> None:
-    from collectors.topology import link_degraded, parse_link_speed, parse_link_width
+    from gpunet_exporter.collectors.topology import (
+        link_degraded,
+        parse_link_speed,
+        parse_link_width,
+    )
     assert parse_link_speed("32.0 GT/s PCIe") == 32e9
     assert parse_link_speed("2.5 GT/s PCIe") == 2.5e9
     assert parse_link_speed("8 GT/s") == 8e9  # kernels before 5.3

@@ -17,7 +17,7 @@ import bcrypt
 import pytest
 import requests
 
-from exporter.webconfig import BasicAuth, WebConfig, wrap
+from gpunet_exporter.web.webconfig import BasicAuth, WebConfig, wrap
 
 from conftest import UPSTREAM, exporter_binary, free_port
 
@@ -307,7 +307,7 @@ def test_wrap_without_users_or_headers_is_identity() -> None:
 
 def test_handshake_timeout_closes_the_connection(pki: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from exporter import httpserver as exporter_http
+    from gpunet_exporter.web import httpserver as exporter_http
 
     def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
         start_response("200 OK", [("Content-Length", "2")])

@@ -1,3 +1,3 @@
-from exporter.probe.cli import entry
+from gpunet_exporter.probe.cli import entry
 
 entry()

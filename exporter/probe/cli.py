@@ -4,7 +4,7 @@
     gpunet-probe explain-log [--json] FILE...
 
 ``run`` is what the exporter's probe collector starts (intra-node), and what torchrun or srun
-start on every node for cluster mode. ``python -m exporter.probe.cli`` is the same program.
+start on every node for cluster mode. ``python -m gpunet_exporter.probe.cli`` is the same program.
 Exit codes of run: 0 after --rounds, 2 bad arguments, 3 no GPU, 4 a round failed (the exporter
 starts it again).
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from exporter.flags import Parser
-from exporter.probe import runner
+from gpunet_exporter.flags import Parser
+from gpunet_exporter.probe import runner
 
 PROG = "gpunet-probe"
 
@@ -23,7 +23,7 @@ PROG = "gpunet-probe"
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["explain-log"]:
-        from exporter.probe import explain
+        from gpunet_exporter.nccl import explain
 
         return explain.main(args_list[1:])
     if args_list[:1] == ["worker"]:  # one rank, started by `run`: not a command for people

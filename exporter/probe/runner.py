@@ -46,9 +46,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from exporter.probe import results
-from exporter.statefile import write_json
-from exporter.sysfs import parse_uint
+from gpunet_exporter.probe import results
+from gpunet_exporter.sources.sysfs import parse_uint
+from gpunet_exporter.statefile import write_json
 
 EXIT_ROUND_FAILED = 4
 EXIT_NO_GPU = 3
@@ -305,7 +305,7 @@ class _Group:
     def start(self) -> None:
         port = _free_port()
         n = len(self.devices)
-        command = [sys.executable, "-m", "exporter.probe.cli", "worker", *self.argv]
+        command = [sys.executable, "-m", "gpunet_exporter.probe.cli", "worker", *self.argv]
         for rank, device in enumerate(self.devices):
             cmd_r, cmd_w = os.pipe()
             rep_r, rep_w = os.pipe()
@@ -597,7 +597,7 @@ class _Probe:
         import torch
         import torch.distributed as dist
 
-        from exporter.sysfs import Root
+        from gpunet_exporter.sources.sysfs import Root
 
         # Typed loosely: torch's own annotations differ between the versions the probe runs on.
         self.torch: Any = torch
@@ -648,7 +648,7 @@ class _Probe:
                 f"{getattr(props, 'pci_device_id', 0):02x}.0")
 
     def _pin_hca(self, index: int) -> None:
-        from exporter.probe import placement
+        from gpunet_exporter.probe import placement
 
         port = placement.nearest_port(self.sysfs, self._pci_address(index))
         if port is not None:  # NCCL's net plugin reads it at its first communicator
@@ -795,7 +795,8 @@ class _Probe:
         RDMA ports this node's ranks used, with their link rates and GDR."""
         if not self.cuda:
             return {}
-        from exporter.probe import ncclog, placement
+        from gpunet_exporter.nccl import log as ncclog
+        from gpunet_exporter.probe import placement
 
         mine: list[Any] = []
         for name in os.listdir(logdir):

@@ -27,7 +27,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from exporter.sysfs import parse_uint
+from gpunet_exporter.sources.sysfs import parse_uint
 
 SIOCETHTOOL = 0x8946
 ETHTOOL_GDRVINFO = 0x03

@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
-from exporter.sysfs import Root, parse_uint
+from gpunet_exporter.sources.sysfs import Root, parse_uint
 
 CLASS = "class/infiniband"
 _PCI_ADDRESS = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")

@@ -44,7 +44,7 @@ from urllib.parse import unquote_to_bytes, urlsplit
 import h11
 from prometheus_client.core import Metric
 
-from exporter.collector import MetricSpec
+from gpunet_exporter.collector import MetricSpec
 
 log = logging.getLogger("gpunet.exporter.http")
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from exporter.sysfs import MAX_DIGITS, Root, parse_uint
+from gpunet_exporter.sources.sysfs import MAX_DIGITS, Root, parse_uint
 
 PRIORITIES = range(8)
 _UINT_LIMIT = 10**MAX_DIGITS

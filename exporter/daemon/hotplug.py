@@ -28,10 +28,12 @@ import logging
 import os
 import select
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
-from exporter.collector import Collector
+from prometheus_client.core import Metric
+
+from gpunet_exporter.collector import Collector, MetricSpec
 
 log = logging.getLogger("gpunet.hotplug")
 
@@ -41,6 +43,22 @@ OTHER = "other"  # label value of any subsystem or action outside the lists abov
 UDEV_CONTROL = "/run/udev/control"  # exists while udevd runs
 RECEIVE_BUFFER_BYTES = 8 << 20  # a burst (SR-IOV VFs, a driver reload) must not overflow it
 STOP_WAIT_SECONDS = 2.0
+
+# Exported by the service next to the scrape metrics (Hotplug is registered in its registry).
+HOTPLUG_MONITORING = MetricSpec(
+    "gpunet_hotplug_monitoring", "gauge",
+    "1 while the exporter receives hot-plug events (uevents) of InfiniBand, network and PCI "
+    "devices, 0 when it cannot (no pyudev or libudev, netlink refused) or --no-hotplug; devices "
+    "are re-listed on every scrape either way", (), "boolean",
+    "pyudev netlink monitor (udev, or kernel uevents without udevd)")
+DEVICE_EVENTS = MetricSpec(
+    "gpunet_device_events_total", "counter",
+    f"Device events received since the exporter started, by subsystem ({', '.join(SUBSYSTEMS)}) "
+    f"and action ({', '.join(ACTIONS)}; anything else is other); a series appears with its "
+    "first event. Kernel net events come only from the exporter's network namespace",
+    ("subsystem", "action"), "events", "udev or kernel uevents (netlink)")
+METRICS = (HOTPLUG_MONITORING, DEVICE_EVENTS)
+
 
 
 class Event(Protocol):
@@ -104,6 +122,18 @@ class Hotplug:
         """Events so far by (subsystem, action), both bounded to the known values or "other"."""
         with self._lock:
             return dict(self._counts)
+
+    def collect(self) -> Iterator[Metric]:
+        """Whether events arrive, and the events so far (a prometheus_client collector)."""
+        monitoring = HOTPLUG_MONITORING.family()
+        monitoring.add_metric([], int(self.monitoring))
+        yield monitoring
+        counts = self.counts()
+        if counts:
+            events = DEVICE_EVENTS.family()
+            for labels, n in sorted(counts.items()):
+                events.add_metric(list(labels), n)
+            yield events
 
     # -- monitor -------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from exporter.sysfs import Root
+from gpunet_exporter.sources.sysfs import Root
 
 PCI_ADDRESS = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 HOST_BRIDGE = re.compile(r"pci[0-9a-f]{4,8}:[0-9a-f]{2}")

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TextIO
 
-from exporter.ncclenv import env_findings
-from exporter.sysfs import parse_int, parse_uint
+from gpunet_exporter.nccl.env import env_findings
+from gpunet_exporter.sources.sysfs import parse_int, parse_uint
 
 MAX_WARNINGS = 20
 # NCCL formats a log line into a 1024-byte buffer (src/debug.cc); anything much longer is not one

@@ -1,7 +1,7 @@
 """HTTP serving: /metrics through prometheus_client (gzip and OpenMetrics negotiation, the
 scraper's X-Prometheus-Scrape-Timeout-Seconds shortening the collectors' deadline), a landing
 page at / listing the collectors and their last status, and /-/healthy; over TLS when
-``--web.config.file`` asks for it (exporter/webconfig.py). The server is exporter/httpserver.py
+``--web.config.file`` asks for it (web/webconfig.py). The server is web/httpserver.py
 (HTTP/1.1 parsed by h11, with limits on connections, request heads, bodies and threads)."""
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.openmetrics import exposition as openmetrics
 
-from exporter import __version__, httpserver
-from exporter.collector import MetricSpec
-from exporter.httpserver import Server, StartResponse, WSGIApp
-from exporter.registry import Scraper, request_timeout
+from gpunet_exporter import __version__
+from gpunet_exporter.collector import MetricSpec
+from gpunet_exporter.registry import Scraper, request_timeout
+from gpunet_exporter.web import httpserver
+from gpunet_exporter.web.httpserver import Server, StartResponse, WSGIApp
 
 log = logging.getLogger("gpunet.exporter.http")
 _LEGACY_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
@@ -221,7 +222,7 @@ def parse_listen_address(addr: str) -> tuple[str, int]:
 def serve(app: WSGIApp, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
           max_connections: int = DEFAULT_MAX_CONNECTIONS, max_requests: int = DEFAULT_MAX_REQUESTS
           ) -> Server:
-    """Bind and start serving in a thread (exporter/httpserver.py), over TLS with
+    """Bind and start serving in a thread (exporter/web/httpserver.py), over TLS with
     ``ssl_context``. Raises OSError when the address cannot be bound. ``max_requests`` (0: no
     limit) sizes the pool of threads that run the app: RequestLimit refuses a scrape beyond it
     at once, and a few more threads answer / and /-/healthy meanwhile."""

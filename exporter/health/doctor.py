@@ -31,16 +31,16 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from exporter import rules
-from exporter.background import kill_running
-from exporter.cli import build_parser, server_only_flags, start_collectors
-from exporter.collector import Collector
-from exporter.config import ConfigError, read_regular
-from exporter.logs import setup
-from exporter.ncclenv import NCCL_FAULT_CLASSES, NCCL_SETTING_NOTES
-from exporter.registry import Scraper, discover
-from exporter.statefile import write_json
-from exporter.thresholds import load
+from gpunet_exporter.collector import Collector
+from gpunet_exporter.config import ConfigError, read_regular
+from gpunet_exporter.health import rules
+from gpunet_exporter.health.thresholds import load
+from gpunet_exporter.logs import setup
+from gpunet_exporter.nccl.env import NCCL_FAULT_CLASSES, NCCL_SETTING_NOTES
+from gpunet_exporter.options import build_parser, server_only_flags, start_collectors
+from gpunet_exporter.registry import Scraper, discover
+from gpunet_exporter.sources.commands import kill_running
+from gpunet_exporter.statefile import write_json
 
 PROG = "gpunet-exporter doctor"
 DEFAULT_STATE = "/var/lib/gpunet-exporter/doctor.json"

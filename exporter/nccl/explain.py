@@ -17,8 +17,8 @@ import sys
 from collections.abc import Iterable
 from typing import Any, TextIO
 
-from exporter.flags import Parser
-from exporter.probe.ncclog import (
+from gpunet_exporter.flags import Parser
+from gpunet_exporter.nccl.log import (
     MAX_WARNINGS,
     PASTED,
     PROBLEMS,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from exporter.config import ConfigError, Field, load_file, short, validate
+from gpunet_exporter.config import ConfigError, Field, load_file, short, validate
 
 # Prometheus duration syntax, as `for:` and range selectors take it (one or more unit groups).
 _DURATION = re.compile(r"^(?:\d+(?:ms|s|m|h|d|w|y))+$")

@@ -3,7 +3,8 @@
 No collector needs root. Everything the exporter reads is open to any user (sysfs, NVML through
 the /dev/nvidia* nodes, the SIOCETHTOOL statistics ioctl, DCB netlink reads, rdma-core's
 /dev/infiniband/uverbs*) except two topology readings, and for those a capability gives the same
-data as root (measured on Linux 6.18 with setpriv, see docs/install.md):
+data as root (measured on Linux 6.18 with setpriv, see docs/install.md). Each collector declares
+its own (``Collector.privileges``); this module only reads the declarations:
 
 - the ACS Control register of PCIe bridges: the kernel shows a ``config`` file beyond its first
   64 bytes only to CAP_SYS_ADMIN (drivers/pci/pci-sysfs.c, pci_read_config);
@@ -19,42 +20,49 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpunet_exporter.collector import Collector, Privilege
+from gpunet_exporter.registry import discover
+
 
 @dataclass(frozen=True)
 class Need:
-    """Data that one collector reads only with extra privileges."""
+    """Data that one collector reads only with extra privileges (its ``Privilege``)."""
 
     collector: str
     what: str
     capabilities: tuple[str, ...]
-    option: str | None = None  # a boolean setting of the collector that turns this reading off
-    option_default: bool = True
 
 
-NEEDS: tuple[Need, ...] = (
-    Need("topology", "ACS redirect of PCIe bridges", ("CAP_SYS_ADMIN",)),
-    Need("topology", "NCCL environment audit of other users' GPU processes",
-         ("CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH"), option="nccl_env_audit"),
-)
+def declared(classes: Mapping[str, type[Collector]] | None = None) -> list[Need]:
+    """Every privileged reading the collectors declare (``Collector.privileges``)."""
+    classes = discover() if classes is None else classes
+    return [Need(name, p.what, p.capabilities) for name, cls in sorted(classes.items())
+            for p in cls.privileges]
 
 
-def needs(enabled_collectors: Iterable[str], config: Mapping[str, Any]) -> list[Need]:
+def _wanted(cls: type[Collector], p: Privilege, section: object) -> bool:
+    if p.option is None:
+        return True
+    value = section.get(p.option) if isinstance(section, Mapping) else None
+    return bool(cls.config_fields[p.option].default if value is None else value)
+
+
+def needs(enabled_collectors: Iterable[str], config: Mapping[str, Any],
+          classes: Mapping[str, type[Collector]] | None = None) -> list[Need]:
     """The readings of the enabled collectors that want a capability.
 
     ``config`` maps a collector's name to its settings, as the configuration file and the
-    resolved per-collector sections both do; a setting that is absent has its default.
+    resolved per-collector sections both do; a setting that is absent has the default its
+    collector declares. ``classes`` defaults to the installed collectors.
     """
-    enabled = set(enabled_collectors)
+    classes = discover() if classes is None else classes
     out = []
-    for need in NEEDS:
-        if need.collector not in enabled:
+    for name in sorted(set(enabled_collectors)):
+        cls = classes.get(name)
+        if cls is None:
             continue
-        if need.option is not None:
-            section = config.get(need.collector)
-            value = section.get(need.option) if isinstance(section, Mapping) else None
-            if not (need.option_default if value is None else bool(value)):
-                continue
-        out.append(need)
+        out += [Need(name, p.what, p.capabilities) for p in cls.privileges
+                if _wanted(cls, p, config.get(name))]
     return out
 
 
@@ -81,4 +89,4 @@ def root_warning(enabled_collectors: Iterable[str], config: Mapping[str, Any], *
     return f"{head}no collector needs: {advice}; these capabilities give the same data: {gives}"
 
 
-__all__ = ["NEEDS", "Need", "needs", "root_warning"]
+__all__ = ["Need", "declared", "needs", "root_warning"]

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from exporter.config import (
+from gpunet_exporter.config import (
     ConfigError,
     Field,
     key_text,
@@ -33,7 +33,7 @@ from exporter.config import (
     text_problem,
     validate,
 )
-from exporter.httpserver import StartResponse, WSGIApp
+from gpunet_exporter.web.httpserver import StartResponse, WSGIApp
 
 log = logging.getLogger("gpunet.exporter")
 

@@ -1,0 +1,1 @@
+"""The long-running service: serving /metrics, hot-plug events, privilege checks."""

@@ -1,0 +1,2 @@
+"""Node health: alert thresholds, the generated Prometheus rules, the doctor and the metric
+reference."""

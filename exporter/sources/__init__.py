@@ -1,0 +1,2 @@
+"""Everything that touches the machine: sysfs, RDMA devices, ethtool, NVML, PCIe, QoS tools,
+subprocesses. Typed results, no metrics."""
