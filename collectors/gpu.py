@@ -114,7 +114,8 @@ _BG = " (read in the background every counters_interval_seconds)"
 PCIE_THROUGHPUT = MetricSpec(
     "gpunet_gpu_pcie_throughput_bytes_per_second", "gauge",
     "PCIe throughput over a 20 ms sample, NVML KB/s x 1000 (NVML does not say whether its KB "
-    "is 1000 or 1024 bytes; they differ by 2.4%)" + _BG, ("gpu", "direction"),
+    "is 1000 or 1024 bytes; they differ by 2.4%); direction tx (GPU to host) or rx" + _BG,
+    ("gpu", "direction"),
     "bytes per second", "nvmlDeviceGetPcieThroughput TX_BYTES / RX_BYTES")
 PCIE_REPLAYS = MetricSpec(
     "gpunet_gpu_pcie_replays_total", "counter",
@@ -610,8 +611,8 @@ class GpuCollector(Collector):
                 else:
                     raise _Failed(f"{const}: nvmlReturn {fv.nvmlReturn}")
         if self.ctx.config["pcie_throughput"]:
-            for counter, direction in ((nv.NVML_PCIE_UTIL_TX_BYTES, "transmit"),
-                                       (nv.NVML_PCIE_UTIL_RX_BYTES, "receive")):
+            for counter, direction in ((nv.NVML_PCIE_UTIL_TX_BYTES, "tx"),
+                                       (nv.NVML_PCIE_UTIL_RX_BYTES, "rx")):
                 kbps = self._call(st, "nvmlDeviceGetPcieThroughput", counter, background=True)
                 if kbps is not None:
                     out.append((PCIE_THROUGHPUT, (gpu, direction), kbps * 1000))

@@ -161,9 +161,9 @@ def test_background_pcie_counters(gpu: Gpu) -> None:
     assert not [n for (n, _) in s if "pcie_bytes" in n]
     # NVML reports KB/s (docs/formats.md §6.2): exported in bytes per second.
     assert value(s, "gpunet_gpu_pcie_throughput_bytes_per_second", gpu="0",
-                 direction="transmit") == 796_000
+                 direction="tx") == 796_000
     assert value(s, "gpunet_gpu_pcie_throughput_bytes_per_second", gpu="1",
-                 direction="receive") == 546_000
+                 direction="rx") == 546_000
     age = value(s, "gpunet_gpu_counters_age_seconds", gpu="0")
     assert age is not None and 0 <= age < 60
 

@@ -104,9 +104,14 @@ def test_wheel_builds_clean_with_its_license(tmp_path: Path) -> None:
         meta = z.read(next(n for n in names if n.endswith("/METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in meta
     assert any(n.endswith("/licenses/LICENSE") for n in names)
-    for name in ("collectors/data/infiniband_counters.csv", "collectors/data/pfc_ethtool.csv",
-                 "collectors/py.typed", "exporter/py.typed", "exporter/cli.py"):
+    for name in ("gpunet_exporter/collectors/data/infiniband_counters.csv",
+                 "gpunet_exporter/collectors/data/pfc_ethtool.csv",
+                 "gpunet_exporter/collectors/py.typed", "gpunet_exporter/py.typed",
+                 "gpunet_exporter/cli.py", "gpunet_exporter/sources/rdma.py"):
         assert name in names
+    # One top-level name, unique to this project: nothing installs as exporter or collectors.
+    assert {n.split("/")[0] for n in names if not n.startswith("gpunet_exporter-")} == {
+        "gpunet_exporter"}
     assert not [n for n in names if n.startswith("tests/")]
     assert "Apache License" in (REPO / "LICENSE").read_text()
     assert (REPO / "CHANGELOG.md").read_text().startswith("# Changelog")
