@@ -20,19 +20,13 @@ from gpunet_exporter.collectors.tables import load
 from gpunet_exporter.config import Field
 from gpunet_exporter.inventory import KINDS, MAX_NAMES, Inventory
 from gpunet_exporter.sources import rdma
-from gpunet_exporter.sources.rdma import BYTES_PER_GBIT, parse_rate
+from gpunet_exporter.sources.rdma import BYTES_PER_GBIT, parse_rate, parse_state
 from gpunet_exporter.sources.sysfs import parse_int, parse_uint
 
 STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
 PHYS_STATES = {1: "Sleep", 2: "Polling", 3: "Disabled", 4: "PortConfigurationTraining",
                5: "LinkUp", 6: "LinkErrorRecovery", 7: "Phy Test"}
 ACTIVE = (4, 5)
-
-
-def parse_state(text: str) -> int | None:
-    """The numeric id of a ``state``/``phys_state`` file ("4: ACTIVE"), split on the first ':'."""
-    head, sep, _ = text.partition(":")
-    return parse_int(head.strip()) if sep else None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ which runs in the background on its own interval, never in the scrape.
 from __future__ import annotations
 
 import logging
-import re
 import shutil
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -22,45 +21,13 @@ from gpunet_exporter.collector import Collector, CollectorContext, Families, Met
 from gpunet_exporter.config import Field
 from gpunet_exporter.sources import rdma
 from gpunet_exporter.sources.commands import run_command
-from gpunet_exporter.sources.sysfs import parse_int, parse_uint
+from gpunet_exporter.sources.ibv_devinfo import parse_ibv_devinfo
+from gpunet_exporter.sources.rdma import roce_active_mtu
+from gpunet_exporter.sources.sysfs import parse_int
 
 # RFC 2863 operational states as the kernel prints them (include/uapi/linux/if.h IF_OPER_*).
 OPERSTATES = {"unknown": 0, "notpresent": 1, "down": 2, "lowerlayerdown": 3, "testing": 4,
               "dormant": 5, "up": 6}
-IB_MTUS = (4096, 2048, 1024, 512, 256)
-# GRH 40 + UDP 8 + BTH 12 + XRC 4 + AtomicETH 28 + ICRC 4 (include/rdma/ib_addr.h iboe_get_mtu).
-ROCE_HEADER_BYTES = 96
-
-
-def roce_active_mtu(netdev_mtu: int) -> int | None:
-    """The RDMA MTU the kernel derives for a RoCE port from its netdev MTU (9000 -> 4096)."""
-    payload = netdev_mtu - ROCE_HEADER_BYTES
-    return next((m for m in IB_MTUS if payload >= m), None)
-
-
-_KV = re.compile(r"^\s*([A-Za-z_]+):\s*(.*?)\s*$")
-
-
-def parse_ibv_devinfo(text: str) -> dict[tuple[str, str], int]:
-    """Active MTU per (device, port) from ``ibv_devinfo`` output; unknown lines are ignored."""
-    out: dict[tuple[str, str], int] = {}
-    device = port = ""
-    for line in text.splitlines():
-        m = _KV.match(line)
-        if not m:
-            continue
-        key, value = m.groups()
-        if key == "hca_id":
-            device, port = value, ""
-        elif key == "port":
-            port = value
-        elif key == "active_mtu" and device and port:
-            mtu = parse_uint(value.split(" ", 1)[0])
-            if mtu is not None:
-                out[(device, port)] = mtu
-    return out
-
-
 _I = ("interface",)
 _DP = ("device", "port")
 _NET = "/sys/class/net/<interface>"

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 from prometheus_client.core import Metric
 
@@ -36,7 +36,7 @@ from gpunet_exporter.collectors.tables import load
 from gpunet_exporter.config import Field
 from gpunet_exporter.sources import rdma
 from gpunet_exporter.sources.commands import CommandError, CommandTimeout, run_command
-from gpunet_exporter.sources.ethtool import EthtoolReader, NicStats, parse_stats_text
+from gpunet_exporter.sources.ethtool import CommandStatsReader, EthtoolReader, StatsReader
 from gpunet_exporter.sources.qos import (
     PRIORITIES,
     QOS_FILES,
@@ -234,30 +234,6 @@ REFRESH_AGE = MetricSpec(
 CONFIG_SPECS = (CONFIG_INFO, PFC_ENABLED, PRIORITY_TC, TC_INFO, TC_BW, TC_RATE, DSCP_PRIORITY,
                 DEFAULT_PRIORITY, BUFFER_SIZE, BUFFER_CAPACITY, PRIORITY_BUFFER, ECN_ENABLED,
                 ECN_CNP_DSCP, ECN_CNP_PRIORITY, REFRESH_SUCCESS, REFRESH_AGE)
-
-
-class StatsReader(Protocol):
-    """Where the counters come from: the ioctl, ``ethtool -S``, or a test's stand-in."""
-
-    def read(self, ifname: str) -> NicStats: ...
-
-    def close(self) -> None: ...
-
-
-class CommandStatsReader:
-    """Runs ``ethtool -S IF`` (no shell, with a timeout) and parses its text."""
-
-    def __init__(self, path: str, timeout: float) -> None:
-        self.path, self.timeout = path, timeout
-
-    def read(self, ifname: str) -> NicStats:
-        try:
-            return parse_stats_text(run_command([self.path, "-S", ifname], self.timeout))
-        except CommandError as exc:
-            raise OSError(errno.EIO, str(exc)) from None
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass(frozen=True)

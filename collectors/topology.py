@@ -16,8 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import ClassVar
 
@@ -34,15 +33,21 @@ from gpunet_exporter.config import Field
 from gpunet_exporter.nccl.env import NCCL_FAULT_CLASSES, NCCL_FINDINGS, env_settings, parse_environ
 from gpunet_exporter.sources import nvml, rdma
 from gpunet_exporter.sources.pcie import (
+    ACS_REDIRECT_BITS,
     PATHS,
     PCI_ADDRESS,
     RANK,
     Endpoint,
+    acs_control,
     endpoint,
+    link_degraded,
+    parse_link_speed,
+    parse_link_width,
     relation,
     resolve,
 )
-from gpunet_exporter.sources.sysfs import parse_int, parse_uint
+from gpunet_exporter.sources.proc import parse_kernel_release, parse_nvidia_version, parse_starttime
+from gpunet_exporter.sources.sysfs import parse_int
 
 _NVIDIA = "0x10de"
 _GPU_CLASSES = ("0x0300", "0x0302")  # VGA compatible controller, 3D controller
@@ -57,13 +62,6 @@ PEERMEM_FILES = (
 )
 DMABUF_MIN_KERNEL = (5, 12)
 _LABEL_MAX = 32
-
-# PCIe extended capabilities (PCIe base spec 7.6.3 and 7.7.8).
-_EXT_CAP_START = 0x100
-_EXT_CAP_MAX = (4096 - 0x100) // 8  # more than this many capabilities means a loop
-_ACS_ID = 0x000D
-_ACS_CONTROL = 6  # offset of the ACS Control register in the capability
-_ACS_REDIRECT = 0x0004 | 0x0008  # P2P Request Redirect, P2P Completion Redirect
 
 # Errors that mean "not ours to read" or "already gone": expected, not a fault of the exporter.
 _PROC_EXPECTED = (errno.EACCES, errno.EPERM, errno.ENOENT, errno.ESRCH)
@@ -181,80 +179,6 @@ NEAREST_RAIL_NIC = MetricSpec(
     "are topology.rail_devices minus topology.rail_exclude, by default every device), ranked "
     "like gpunet_topology_gpu_nearest_nic", _GDP, "", _PCI_SOURCE)
 _LINK_FILES = ("current_link_speed", "current_link_width", "max_link_speed", "max_link_width")
-# "32.0 GT/s PCIe" (pci_speed_string, Linux 5.3+), "8 GT/s" and "2.5 GT/s" (older kernels),
-# "Unknown" (drivers/pci/pci-sysfs.c, docs/formats.md §9).
-_LINK_SPEED = re.compile(r"^(\d+(?:\.\d+)?) GT/s(?: PCIe)?$")
-
-
-def parse_link_speed(text: str) -> float | None:
-    """Transfers per second from a sysfs ``*_link_speed`` value; None for "Unknown"."""
-    m = _LINK_SPEED.match(text)
-    return float(m.group(1)) * 1e9 if m else None
-
-
-def parse_link_width(text: str) -> int | None:
-    """Lanes from a sysfs ``*_link_width`` value; None for 0 (link down, or unknown)."""
-    value = parse_uint(text)
-    return value or None
-
-
-def link_degraded(cur_speed: float, cur_width: int, dev_speed: float, dev_width: int,
-                  up_speed: float, up_width: int) -> bool:
-    """Whether a link trained below what both ends allow: current below min(device max,
-    upstream max) in speed or width. Comparing with the device's maximum alone would call a
-    x16 NIC in a x8 slot degraded (scitix/sichek issue 122)."""
-    return cur_speed < min(dev_speed, up_speed) or cur_width < min(dev_width, up_width)
-
-
-def _little_endian(raw: bytes, size: int) -> int:
-    if len(raw) < size:
-        raise EOFError
-    return int.from_bytes(raw, "little")
-
-
-def acs_control(read: Callable[[int, int], bytes]) -> int | None:
-    """The ACS Control register of a PCIe function, found by walking its extended capability
-    list with ``read(offset, size)`` on its config space; None without an ACS capability.
-    Raises EOFError when the config space ends early, as it does past 64 bytes for a reader
-    without CAP_SYS_ADMIN (drivers/pci/pci-sysfs.c pci_read_config)."""
-    offset = _EXT_CAP_START
-    for _ in range(_EXT_CAP_MAX):
-        header = _little_endian(read(offset, 4), 4)
-        if header in (0, 0xFFFFFFFF):  # no extended capabilities; a device gone
-            return None
-        if header & 0xFFFF == _ACS_ID:
-            return _little_endian(read(offset + _ACS_CONTROL, 2), 2)
-        offset = (header >> 20) & 0xFFC
-        if offset < _EXT_CAP_START:  # 0: the end of the list
-            return None
-    return None  # a list that loops
-
-
-
-def parse_starttime(stat: str) -> int | None:
-    """Field 22 of /proc/<pid>/stat (clock ticks after boot); comm may hold spaces and ')'."""
-    fields = stat[stat.rfind(")") + 1:].split()
-    return parse_uint(fields[19]) if len(fields) > 19 else None
-
-
-def parse_nvidia_version(text: str) -> tuple[str, str] | None:
-    """(flavor, version) from /proc/driver/nvidia/version's NVRM line, or None."""
-    line = text.splitlines()[0] if text else ""
-    if not line.startswith("NVRM version:"):
-        return None
-    flavor = "open" if "Open Kernel Module" in line else "proprietary"
-    version = next((t for t in line.split() if re.fullmatch(r"\d+(?:\.\d+)+", t)), "")
-    return flavor, version[:_LABEL_MAX]
-
-
-def parse_kernel_release(text: str) -> tuple[int, int] | None:
-    m = re.match(r"(\d+)\.(\d+)", text)
-    if not m:
-        return None
-    major, minor = parse_uint(m.group(1)), parse_uint(m.group(2))
-    return (major, minor) if major is not None and minor is not None else None
-
-
 def _pci_sort_key(address: str) -> tuple[int, ...]:
     domain, bus, devfn = address.split(":")
     dev, fn = devfn.split(".")
@@ -526,7 +450,7 @@ class TopologyCollector(Collector):
             self.ctx.log_once(logging.DEBUG, "cannot read ACS of %s: %s; no ACS series for its "
                               "GPU-NIC pairs", bridge, exc.strerror or exc)
             return None
-        return control is not None and bool(control & _ACS_REDIRECT)
+        return control is not None and bool(control & ACS_REDIRECT_BITS)
 
     # -- GPUDirect RDMA --------------------------------------------------------------------
 

@@ -129,21 +129,11 @@ from gpunet_exporter.background import Refresher
 from gpunet_exporter.collector import Collector
 from gpunet_exporter.collectors import tables
 from gpunet_exporter.collectors.gpu import GpuCollector
-from gpunet_exporter.collectors.infiniband import HW_NAMES, InfinibandCollector, parse_state
-from gpunet_exporter.collectors.link import LinkCollector, parse_ibv_devinfo, roce_active_mtu
+from gpunet_exporter.collectors.infiniband import HW_NAMES, InfinibandCollector
+from gpunet_exporter.collectors.link import LinkCollector
 from gpunet_exporter.collectors.pfc import NAMES, PfcCollector, _plan
 from gpunet_exporter.collectors.probe import ProbeCollector
-from gpunet_exporter.collectors.topology import (
-    PATHS,
-    Endpoint,
-    TopologyCollector,
-    acs_control,
-    endpoint,
-    parse_kernel_release,
-    parse_nvidia_version,
-    parse_starttime,
-    relation,
-)
+from gpunet_exporter.collectors.topology import TopologyCollector
 from gpunet_exporter.config import (
     MAX_VALUES,
     ConfigError,
@@ -178,6 +168,9 @@ from gpunet_exporter.sources.ethtool import (
     NicStats,
     parse_stats_text,
 )
+from gpunet_exporter.sources.ibv_devinfo import parse_ibv_devinfo
+from gpunet_exporter.sources.pcie import PATHS, Endpoint, acs_control, endpoint, relation
+from gpunet_exporter.sources.proc import parse_kernel_release, parse_nvidia_version, parse_starttime
 from gpunet_exporter.sources.qos import (
     PRIORITIES,
     QosConfig,
@@ -186,7 +179,7 @@ from gpunet_exporter.sources.qos import (
     parse_qos_sysfs,
     read_ecn,
 )
-from gpunet_exporter.sources.rdma import parse_rate
+from gpunet_exporter.sources.rdma import parse_rate, parse_state, roce_active_mtu
 from gpunet_exporter.sources.sysfs import Root, parse_int, parse_uint
 from gpunet_exporter.web.webconfig import BasicAuth, _schema, load_web_config, wrap
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpunet_exporter.collectors.infiniband import parse_state
-from gpunet_exporter.collectors.link import parse_ibv_devinfo, roce_active_mtu
-from gpunet_exporter.sources.rdma import parse_rate
+from gpunet_exporter.sources.ibv_devinfo import parse_ibv_devinfo
+from gpunet_exporter.sources.rdma import parse_rate, parse_state, roce_active_mtu
 
 # (speed name, per-lane Gb/s) from docs/formats.md §1.3; widths 1X 2X 4X 8X 12X.
 SPEEDS = [("SDR", 2.5), ("DDR", 5), ("QDR", 10), ("FDR10", 10), ("FDR", 14), ("EDR", 25),

@@ -19,15 +19,7 @@ import pytest
 from gpunet_exporter.collector import Collector
 from gpunet_exporter.collectors.infiniband import InfinibandCollector
 from gpunet_exporter.collectors.link import LinkCollector
-from gpunet_exporter.collectors.topology import (
-    Endpoint,
-    TopologyCollector,
-    _pci_sort_key,
-    parse_kernel_release,
-    parse_nvidia_version,
-    parse_starttime,
-    relation,
-)
+from gpunet_exporter.collectors.topology import TopologyCollector, _pci_sort_key
 from gpunet_exporter.nccl.env import (
     NCCL_FAULT_CLASSES,
     NCCL_FINDINGS,
@@ -39,6 +31,8 @@ from gpunet_exporter.nccl.env import (
     strtol,
 )
 from gpunet_exporter.sources.nvml import Gpu
+from gpunet_exporter.sources.pcie import Endpoint, relation
+from gpunet_exporter.sources.proc import parse_kernel_release, parse_nvidia_version, parse_starttime
 from gpunet_exporter.sources.sysfs import Root
 
 import sysfs_tree as st
@@ -1021,11 +1015,7 @@ def test_nic_on_a_host_bridge_has_no_verdict(tmp_path: Path) -> None:
 
 
 def test_parse_link_attributes() -> None:
-    from gpunet_exporter.collectors.topology import (
-        link_degraded,
-        parse_link_speed,
-        parse_link_width,
-    )
+    from gpunet_exporter.sources.pcie import link_degraded, parse_link_speed, parse_link_width
     assert parse_link_speed("32.0 GT/s PCIe") == 32e9
     assert parse_link_speed("2.5 GT/s PCIe") == 2.5e9
     assert parse_link_speed("8 GT/s") == 8e9  # kernels before 5.3

@@ -26,7 +26,9 @@ import socket
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+from gpunet_exporter.sources.commands import CommandError, run_command
 from gpunet_exporter.sources.sysfs import parse_uint
 
 SIOCETHTOOL = 0x8946
@@ -162,3 +164,27 @@ def parse_stats_text(text: str) -> NicStats:
             names.append(name)
             values.append(value)
     return NicStats(tuple(names), values)
+
+
+class StatsReader(Protocol):
+    """Where the counters come from: the ioctl, ``ethtool -S``, or a test's stand-in."""
+
+    def read(self, ifname: str) -> NicStats: ...
+
+    def close(self) -> None: ...
+
+
+class CommandStatsReader:
+    """Runs ``ethtool -S IF`` (no shell, with a timeout) and parses its text."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.path, self.timeout = path, timeout
+
+    def read(self, ifname: str) -> NicStats:
+        try:
+            return parse_stats_text(run_command([self.path, "-S", ifname], self.timeout))
+        except CommandError as exc:
+            raise OSError(errno.EIO, str(exc)) from None
+
+    def close(self) -> None:
+        pass

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpunet_exporter.sources.sysfs import Root
+from gpunet_exporter.sources.sysfs import Root, parse_uint
 
 PCI_ADDRESS = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 HOST_BRIDGE = re.compile(r"pci[0-9a-f]{4,8}:[0-9a-f]{2}")
@@ -78,3 +79,59 @@ def relation(a: Endpoint, b: Endpoint) -> Relation:
     else:
         path = "PIX" if len(below_a) <= 1 and len(below_b) <= 1 else "PXB"
     return Relation(path, below_a + below_b)
+
+
+# PCIe extended capabilities (PCIe base spec 7.6.3 and 7.7.8).
+_EXT_CAP_START = 0x100
+_EXT_CAP_MAX = (4096 - 0x100) // 8  # more than this many capabilities means a loop
+_ACS_ID = 0x000D
+_ACS_CONTROL = 6  # offset of the ACS Control register in the capability
+ACS_REDIRECT_BITS = 0x0004 | 0x0008  # P2P Request Redirect, P2P Completion Redirect
+
+# "32.0 GT/s PCIe" (pci_speed_string, Linux 5.3+), "8 GT/s" and "2.5 GT/s" (older kernels),
+# "Unknown" (drivers/pci/pci-sysfs.c, docs/formats.md §9).
+_LINK_SPEED = re.compile(r"^(\d+(?:\.\d+)?) GT/s(?: PCIe)?$")
+
+
+def parse_link_speed(text: str) -> float | None:
+    """Transfers per second from a sysfs ``*_link_speed`` value; None for "Unknown"."""
+    m = _LINK_SPEED.match(text)
+    return float(m.group(1)) * 1e9 if m else None
+
+
+def parse_link_width(text: str) -> int | None:
+    """Lanes from a sysfs ``*_link_width`` value; None for 0 (link down, or unknown)."""
+    value = parse_uint(text)
+    return value or None
+
+
+def link_degraded(cur_speed: float, cur_width: int, dev_speed: float, dev_width: int,
+                  up_speed: float, up_width: int) -> bool:
+    """Whether a link trained below what both ends allow: current below min(device max,
+    upstream max) in speed or width. Comparing with the device's maximum alone would call a
+    x16 NIC in a x8 slot degraded (scitix/sichek issue 122)."""
+    return cur_speed < min(dev_speed, up_speed) or cur_width < min(dev_width, up_width)
+
+
+def _little_endian(raw: bytes, size: int) -> int:
+    if len(raw) < size:
+        raise EOFError
+    return int.from_bytes(raw, "little")
+
+
+def acs_control(read: Callable[[int, int], bytes]) -> int | None:
+    """The ACS Control register of a PCIe function, found by walking its extended capability
+    list with ``read(offset, size)`` on its config space; None without an ACS capability.
+    Raises EOFError when the config space ends early, as it does past 64 bytes for a reader
+    without CAP_SYS_ADMIN (drivers/pci/pci-sysfs.c pci_read_config)."""
+    offset = _EXT_CAP_START
+    for _ in range(_EXT_CAP_MAX):
+        header = _little_endian(read(offset, 4), 4)
+        if header in (0, 0xFFFFFFFF):  # no extended capabilities; a device gone
+            return None
+        if header & 0xFFFF == _ACS_ID:
+            return _little_endian(read(offset + _ACS_CONTROL, 2), 2)
+        offset = (header >> 20) & 0xFFC
+        if offset < _EXT_CAP_START:  # 0: the end of the list
+            return None
+    return None  # a list that loops

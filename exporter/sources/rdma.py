@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
-from gpunet_exporter.sources.sysfs import Root, parse_uint
+from gpunet_exporter.sources.sysfs import Root, parse_int, parse_uint
 
 CLASS = "class/infiniband"
 _PCI_ADDRESS = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
@@ -172,3 +172,20 @@ def parse_rate(text: str) -> Rate | None:
     if gbps is None or not lanes:  # numbers int() refuses or beyond 20 digits; no lanes
         return None
     return Rate(gbps + (0.5 if m.group(2) else 0.0), lanes, m.group(4) or "SDR")
+
+
+IB_MTUS = (4096, 2048, 1024, 512, 256)
+# GRH 40 + UDP 8 + BTH 12 + XRC 4 + AtomicETH 28 + ICRC 4 (include/rdma/ib_addr.h iboe_get_mtu).
+ROCE_HEADER_BYTES = 96
+
+
+def roce_active_mtu(netdev_mtu: int) -> int | None:
+    """The RDMA MTU the kernel derives for a RoCE port from its netdev MTU (9000 -> 4096)."""
+    payload = netdev_mtu - ROCE_HEADER_BYTES
+    return next((m for m in IB_MTUS if payload >= m), None)
+
+
+def parse_state(text: str) -> int | None:
+    """The numeric id of a ``state``/``phys_state`` file ("4: ACTIVE"), split on the first ':'."""
+    head, sep, _ = text.partition(":")
+    return parse_int(head.strip()) if sep else None
