@@ -158,7 +158,7 @@ def check_against_smi(url: str, checks: Checks) -> dict[str, Any]:
         lbl = info[0]
         checks.eq(f"gpu {g} uuid", lbl["uuid"], row["uuid"])
         checks.eq(f"gpu {g} name", lbl["name"], row["name"])
-        checks.eq(f"gpu {g} pci_bus_id", lbl["pci_bus_id"], row["pci.bus_id"][-12:].lower())
+        checks.eq(f"gpu {g} pci_address", lbl["pci_address"], row["pci.bus_id"][-12:].lower())
         checks.eq(f"gpu {g} driver_version", lbl["driver_version"], row["driver_version"])
         total = pick(s, "gpunet_gpu_memory_total_bytes", gpu=g)
         checks.eq(f"gpu {g} memory total MiB", int((total or 0) // MIB), int(row["memory.total"]))

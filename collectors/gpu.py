@@ -47,9 +47,9 @@ XID_LABELS_PER_GPU = 64  # XID codes are a small enumeration; anything beyond th
 
 INFO = MetricSpec(
     "gpunet_gpu_info", "gauge",
-    "Always 1; static attributes of the GPU (gpu is the NVML index, pci_bus_id the sysfs PCI "
+    "Always 1; static attributes of the GPU (gpu is the NVML index, pci_address the sysfs PCI "
     "address, numa_node -1 when unknown)",
-    ("gpu", "uuid", "name", "pci_bus_id", "driver_version", "numa_node"), "",
+    ("gpu", "uuid", "name", "pci_address", "driver_version", "numa_node"), "",
     "nvmlDeviceGetUUID, GetName, GetPciInfo, GetNumaNodeId (or sysfs numa_node), "
     "nvmlSystemGetDriverVersion")
 NVML_UP = MetricSpec(

@@ -83,8 +83,9 @@ DEVICE_INFO = MetricSpec(
     "device/numa_node")
 PORT_INFO = MetricSpec(
     "gpunet_infiniband_port_info", "gauge",
-    "Always 1; link layer (InfiniBand or Ethernet for RoCE) and the netdev behind the port",
-    ("device", "port", "link_layer", "netdev"), "",
+    "Always 1; link layer (InfiniBand or Ethernet for RoCE) and the netdev behind the port "
+    "(interface, as every other netdev label)",
+    ("device", "port", "link_layer", "interface"), "",
     "ports/<port>/link_layer; netdev from ports/<port>/gid_attrs/ndevs/<idx> or device/net/")
 STATE = MetricSpec(
     "gpunet_infiniband_port_state_id", "gauge",

@@ -548,7 +548,7 @@ def fleet() -> Json:
         "netdev. Empty is healthy. DOWN/Polling: no cable, dead optic or switch port; INIT: "
         "link up but no subnet manager has configured the port.",
         [target(f"({sel('gpunet_infiniband_port_state_id')} != 4) * on (instance, job, "
-                f"device, port) group_left (link_layer, netdev) "
+                f"device, port) group_left (link_layer, interface) "
                 f"{sel('gpunet_infiniband_port_info')}", table=True)], "none",
         rename={"Value": "state"}, overrides=[state_col]), 12, 8)
     lay.add(table(

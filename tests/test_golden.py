@@ -310,7 +310,7 @@ def test_gpu_and_topology_facts(scrape: Scrape) -> None:
         assert value(s, "gpunet_scrape_collector_success", collector=collector) == 1, collector
         assert value(s, "gpunet_scrape_collector_unreadable_values", collector=collector) == 0
     # The capture's two H200s at the tree's first two GPU addresses, one process each.
-    buses = {dict(lbl)["gpu"]: dict(lbl)["pci_bus_id"] for lbl in series(s, "gpunet_gpu_info")}
+    buses = {dict(lbl)["gpu"]: dict(lbl)["pci_address"] for lbl in series(s, "gpunet_gpu_info")}
     assert buses == {"0": "0000:1b:00.0", "1": "0000:43:00.0"}
     assert series(s, "gpunet_gpu_compute_processes") == {
         frozenset({("gpu", "0")}): 1, frozenset({("gpu", "1")}): 1}

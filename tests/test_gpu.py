@@ -89,7 +89,7 @@ def test_capture_values_exactly(gpu: Gpu) -> None:
     assert gpu.c.ctx.unreadable == 0
     for i, (uuid, bdf) in enumerate(((UUID0, "0000:00:06.0"), (UUID1, "0000:00:07.0"))):
         dev, g = CAPTURE["devices"][i], str(i)
-        info = {"gpu": g, "uuid": uuid, "name": "NVIDIA H200", "pci_bus_id": bdf,
+        info = {"gpu": g, "uuid": uuid, "name": "NVIDIA H200", "pci_address": bdf,
                 "driver_version": "580.159.04", "numa_node": "-1"}
         assert series(s, "gpunet_gpu_info")[frozenset(info.items())] == 1
         mem = dev["nvmlDeviceGetMemoryInfo"]["ok"]

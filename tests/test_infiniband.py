@@ -50,9 +50,9 @@ def test_healthy_dgx(dgx: Path) -> None:
                       "node_guid").read_text().strip(), "pci_address": "0000:18:00.0",
                       "numa_node": "0"}
     ports = {dict(lbl)["device"]: dict(lbl) for lbl in series(s, "gpunet_infiniband_port_info")}
-    assert ports["mlx5_0"]["link_layer"] == "InfiniBand" and ports["mlx5_0"]["netdev"] == "ibp24s0"
+    assert ports["mlx5_0"]["link_layer"] == "InfiniBand" and ports["mlx5_0"]["interface"] == "ibp24s0"
     assert ports["mlx5_8"]["link_layer"] == "Ethernet"
-    assert ports["mlx5_8"]["netdev"] == "enp41s0f0np0"  # from gid_attrs/ndevs
+    assert ports["mlx5_8"]["interface"] == "enp41s0f0np0"  # from gid_attrs/ndevs
     for dev in IB + ROCE:
         assert value(s, "gpunet_infiniband_port_state_id", device=dev, port="1") == 4
         assert value(s, "gpunet_infiniband_port_phys_state_id", device=dev, port="1") == 5
@@ -286,7 +286,7 @@ def test_no_pma(dgx: Path) -> None:
     assert value(s, "gpunet_infiniband_port_symbol_errors_total", device="mlx5_2",
                  port="1") is None
     assert value(s, "gpunet_infiniband_port_info", device="mlx5_2", port="1", link_layer=
-                 "InfiniBand", netdev="ibp79s0") == 1
+                 "InfiniBand", interface="ibp79s0") == 1
     assert value(s, "gpunet_infiniband_port_hw_out_of_buffer_drops_total", device="mlx5_2",
                  port="1") is not None  # hw_counters do not go through the PMA
     assert value(s, "gpunet_infiniband_port_symbol_errors_total", device="mlx5_1",
@@ -530,7 +530,7 @@ def test_inventory_learns_persists_and_notices_a_device_gone(dgx: Path, tmp_path
     assert [p.name for p in state.parent.iterdir()] == ["inventory.json"]  # no temporary left
 
     # The NIC falls off the bus: its device, port and netdev are gone, in this process...
-    netdev = next(dict(lbl)["netdev"] for lbl in series(s, "gpunet_infiniband_port_info")
+    netdev = next(dict(lbl)["interface"] for lbl in series(s, "gpunet_infiniband_port_info")
                   if ("device", "mlx5_3") in lbl)
     (dgx / "class/infiniband/mlx5_3").unlink()
     s = samples_of(list(c.collect()))

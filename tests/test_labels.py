@@ -326,7 +326,7 @@ def test_roce_netdev_name_not_utf8(dgx: Path) -> None:
     s, _ = expose(make_collector(InfinibandCollector, dgx), link)
     shown = name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     assert value(s, "gpunet_infiniband_port_info", device="mlx5_8", port="1",
-                 link_layer="Ethernet", netdev=shown) == 1
+                 link_layer="Ethernet", interface=shown) == 1
     assert unreadable(s, "infiniband") == 0 and unreadable(s, "link") == 0
     assert len(series(s, "gpunet_link_mtu_bytes")) == 9
 

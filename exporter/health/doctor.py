@@ -204,7 +204,7 @@ def check_links(c: Check) -> None:
         if v == 1:
             dev = lbl["device"]
             info = next((i for i, _ in b.all("gpunet_topology_nic_pcie_info", device=dev)), {})
-            bdf = info.get("address") or (
+            bdf = info.get("pci_address") or (
                 f"$(basename $(readlink /sys/class/infiniband/{dev}/device))")
             link = {(lb["end"], name): x for name in (
                 "speed_transfers_per_second", "width_lanes", "max_speed_transfers_per_second",

@@ -57,7 +57,7 @@ def _g(v: float) -> str:
 def _port_with_interface(expr: str) -> str:
     """``expr`` (labels instance, device, port) with the port's netdev as ``interface``, so
     Alertmanager can inhibit the interface's alerts too; unchanged where there is no info."""
-    info = ('label_replace(gpunet_infiniband_port_info, "interface", "$1", "netdev", "(.+)")')
+    info = 'gpunet_infiniband_port_info{interface!=""}'
     return (f"(\n  {expr}\n) * on (instance, device, port) group_left (interface) {info}\n"
             f"or on (instance, device, port)\n(\n  {expr}\n)")
 
