@@ -1,51 +1,57 @@
 """probe collector: the results of micro all-reduce probes (exporter/probe/runner.py).
 
-The collector never imports torch. With ``runner: intra`` (default) a supervisor thread starts
-``gpunet-probe run`` in its own process group, which keeps running rounds every
-``interval_seconds``: the ``intra`` scope (the GPUs among themselves, with two or more) and the
-``net`` scope (the GPUs through the node's NICs). The launcher kills a group whose start or round
-takes longer than ``timeout_seconds`` itself; a launcher whose status file has not moved for
-that long and a grace period more has its whole process group killed (a hung NCCL never blocks
-anything) and is started again, as it is after any exit. Results come from the files the runner
-writes atomically into ``state_dir`` (exporter/probe/results.py); cluster-mode ranks started by
-torchrun or srun write ``inter.json`` there, and the collector exports whatever it finds, so
-``runner: none`` serves those alone.
+The collector never imports torch. With ``runner: intra`` (default) the probe's supervisor
+(exporter/probe/supervisor.py) keeps ``gpunet-probe run`` running in its own process group,
+which runs rounds every ``interval_seconds``: the ``intra`` scope (the GPUs among themselves,
+with two or more) and the ``net`` scope (the GPUs through the node's NICs); it kills a hung
+runner's whole process group and starts it again, as after any exit. Results come from the files
+the runner writes atomically into ``state_dir`` (exporter/probe/results.py); cluster-mode ranks
+started by torchrun or srun write ``inter.json`` there, and the collector exports whatever it
+finds, so ``runner: none`` serves those alone.
 
-Scrapes read only what the supervisor thread cached: every value is from the last round, whose
-time and success come with it.
+The runner's command line carries only the settings that differ from the runner's own defaults,
+and the configuration's defaults are the runner's (runner.run_defaults): each default is written
+once, in runner.add_run_arguments.
+
+Scrapes read only the supervisor's last snapshot: every value is from the last round, whose
+time and success come with it. This module maps those results to metrics.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import math
-import os
-import signal
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import IO, ClassVar
+from typing import Any, ClassVar
 
 from prometheus_client.core import Metric
 
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
 from gpunet_exporter.config import Field
-from gpunet_exporter.probe import results
+from gpunet_exporter.probe import results, runner, supervisor
 from gpunet_exporter.probe.results import Result
-from gpunet_exporter.sources import nvml, rdma
+from gpunet_exporter.sources import rdma
 
-REASONS = (*results.FAILURE_REASONS, "bad_result")
+REASONS = supervisor.REASONS
 _S = ("scope",)
 _CACHED = (" Cached: from the probe's last round (every probe.interval_seconds; "
            "gpunet_probe_last_round_timestamp_seconds says when)")
 _FILE = "<probe.state_dir>/<scope>.json, written by gpunet-probe"
-POLL_SECONDS = 0.5
-RESTART_BACKOFF_MAX = 60.0
-GRACE_MAX = 10.0  # seconds past a phase's own limit before the supervisor kills the launcher
+# The runner's defaults (`gpunet-probe run`), the configuration's defaults too.
+RUNNER_DEFAULTS = runner.run_defaults()
+# Configuration keys that are options of `gpunet-probe run`: the option's name there.
+RUN_OPTIONS = {"backend": "backend", "nprocs": "nprocs", "scopes": "scopes",
+               "pin_hca": "pin_hca", "straggler_min_ratio": "straggler_min_ratio",
+               "sizes": "sizes", "warmup": "warmup", "iterations": "iterations",
+               "interval_seconds": "interval", "timeout_seconds": "timeout",
+               "memory_cap_bytes": "memory_cap", "busy_utilization": "busy_utilization",
+               "skip_busy": "skip_busy"}
+
+
+def _default(key: str) -> Any:
+    """The runner's default of a configuration key that is one of its options."""
+    value = RUNNER_DEFAULTS[RUN_OPTIONS[key]]
+    return list(value) if isinstance(value, list) else value
+
 
 SUCCESS = MetricSpec(
     "gpunet_probe_success", "gauge",
@@ -153,14 +159,6 @@ PROBLEM = MetricSpec(
     "NCCL INFO log of the probe")
 
 
-@dataclass
-class _ScopeState:
-    last: Result | None = None  # the last result read, successful or not
-    good: Result | None = None  # the last successful one
-    mtime_ns: int = 0
-    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
-
-
 class ProbeCollector(Collector):
     name = "probe"
     description = ("Micro all-reduce probes through torch.distributed/NCCL run outside the "
@@ -176,247 +174,71 @@ class ProbeCollector(Collector):
                         "cluster-mode ranks write", default="intra", choices=("intra", "none")),
         "command": Field("list", "the runner program (default: gpunet-probe of this Python)",
                          item=Field("str")),
-        "backend": Field("str", "nccl (GPUs) or gloo (CPUs)", default="nccl",
+        "backend": Field("str", "nccl (GPUs) or gloo (CPUs)", default=_default("backend"),
                          choices=("nccl", "gloo")),
         "nprocs": Field("int", "local GPUs to probe (0: every visible GPU; gloo: 2 stand-ins)",
-                        default=0, minimum=0),
+                        default=_default("nprocs"), minimum=0),
         "scopes": Field("list", "what the node's rounds measure: intra (GPUs among themselves, "
                         "needs two), net (GPUs through the NICs)",
-                        default=list(results.NODE_SCOPES),
+                        default=_default("scopes"),
                         item=Field("str", choices=results.NODE_SCOPES)),
         "pin_hca": Field("bool", "net scope: pin each rank to the ACTIVE RDMA port nearest its "
-                         "GPU (NCCL_IB_HCA), so that every NIC is exercised", default=True),
+                         "GPU (NCCL_IB_HCA), so that every NIC is exercised",
+                         default=_default("pin_hca")),
         "straggler_min_ratio": Field("number", "the late rank is named when the others wait "
                                      "at least this share of their collective time for it",
-                                     default=0.2, minimum=0, maximum=1),
+                                     default=_default("straggler_min_ratio"), minimum=0,
+                                     maximum=1),
         "sizes": Field("list", "all-reduce message sizes in bytes (multiples of 4: float32)",
                        item=Field("int", minimum=4, multiple_of=4),
-                       default=[8 << 10, 1 << 20, 64 << 20]),
-        "warmup": Field("int", "untimed all-reduces per size", default=5, minimum=0),
-        "iterations": Field("int", "timed all-reduces per size", default=20, minimum=1),
-        "interval_seconds": Field("number", "from one round's start to the next", default=60,
-                                  minimum=1),
+                       default=_default("sizes")),
+        "warmup": Field("int", "untimed all-reduces per size", default=_default("warmup"),
+                        minimum=0),
+        "iterations": Field("int", "timed all-reduces per size",
+                            default=_default("iterations"), minimum=1),
+        "interval_seconds": Field("number", "from one round's start to the next",
+                                  default=_default("interval_seconds"), minimum=1),
         "timeout_seconds": Field("number", "a round (or the start) taking longer is killed",
-                                 default=120, minimum=1),
+                                 default=_default("timeout_seconds"), minimum=1),
         "memory_cap_bytes": Field("int", "GPU memory the probe may allocate per GPU",
-                                  default=1 << 30, minimum=1 << 20),
+                                  default=_default("memory_cap_bytes"), minimum=1 << 20),
         "busy_utilization": Field("number", "GPU utilization (0 to 1) above which a GPU is "
-                                  "busy with other work", default=0.5, minimum=0),
+                                  "busy with other work", default=_default("busy_utilization"),
+                                  minimum=0),
         "skip_busy": Field("bool", "skip sizes of 1 MiB and up while a GPU is busy",
-                           default=True),
+                           default=_default("skip_busy")),
     }
 
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)
-        self.state_dir: str = ctx.config["state_dir"]
-        self._scopes = {s: _ScopeState() for s in results.SCOPES}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._proc_started_wall = 0.0  # time.time() the current runner was started
-        self._restarts = 0
-        self._thread: threading.Thread | None = None
-
-    # -- the runner ------------------------------------------------------------------------
+        cfg = ctx.config
+        self.state_dir: str = cfg["state_dir"]
+        self.supervisor = supervisor.Supervisor(
+            self.state_dir, self.command() if cfg["runner"] == "intra" else None,
+            interval=float(cfg["interval_seconds"]), timeout=float(cfg["timeout_seconds"]),
+            default_scope=str((cfg.get("scopes") or ["intra"])[0]), log=ctx.log_once,
+            logger=ctx.logger)
 
     def command(self) -> list[str]:
+        """The runner's command line: its options only where the configuration differs from
+        the runner's defaults (which are the configuration's defaults too)."""
         cfg = self.ctx.config
         base = list(cfg.get("command") or [sys.executable, "-m", "gpunet_exporter.probe.cli"])
-        return [*base, "run", "--state-dir", self.state_dir, "--backend", cfg["backend"],
-                "--nprocs", str(cfg["nprocs"]), "--scopes", ",".join(cfg["scopes"]),
-                "--path.sysfs", self.ctx.sysfs.root,
-                "--straggler-min-ratio", str(cfg["straggler_min_ratio"]),
-                *([] if cfg["pin_hca"] else ["--no-pin-hca"]),
-                "--sizes", ",".join(str(s) for s in cfg["sizes"]),
-                "--warmup", str(cfg["warmup"]), "--iterations", str(cfg["iterations"]),
-                "--interval", str(cfg["interval_seconds"]),
-                "--timeout", str(cfg["timeout_seconds"]),
-                "--memory-cap", str(cfg["memory_cap_bytes"]),
-                "--busy-utilization", str(cfg["busy_utilization"]),
-                *([] if cfg["skip_busy"] else ["--no-skip-busy"])]
-
-    def _start_thread(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._supervise, name="probe-supervisor",
-                                            daemon=True)
-            self._thread.start()
-
-    def _supervise(self) -> None:
-        next_start = 0.0
-        while not self._stop.is_set():
-            try:
-                self._poll_results()
-                if self.ctx.config["runner"] == "intra":
-                    next_start = self._watch_runner(next_start)
-            except Exception as exc:  # the supervisor must outlive anything
-                self.ctx.log_once(logging.ERROR, "probe supervisor: %s", exc)
-            self._stop.wait(POLL_SECONDS)
-        self._kill("exporter stopping")
-
-    def _watch_runner(self, next_start: float) -> float:
-        now = time.monotonic()
-        proc = self._proc
-        if proc is None:
-            if now >= next_start:
-                self._spawn()
-            return next_start
-        rc = proc.poll()
-        if rc is not None:
-            self._proc = None
-            nvml.own_session(proc.pid, started=False)
-            self._on_exit(rc)
-            self._restarts += 1
-            return now + self._backoff()
-        allowed, phase, since = self._allowed()
-        if time.time() - since > allowed:
-            self._count(self._runner_scope(), "timeout")
-            self._kill(f"probe {phase} exceeded {allowed:g}s")
-            return now + self._backoff()
-        return next_start
-
-    def _allowed(self) -> tuple[float, str, float]:
-        """How long the runner may stay in what it does now, what that is, and since when. The
-        launcher ends a group's start or round after timeout_seconds itself; the supervisor
-        kills it only when it misses that by a grace period (a hung launcher), or sleeps past
-        the next round's start."""
-        timeout = float(self.ctx.config["timeout_seconds"])
-        grace = min(GRACE_MAX, timeout)
-        phase, _, since = self._round_state()
-        if phase == "sleep":
-            return float(self.ctx.config["interval_seconds"]) + grace, phase, since
-        return timeout + grace, phase, since
-
-    def _runner_scope(self) -> str:
-        """Where a failure of the launcher itself counts: the scope its status names, else the
-        first configured one."""
-        scope = self._round_state()[1]
-        if scope in results.SCOPES:
-            return scope
-        return str((self.ctx.config.get("scopes") or ["intra"])[0])
-
-    def _backoff(self) -> float:
-        """Seconds before the next start: 2, 4, 8 ... up to RESTART_BACKOFF_MAX."""
-        return min(RESTART_BACKOFF_MAX, 2.0 ** min(self._restarts, 6))
-
-    def _spawn(self) -> None:
-        try:
-            os.makedirs(self.state_dir, exist_ok=True)
-            log: IO[bytes] | int = open(  # noqa: SIM115 - closed below, once the child has it
-                os.path.join(self.state_dir, "runner.log"), "wb")
-        except OSError as exc:
-            self.ctx.log_once(logging.ERROR, "probe: cannot use state_dir %s: %s",
-                              self.state_dir, exc.strerror or exc)
-            log = subprocess.DEVNULL
-        try:
-            self._proc = subprocess.Popen(
-                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                start_new_session=True)  # its own process group, killed as a whole
-            nvml.own_session(self._proc.pid, started=True)
-        except OSError as exc:
-            self.ctx.log_once(logging.ERROR, "probe: cannot start the runner: %s", exc)
-            self._count(self._runner_scope(), "crash")
-            self._proc = None
-        finally:
-            if not isinstance(log, int):
-                log.close()
-        self._proc_started_wall = time.time()
-        self.ctx.logger.info("probe runner started: %s", " ".join(self.command()))
-
-    def _round_state(self) -> tuple[str, str, float]:
-        """(phase, scope, since) from the launcher's status file: ``init``, ``round`` or
-        ``sleep``; ("start", "", when the runner started) before this runner wrote one."""
-        try:
-            with open(os.path.join(self.state_dir, results.STATUS), encoding="utf-8") as fh:
-                status = json.load(fh)
-            since = float(status["since"])
-            phase, scope = str(status["phase"]), str(status.get("scope", ""))
-        # ValueError: not JSON, digits beyond int()'s limit, not a number; OverflowError: an int
-        # beyond the float range; RecursionError: nesting too deep for json.
-        except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
-            since, phase, scope = 0.0, "start", ""
-        if not math.isfinite(since):  # "nan" or "inf" would stop the hung-launcher timeout
-            since = 0.0
-        if since < self._proc_started_wall or phase not in ("init", "round", "sleep"):
-            return "start", "", self._proc_started_wall  # none yet, or a previous runner's
-        return phase, scope, since
-
-    def _on_exit(self, rc: int) -> None:
-        said = any(st.last is not None and not st.last.success
-                   and st.last.time >= self._proc_started_wall for st in self._scopes.values())
-        if not said:  # the runner died without writing why
-            self._count(self._runner_scope(), "crash")
-        tail = self._log_tail()
-        self.ctx.log_once(logging.WARNING, "probe runner exited with status %d%s", rc,
-                          f": {tail}" if tail else "")
-
-    def _log_tail(self) -> str:
-        try:
-            with open(os.path.join(self.state_dir, "runner.log"), "rb") as fh:
-                fh.seek(0, os.SEEK_END)
-                fh.seek(max(0, fh.tell() - 400))
-                lines = fh.read().decode("utf-8", "replace").strip().splitlines()
-        except OSError:
-            return ""
-        return lines[-1][:200] if lines else ""
-
-    def _kill(self, why: str) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        nvml.own_session(proc.pid, started=False)
-        if proc.poll() is not None:
-            return
-        self.ctx.log_once(logging.WARNING, "probe runner killed: %s", why)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            proc.kill()
-        proc.wait()
-
-    def _count(self, scope: str, reason: str) -> None:
-        with self._lock:
-            self._scopes[scope].failures[reason] += 1
-
-    # -- result files ----------------------------------------------------------------------
-
-    def _poll_results(self) -> None:
-        for scope, st in self._scopes.items():
-            path = results.result_path(self.state_dir, scope)
-            try:
-                mtime = os.stat(path).st_mtime_ns
-            except OSError:
-                continue
-            if mtime == st.mtime_ns:
-                continue
-            st.mtime_ns = mtime
-            try:
-                res = results.read(path)
-            except (OSError, results.BadResult) as exc:
-                self.ctx.log_once(logging.WARNING, "probe: %s", exc)
-                self._count(scope, "bad_result")
-                continue
-            with self._lock:
-                st.last = res
-                if res.success:
-                    st.good = res
-                    self._restarts = 0  # the backoff starts over after a good round
-                    if res.skipped_busy:
-                        st.failures["skipped_busy"] += 1
-                else:
-                    st.failures[res.failure] += 1
+        options = {dest: cfg[key] for key, dest in RUN_OPTIONS.items()}
+        return [*base, "run", *runner.run_argv(
+            {"state_dir": self.state_dir, "sysfs": self.ctx.sysfs.root, **options})]
 
     # -- scrape ----------------------------------------------------------------------------
 
     def collect(self) -> Iterator[Metric]:
-        self._start_thread()
+        self.supervisor.start()
+        snap = self.supervisor.snapshot()
         fams = Families()
-        if self.ctx.config["runner"] == "intra":
-            proc = self._proc
-            fams.add(RUNNING, [], int(proc is not None and proc.poll() is None))
-        with self._lock:
-            scopes = {s: (st.last, st.good, dict(st.failures)) for s, st in self._scopes.items()}
+        if snap.running is not None:
+            fams.add(RUNNING, [], int(snap.running))
         rdma_active: bool | None = None
-        for scope, (last, good, failures) in scopes.items():
+        for scope, view in snap.scopes.items():
+            last, good, failures = view.last, view.good, view.failures
             if last is None and not any(failures.values()):
                 continue  # this scope does not run here (inter: no cluster-mode rounds)
             for reason, n in failures.items():
@@ -489,7 +311,4 @@ class ProbeCollector(Collector):
         return bool(rdma.active_ports(self.ctx.sysfs))
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self._kill("exporter stopping")
+        self.supervisor.close()

@@ -51,8 +51,8 @@ ncclog.parse_lines/parse_file/        never raises (module docstring)       nccl
 looks_like_nccl_log (exporter/probe)
 results.parse/results.read            Result, or BadResult (read: also      probe_result_*
 (exporter/probe/results.py)           OSError)
-ProbeCollector._round_state           never raises                          probe_status_file
-(status.json)
+supervisor.read_status (exporter/     never raises                          probe_status_file
+probe, status.json)
 runner.parse_bytes/parse_sizes        value, or ArgumentTypeError/          runner_arguments
                                       ValueError (argparse reports both)
 runner.cluster_from_env               Cluster or None, never raises         runner_arguments
@@ -153,7 +153,7 @@ from gpunet_exporter.nccl.env import (
     parse_environ,
     strtol,
 )
-from gpunet_exporter.probe import results
+from gpunet_exporter.probe import results, supervisor
 from gpunet_exporter.probe.runner import Cluster, cluster_from_env, parse_bytes, parse_sizes
 from gpunet_exporter.registry import drop_unexposable, label_problem
 from gpunet_exporter.sources import nvml, rdma
@@ -931,8 +931,7 @@ def test_probe_result_file(raw: bytes) -> None:
 def test_probe_status_file(raw: bytes) -> None:
     with tempfile.TemporaryDirectory() as d:
         Path(d, results.STATUS).write_bytes(raw)
-        c = make_collector(ProbeCollector, d, {"state_dir": d, "runner": "none"})
-        phase, scope, since = c._round_state()  # type: ignore[attr-defined]
+        phase, scope, since = supervisor.read_status(d, 0.0)
         assert phase in ("start", "init", "round", "sleep") and isinstance(since, float)
         assert isinstance(scope, str) and math.isfinite(since)
 
@@ -1612,7 +1611,8 @@ def test_probe_result_file_rejected_cleanly(content: str, tmp_path: Path) -> Non
         results.read(str(path))
 
 
-# Was a strict xfail (the bug, now fixed): so ProbeCollector._poll_results raises for such a file
+# Was a strict xfail (the bug, now fixed): so ProbeCollector._poll_results (now the probe
+# supervisor's tick) raises for such a file
 # (the supervisor logs the error) instead of counting
 # gpunet_probe_failures_total{reason="bad_result"}, and the file's mtime is already remembered, so
 # it is never counted
@@ -1622,11 +1622,13 @@ def test_probe_result_file_rejected_cleanly(content: str, tmp_path: Path) -> Non
 def test_probe_collector_counts_bad_result(content: str, tmp_path: Path) -> None:
     (tmp_path / "intra.json").write_text(content)
     c = make_collector(ProbeCollector, tmp_path, {"state_dir": str(tmp_path), "runner": "none"})
-    c._poll_results()  # type: ignore[attr-defined]
-    assert c._scopes["intra"].failures["bad_result"] == 1  # type: ignore[attr-defined]
+    assert isinstance(c, ProbeCollector)
+    c.supervisor.refresh()
+    assert c.supervisor.snapshot().scopes["intra"].failures["bad_result"] == 1
 
 
-# Was a strict xfail (the bug, now fixed): ProbeCollector._round_state catches OSError, ValueError,
+# Was a strict xfail (the bug, now fixed): ProbeCollector._round_state (now
+# supervisor.read_status) catches OSError, ValueError,
 # KeyError, TypeError around json.load and float(): a huge integer (OverflowError) or deep nesting
 # (RecursionError) in status.json escapes, and the supervisor then skips the hung-round timeout
 # every poll
@@ -1634,8 +1636,7 @@ def test_probe_collector_counts_bad_result(content: str, tmp_path: Path) -> None
                          ids=["huge-int", "nesting"])
 def test_probe_status_file_rejected_cleanly(content: str, tmp_path: Path) -> None:
     (tmp_path / results.STATUS).write_text(content)
-    c = make_collector(ProbeCollector, tmp_path, {"state_dir": str(tmp_path), "runner": "none"})
-    c._round_state()  # type: ignore[attr-defined]
+    assert supervisor.read_status(str(tmp_path), 0.0) == ("start", "", 0.0)
 
 
 # Was a strict xfail (the bug, now fixed): load_web_config accepts strings that open() or

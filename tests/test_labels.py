@@ -382,7 +382,8 @@ def test_probe_result_strings(tmp_path: Path) -> None:
         "problems": ["bad\x00problem", "\ud800"]}
     (tmp_path / "intra.json").write_text(json.dumps(data))  # ensure_ascii: "\udcff" escapes
     c = make_collector(ProbeCollector, tmp_path, {"state_dir": str(tmp_path), "runner": "none"})
-    c._poll_results()  # type: ignore[attr-defined]
+    assert isinstance(c, ProbeCollector)
+    c.supervisor.refresh()
     s, _ = expose(c)
     assert unreadable(s, "probe") == 4  # info (nccl_version), a transport, two problems
     assert value(s, "gpunet_probe_success", scope="intra") == 1

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as hs
 
-from gpunet_exporter.collectors.probe import REASONS, ProbeCollector
+from gpunet_exporter.collectors.probe import REASONS, RUN_OPTIONS, ProbeCollector
 from gpunet_exporter.probe import results, runner
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.statefile import write_json
@@ -279,6 +279,8 @@ def scoped(s: Samples, name: str, scope: str) -> list[frozenset[tuple[str, str]]
 class Probe:
     def __init__(self, sysfs: Path, state: Path, config: dict[str, Any]) -> None:
         self.c = make_collector(ProbeCollector, sysfs, {"state_dir": str(state), **config})
+        assert isinstance(self.c, ProbeCollector)
+        self.supervisor = self.c.supervisor
 
     def scrape(self) -> Samples:
         return samples_of(list(self.c.collect()))
@@ -326,17 +328,121 @@ def test_collector_runs_the_real_runner(collector: Probe) -> None:
     assert not series(s, "gpunet_probe_transport_info")  # gloo: no NCCL log
     first = value(s, "gpunet_probe_last_round_timestamp_seconds", scope="intra")
     # The runner stays up and keeps going: a later round, same process.
-    pid = collector.c._proc.pid  # type: ignore[attr-defined]
+    pid = collector.supervisor.pid
+    assert pid is not None
     deadline = time.monotonic() + 30
     while value(collector.scrape(), "gpunet_probe_last_round_timestamp_seconds",
                 scope="intra") == first:
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    assert collector.c._proc.pid == pid  # type: ignore[attr-defined]
+    assert collector.supervisor.pid == pid
     # Its session is the exporter's own: the gpu collector leaves its workers out.
     assert pid in nvml.own_sessions()
     workers = subprocess.run(["pgrep", "-s", str(pid)], capture_output=True, text=True)
     assert len(workers.stdout.split()) >= 3  # the launcher and its two gloo ranks share it
+
+
+def run_args(command: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """What the runner's own parser makes of a command line the collector built, and the
+    arguments after ``run``."""
+    assert command[:4] == [sys.executable, "-m", "gpunet_exporter.probe.cli", "run"], command
+    p = argparse.ArgumentParser()
+    runner.add_run_arguments(p)
+    return p.parse_args(command[4:]), command[4:]
+
+
+def test_command_leaves_the_defaults_to_the_runner(sysfs: Path, tmp_path: Path) -> None:
+    """An empty configuration passes no option but where to work: every other value the runner
+    uses is its own default, and the configuration's defaults are those same values."""
+    c = make_collector(ProbeCollector, sysfs, {"state_dir": str(tmp_path)})
+    assert isinstance(c, ProbeCollector)
+    args, argv = run_args(c.command())
+    assert argv == ["--state-dir", str(tmp_path), "--path.sysfs", str(sysfs)]
+    defaults = runner.run_defaults()
+    assert vars(args) == {**defaults, "state_dir": str(tmp_path), "sysfs": str(sysfs)}
+    for key, dest in RUN_OPTIONS.items():
+        assert c.ctx.config[key] == defaults[dest], key
+    # The supervisor's limits are the runner's.
+    assert c.supervisor.interval == defaults["interval"]
+    assert c.supervisor.timeout == defaults["timeout"]
+
+
+def test_command_passes_every_setting_that_differs(sysfs: Path, tmp_path: Path) -> None:
+    config = {"backend": "gloo", "nprocs": 3, "scopes": ["net"], "pin_hca": False,
+              "straggler_min_ratio": 0.35, "sizes": [4096, 65536], "warmup": 2,
+              "iterations": 7, "interval_seconds": 2.5, "timeout_seconds": 9,
+              "memory_cap_bytes": 1 << 21, "busy_utilization": 0.75, "skip_busy": False}
+    assert set(config) == set(RUN_OPTIONS)  # every option the configuration has
+    c = make_collector(ProbeCollector, sysfs, {"state_dir": str(tmp_path), **config})
+    assert isinstance(c, ProbeCollector)
+    args, argv = run_args(c.command())
+    for key, dest in RUN_OPTIONS.items():
+        assert getattr(args, dest) == config[key], key
+        assert getattr(args, dest) != runner.run_defaults()[dest], key  # so it was passed
+    assert "--no-pin-hca" in argv and "--no-skip-busy" in argv
+
+
+CHANGED_DEFAULT = """
+import argparse, json, sys
+from gpunet_exporter.probe import runner
+original = runner.add_run_arguments
+def changed(p):
+    original(p)
+    p.set_defaults(warmup=7, sizes=[4096], interval=30.0, skip_busy=False)
+runner.add_run_arguments = changed
+from gpunet_exporter.collectors.probe import ProbeCollector
+from gpunet_exporter.config import Field, validate
+sys.path.insert(0, sys.argv[1])
+from conftest import make_collector
+c = make_collector(ProbeCollector, "/sys", {"state_dir": sys.argv[2]})
+p = argparse.ArgumentParser()
+runner.add_run_arguments(p)
+args = p.parse_args(c.command()[4:])
+print(json.dumps({"run": {k: getattr(args, k) for k in ("warmup", "sizes", "interval",
+                                                         "skip_busy")},
+                  "config": {k: c.ctx.config[k] for k in ("warmup", "sizes",
+                                                          "interval_seconds", "skip_busy")},
+                  "interval": c.supervisor.interval}))
+"""
+
+
+def test_a_default_changed_in_the_runner_is_what_the_collector_runs(tmp_path: Path) -> None:
+    """A fresh interpreter whose runner has other defaults (as if add_run_arguments had been
+    edited): the collector's runs and its own configuration follow them, nothing restated."""
+    out = subprocess.run([sys.executable, "-c", CHANGED_DEFAULT, str(REPO / "tests"),
+                          str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["run"] == {"warmup": 7, "sizes": [4096], "interval": 30.0, "skip_busy": False}
+    assert got["config"] == {"warmup": 7, "sizes": [4096], "interval_seconds": 30.0,
+                             "skip_busy": False}
+    assert got["interval"] == 30.0
+
+
+@pytest.mark.parametrize("collector", [{
+    "command": ["/nonexistent/gpunet-probe"]}], indirect=True)
+def test_runner_that_cannot_start_counts_one_crash_per_try(collector: Probe) -> None:
+    """A runner that cannot be started is retried with the backoff, not at every tick."""
+    s = collector.wait("gpunet_probe_failures_total", scope="intra", reason="crash")
+    assert value(s, "gpunet_probe_runner_running") == 0
+    time.sleep(1.5)  # three ticks; the next try is 2 s after the first
+    crashes = value(collector.scrape(), "gpunet_probe_failures_total", scope="intra",
+                    reason="crash")
+    assert crashes is not None and crashes <= 2, crashes
+    assert collector.supervisor.restarts >= 1
+
+
+def alive_in_session(sid: int) -> list[int]:
+    """The processes of session ``sid`` that still run (a zombie has ended: it only waits
+    for its parent, or init, to read its status)."""
+    out = subprocess.run(["pgrep", "-s", str(sid)], capture_output=True, text=True)
+    alive = []
+    for pid in out.stdout.split():
+        with contextlib.suppress(OSError):  # gone meanwhile
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+            if state != "Z":
+                alive.append(int(pid))
+    return alive
 
 
 HANG = """import json, os, sys, time
@@ -352,17 +458,21 @@ time.sleep(1000)
 @pytest.mark.parametrize("collector", [{
     "command": [sys.executable, "-c", HANG], "timeout_seconds": 1}], indirect=True)
 def test_hung_round_is_killed_with_its_process_group(collector: Probe) -> None:
+    collector.scrape()  # starts the supervisor, whose first tick starts the stand-in
+    deadline = time.monotonic() + 30
+    while (first := collector.supervisor.pid) is None:
+        assert time.monotonic() < deadline, "the stand-in runner did not start"
+        time.sleep(0.05)
     # The status names the net group's round: the timeout counts there.
     s = collector.wait("gpunet_probe_failures_total", scope="net", reason="timeout")
     assert value(s, "gpunet_probe_success", scope="net") is None  # no round ever finished
-    # The whole group went: no process of the stand-in (nor its forked child) is left.
-    time.sleep(0.5)
-    out = subprocess.run(["pgrep", "-f", "time.sleep\\(1000\\)"], capture_output=True, text=True)
-    pids = [p for p in out.stdout.split() if collector.c._proc is None  # type: ignore[attr-defined]
-            or int(p) != collector.c._proc.pid]  # type: ignore[attr-defined]
-    assert not pids, f"left behind: {pids}"
-    current = collector.c._proc  # type: ignore[attr-defined]  # restarted after the kill?
-    assert nvml.own_sessions() <= ({current.pid} if current else set())  # killed: forgotten
+    # The whole group went: no process of the stand-in's session (its forked child) is left.
+    assert collector.supervisor.pid != first
+    deadline = time.monotonic() + 10  # SIGKILL is delivered at once, the end takes a moment
+    while left := alive_in_session(first):
+        assert time.monotonic() < deadline, f"left behind: {left}"
+        time.sleep(0.1)
+    assert first not in nvml.own_sessions()  # killed: forgotten
 
 
 IDLE = """import json, os, sys, time
@@ -398,7 +508,7 @@ def test_runner_between_rounds_is_not_a_hang(collector: Probe) -> None:
 def test_crashing_runner_counts_crash_and_is_restarted(collector: Probe) -> None:
     s = collector.wait("gpunet_probe_failures_total", scope="intra", reason="crash")
     assert value(s, "gpunet_probe_failures_total", scope="intra", reason="timeout") == 0
-    assert collector.c._restarts >= 1  # type: ignore[attr-defined]
+    assert collector.supervisor.restarts >= 1
 
 
 @pytest.mark.parametrize("collector", [{"runner": "none"}], indirect=True)

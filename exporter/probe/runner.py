@@ -38,7 +38,6 @@ import shutil
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -47,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpunet_exporter.probe import results
+from gpunet_exporter.sources.commands import Child
 from gpunet_exporter.sources.sysfs import parse_uint
 from gpunet_exporter.statefile import write_json
 
@@ -226,11 +226,47 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "the ACTIVE RDMA port nearest its GPU (default: pin)")
 
 
+def _run_actions() -> dict[str, argparse.Action]:
+    p = argparse.ArgumentParser(add_help=False)
+    add_run_arguments(p)
+    return {a.dest: a for a in p._actions}
+
+
+def run_defaults() -> dict[str, Any]:
+    """The defaults of the run options, by their destination (``interval``, ``sizes`` ...):
+    add_run_arguments is the one place they are written."""
+    return {dest: a.default for dest, a in _run_actions().items()}
+
+
+def run_argv(options: Mapping[str, Any]) -> list[str]:
+    """The run arguments for ``options`` (by destination, as run_defaults names them): an
+    option at its default is left out, so the runner's own default applies. Lists are joined
+    with commas; a switch (``--no-skip-busy``) stands for the value it sets. KeyError for
+    what is not a run option, ValueError for a switch's other value."""
+    actions = _run_actions()
+    argv: list[str] = []
+    for dest, value in options.items():
+        action = actions[dest]
+        if value == action.default and not action.required:
+            continue
+        flag = action.option_strings[0]
+        if action.nargs == 0:  # store_true or store_false
+            if value != action.const:
+                raise ValueError(f"{flag} cannot give {dest}={value!r}")
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, ",".join(str(v) for v in value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
 # -- the node's launcher ---------------------------------------------------------------------
 
 CONTROL_ENV = "GPUNET_PROBE_CONTROL"  # "<command fd>,<reply fd>" of a launched worker
 DELAY_ENV = "GPUNET_PROBE_DELAY"  # test hook "<rank>:<seconds>": that rank arrives late
 LOG_SUBDIR = "nccl"
+STOP_SECONDS = 5.0  # a stopped group's workers have this long to exit before they are killed
 
 
 def _free_port() -> int:
@@ -288,13 +324,16 @@ def plan(scopes: Sequence[str], devices: int) -> dict[str, list[int]]:
 
 class _Group:
     """The worker processes of one scope, driven over a pipe each: the launcher writes
-    ``round <time>`` lines and reads ``ready``, ``done`` or ``failed`` lines."""
+    ``round <time>`` lines and reads ``ready``, ``done`` or ``failed`` lines. Each worker is a
+    commands.Child in the launcher's own process group and session, not one of its own: the
+    exporter's kill of the launcher's group takes them along, and the GPU busy check knows the
+    probe's processes by that session (_Probe._own)."""
 
     def __init__(self, scope: str, devices: list[int], argv: Sequence[str], logdir: str,
                  backend: str) -> None:
         self.scope, self.devices, self.argv, self.logdir = scope, devices, argv, logdir
         self.backend = backend
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[Child] = []
         self.commands: list[int] = []
         self.replies: list[int] = []
 
@@ -320,7 +359,8 @@ class _Group:
                 env["NCCL_HOSTID"] = f"gpunet-probe-net-{rank}"
                 env.setdefault("NCCL_MNNVL_ENABLE", "0")
             try:
-                self.procs.append(subprocess.Popen(command, env=env, pass_fds=(cmd_r, rep_w)))
+                self.procs.append(Child(command, stdout=None, stderr=None, env=env,
+                                        pass_fds=(cmd_r, rep_w), own_group=False))
             finally:
                 os.close(cmd_r)
                 os.close(rep_w)
@@ -366,13 +406,9 @@ class _Group:
         for fd in self.commands:  # EOF: the workers leave their loop and exit
             with contextlib.suppress(OSError):
                 os.close(fd)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + STOP_SECONDS
         for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            p.stop(max(0.1, deadline - time.monotonic()))
         for fd in self.replies:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -380,8 +416,7 @@ class _Group:
 
     def kill(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                p.kill()
+            p.kill()
         self.stop()
 
 
