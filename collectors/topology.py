@@ -150,7 +150,8 @@ NIC_PCIE_INFO = MetricSpec(
     "gpunet_topology_nic_pcie_info", "gauge",
     "Always 1, for each RDMA device with a PCI function; pci_address is the function, "
     "upstream_pci_address the bridge port above it (empty on a host bridge, as in many VMs)",
-    ("device", "pci_address", "upstream_pci_address"), "", "realpath of /sys/class/infiniband/<device>/device")
+    ("device", "pci_address", "upstream_pci_address"), "",
+    "realpath of /sys/class/infiniband/<device>/device")
 NIC_PCIE_SPEED = MetricSpec(
     "gpunet_topology_nic_pcie_link_speed_transfers_per_second", "gauge",
     "Current PCIe link speed of the RDMA device's link (32e9 is Gen5)" + _END_HELP,

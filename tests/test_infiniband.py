@@ -50,7 +50,8 @@ def test_healthy_dgx(dgx: Path) -> None:
                       "node_guid").read_text().strip(), "pci_address": "0000:18:00.0",
                       "numa_node": "0"}
     ports = {dict(lbl)["device"]: dict(lbl) for lbl in series(s, "gpunet_infiniband_port_info")}
-    assert ports["mlx5_0"]["link_layer"] == "InfiniBand" and ports["mlx5_0"]["interface"] == "ibp24s0"
+    assert ports["mlx5_0"]["link_layer"] == "InfiniBand"
+    assert ports["mlx5_0"]["interface"] == "ibp24s0"
     assert ports["mlx5_8"]["link_layer"] == "Ethernet"
     assert ports["mlx5_8"]["interface"] == "enp41s0f0np0"  # from gid_attrs/ndevs
     for dev in IB + ROCE:

@@ -952,7 +952,8 @@ def test_nic_pcie_link_healthy(dgx: Path) -> None:
     # mlx5_0 (18:00.0) sits below its switch's downstream port 17:...; mlx5_8 on a root port.
     info = {dict(lbl)["device"]: dict(lbl) for lbl in series(s, P + "nic_pcie_info")}
     assert info["mlx5_0"]["pci_address"] == "0000:18:00.0"
-    assert info["mlx5_0"]["upstream_pci_address"] == st.pci_function_dir(dgx, "0000:18:00.0").parent.name
+    upstream = st.pci_function_dir(dgx, "0000:18:00.0").parent.name
+    assert info["mlx5_0"]["upstream_pci_address"] == upstream
     assert info["mlx5_8"] == {"device": "mlx5_8", "pci_address": "0000:29:00.0",
                               "upstream_pci_address": "0000:28:01.0"}
 
