@@ -26,14 +26,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO, ClassVar
+from typing import IO
 
 from prometheus_client.core import Metric
 
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
-from gpunet_exporter.config import Field
+from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.probe import results
 from gpunet_exporter.probe.results import Result
 from gpunet_exporter.sources import nvml, rdma
@@ -161,6 +161,55 @@ class _ScopeState:
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
 
 
+@dataclass(frozen=True)
+class ProbeSettings(Settings):
+    runner: str = setting(
+        "`intra`: the exporter starts and supervises the intra-node runner; `none`: it only "
+        "exports the results cluster-mode ranks write into `state_dir`", default="intra",
+        choices=("intra", "none"))
+    state_dir: str = setting("where result files are written and read (the runner's log is "
+                             "`runner.log` there)", default="/var/lib/gpunet-exporter/probe")
+    command: tuple[str, ...] = setting(
+        "the runner program (empty: `<this Python> -m gpunet_exporter.probe.cli`, i.e. "
+        "`gpunet-probe` of the exporter's environment, which needs the `probe` extra: torch)",
+        default=())
+    backend: str = setting("`nccl` on GPUs; `gloo` runs the same code on CPUs", default="nccl",
+                           choices=("nccl", "gloo"))
+    nprocs: int = setting("local GPUs the runner probes (0: every visible GPU; with gloo, how "
+                          "many GPUs to stand in for: 2)", default=0, minimum=0)
+    scopes: tuple[str, ...] = setting(
+        "what the node's rounds measure: `intra`, the GPUs among themselves (NVLink/P2P, SHM; "
+        "only with two GPUs or more); `net`, the GPUs through the node's NICs (NIC loopback, "
+        "below)", default=results.NODE_SCOPES, choices=results.NODE_SCOPES)
+    pin_hca: bool = setting(
+        "net scope: pin each rank to the ACTIVE RDMA port nearest its GPU with `NCCL_IB_HCA`, so "
+        "that every NIC is exercised (an `NCCL_IB_HCA` in the exporter's environment wins)",
+        default=True)
+    straggler_min_ratio: float = setting(
+        "the late rank is named (`gpunet_probe_straggler_info`) when the other ranks wait at "
+        "least this share of their collective time for it", default=0.2, minimum=0, maximum=1)
+    sizes: tuple[int, ...] = setting("all-reduce message sizes in bytes (float32: multiples of "
+                                     "4)", default=(8 << 10, 1 << 20, 64 << 20), minimum=4,
+                                     multiple_of=4)
+    warmup: int = setting("untimed all-reduces per size and round", default=5, minimum=0)
+    iterations: int = setting("timed all-reduces per size and round", default=20, minimum=1)
+    interval_seconds: float = setting("from one round's start to the next", default=60,
+                                      minimum=1)
+    timeout_seconds: float = setting(
+        "a scope's start or round taking longer has that scope's workers killed by the runner, "
+        "and a runner stuck that long plus a grace period (the timeout, at most 10 s) has its "
+        "whole process group killed by the exporter", default=120, minimum=1)
+    memory_cap_bytes: int = setting(
+        "GPU memory in bytes that the probe's PyTorch allocations may use per GPU (the CUDA "
+        "context and NCCL's own buffers are outside it)", default=1 << 30, minimum=1 << 20)
+    busy_utilization: float = setting(
+        "GPU utilization (0 to 1) above which a GPU is busy with other work: sizes of 1 MiB and "
+        "up are skipped while it is (with `skip_busy`)", default=0.5, minimum=0)
+    skip_busy: bool = setting("skip sizes of 1 MiB and up while a GPU is busy: above "
+                              "`busy_utilization`, or running a process that is not the "
+                              "probe's", default=True)
+
+
 class ProbeCollector(Collector):
     name = "probe"
     description = ("Micro all-reduce probes through torch.distributed/NCCL run outside the "
@@ -169,46 +218,12 @@ class ProbeCollector(Collector):
     metrics = (SUCCESS, LAST_ROUND, LAST_SUCCESS, DURATION, FAILURES, RUNNING, LATENCY, ALGBW,
                BUSBW, SKIPPED, STRAGGLER_WAIT, STRAGGLER_RATIO, STRAGGLER, LINK, LINK_RATIO,
                HCA_RANKS, HCA_GDR, WORLD, INFO, TRANSPORT, GDR, SOCKET_FALLBACK, PROBLEM)
-    config_fields: ClassVar[Mapping[str, Field]] = {
-        "state_dir": Field("str", "where the runner and cluster-mode ranks write results",
-                           default="/var/lib/gpunet-exporter/probe"),
-        "runner": Field("str", "intra: start the intra-node runner; none: only export what "
-                        "cluster-mode ranks write", default="intra", choices=("intra", "none")),
-        "command": Field("list", "the runner program (default: gpunet-probe of this Python)",
-                         item=Field("str")),
-        "backend": Field("str", "nccl (GPUs) or gloo (CPUs)", default="nccl",
-                         choices=("nccl", "gloo")),
-        "nprocs": Field("int", "local GPUs to probe (0: every visible GPU; gloo: 2 stand-ins)",
-                        default=0, minimum=0),
-        "scopes": Field("list", "what the node's rounds measure: intra (GPUs among themselves, "
-                        "needs two), net (GPUs through the NICs)",
-                        default=list(results.NODE_SCOPES),
-                        item=Field("str", choices=results.NODE_SCOPES)),
-        "pin_hca": Field("bool", "net scope: pin each rank to the ACTIVE RDMA port nearest its "
-                         "GPU (NCCL_IB_HCA), so that every NIC is exercised", default=True),
-        "straggler_min_ratio": Field("number", "the late rank is named when the others wait "
-                                     "at least this share of their collective time for it",
-                                     default=0.2, minimum=0, maximum=1),
-        "sizes": Field("list", "all-reduce message sizes in bytes (multiples of 4: float32)",
-                       item=Field("int", minimum=4, multiple_of=4),
-                       default=[8 << 10, 1 << 20, 64 << 20]),
-        "warmup": Field("int", "untimed all-reduces per size", default=5, minimum=0),
-        "iterations": Field("int", "timed all-reduces per size", default=20, minimum=1),
-        "interval_seconds": Field("number", "from one round's start to the next", default=60,
-                                  minimum=1),
-        "timeout_seconds": Field("number", "a round (or the start) taking longer is killed",
-                                 default=120, minimum=1),
-        "memory_cap_bytes": Field("int", "GPU memory the probe may allocate per GPU",
-                                  default=1 << 30, minimum=1 << 20),
-        "busy_utilization": Field("number", "GPU utilization (0 to 1) above which a GPU is "
-                                  "busy with other work", default=0.5, minimum=0),
-        "skip_busy": Field("bool", "skip sizes of 1 MiB and up while a GPU is busy",
-                           default=True),
-    }
+    settings_type = ProbeSettings
+    settings: ProbeSettings
 
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)
-        self.state_dir: str = ctx.config["state_dir"]
+        self.state_dir = self.settings.state_dir
         self._scopes = {s: _ScopeState() for s in results.SCOPES}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -220,20 +235,20 @@ class ProbeCollector(Collector):
     # -- the runner ------------------------------------------------------------------------
 
     def command(self) -> list[str]:
-        cfg = self.ctx.config
-        base = list(cfg.get("command") or [sys.executable, "-m", "gpunet_exporter.probe.cli"])
-        return [*base, "run", "--state-dir", self.state_dir, "--backend", cfg["backend"],
-                "--nprocs", str(cfg["nprocs"]), "--scopes", ",".join(cfg["scopes"]),
+        cfg = self.settings
+        base = list(cfg.command or (sys.executable, "-m", "gpunet_exporter.probe.cli"))
+        return [*base, "run", "--state-dir", self.state_dir, "--backend", cfg.backend,
+                "--nprocs", str(cfg.nprocs), "--scopes", ",".join(cfg.scopes),
                 "--path.sysfs", self.ctx.sysfs.root,
-                "--straggler-min-ratio", str(cfg["straggler_min_ratio"]),
-                *([] if cfg["pin_hca"] else ["--no-pin-hca"]),
-                "--sizes", ",".join(str(s) for s in cfg["sizes"]),
-                "--warmup", str(cfg["warmup"]), "--iterations", str(cfg["iterations"]),
-                "--interval", str(cfg["interval_seconds"]),
-                "--timeout", str(cfg["timeout_seconds"]),
-                "--memory-cap", str(cfg["memory_cap_bytes"]),
-                "--busy-utilization", str(cfg["busy_utilization"]),
-                *([] if cfg["skip_busy"] else ["--no-skip-busy"])]
+                "--straggler-min-ratio", str(cfg.straggler_min_ratio),
+                *([] if cfg.pin_hca else ["--no-pin-hca"]),
+                "--sizes", ",".join(str(s) for s in cfg.sizes),
+                "--warmup", str(cfg.warmup), "--iterations", str(cfg.iterations),
+                "--interval", str(cfg.interval_seconds),
+                "--timeout", str(cfg.timeout_seconds),
+                "--memory-cap", str(cfg.memory_cap_bytes),
+                "--busy-utilization", str(cfg.busy_utilization),
+                *([] if cfg.skip_busy else ["--no-skip-busy"])]
 
     def _start_thread(self) -> None:
         if self._thread is None:
@@ -246,7 +261,7 @@ class ProbeCollector(Collector):
         while not self._stop.is_set():
             try:
                 self._poll_results()
-                if self.ctx.config["runner"] == "intra":
+                if self.settings.runner == "intra":
                     next_start = self._watch_runner(next_start)
             except Exception as exc:  # the supervisor must outlive anything
                 self.ctx.log_once(logging.ERROR, "probe supervisor: %s", exc)
@@ -279,11 +294,11 @@ class ProbeCollector(Collector):
         launcher ends a group's start or round after timeout_seconds itself; the supervisor
         kills it only when it misses that by a grace period (a hung launcher), or sleeps past
         the next round's start."""
-        timeout = float(self.ctx.config["timeout_seconds"])
+        timeout = float(self.settings.timeout_seconds)
         grace = min(GRACE_MAX, timeout)
         phase, _, since = self._round_state()
         if phase == "sleep":
-            return float(self.ctx.config["interval_seconds"]) + grace, phase, since
+            return float(self.settings.interval_seconds) + grace, phase, since
         return timeout + grace, phase, since
 
     def _runner_scope(self) -> str:
@@ -292,7 +307,7 @@ class ProbeCollector(Collector):
         scope = self._round_state()[1]
         if scope in results.SCOPES:
             return scope
-        return str((self.ctx.config.get("scopes") or ["intra"])[0])
+        return (self.settings.scopes or ("intra",))[0]
 
     def _backoff(self) -> float:
         """Seconds before the next start: 2, 4, 8 ... up to RESTART_BACKOFF_MAX."""
@@ -410,7 +425,7 @@ class ProbeCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         self._start_thread()
         fams = Families()
-        if self.ctx.config["runner"] == "intra":
+        if self.settings.runner == "intra":
             proc = self._proc
             fams.add(RUNNING, [], int(proc is not None and proc.poll() is None))
         with self._lock:
