@@ -27,13 +27,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from prometheus_client.core import Metric
 
 from gpunet_exporter.background import Refresher
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
-from gpunet_exporter.config import Field
+from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.sources.nvml import Gpu, Session, error_name
 
@@ -326,6 +326,17 @@ class XidWatcher:
             thread.join(timeout=2 * XID_WAIT_MS / 1000 + 1)
 
 
+@dataclass(frozen=True)
+class GpuSettings(Settings):
+    counters_interval_seconds: float = setting(
+        "how often the slow NVML counters (PCIe replay, error and recovery counters, PCIe "
+        "throughput, NVLink error counters) are read in the background", default=15, minimum=1)
+    pcie_throughput: bool = setting(
+        "sample PCIe throughput with `nvmlDeviceGetPcieThroughput` in the background (it blocks "
+        "20 ms per direction and GPU)", default=True)
+    xid_events: bool = setting("count XID errors through an NVML event thread", default=True)
+
+
 class GpuCollector(Collector):
     name = "gpu"
     description = ("NVIDIA GPUs through NVML: utilization, memory, PCIe link and errors, NVLink, "
@@ -336,15 +347,8 @@ class GpuCollector(Collector):
                PCIE_THROUGHPUT, PCIE_REPLAYS, PCIE_REPLAY_ROLLOVERS, PCIE_RECOVERIES,
                PCIE_ERRORS, NVLINK_ERRORS, COUNTERS_SUCCESS, COUNTERS_AGE, XID_MONITORING,
                XID_ERRORS, XID_LAST, XID_LAST_CODE)
-    config_fields: ClassVar[Mapping[str, Field]] = {
-        "counters_interval_seconds": Field(
-            "number", "how often the slow NVML counters (PCIe errors, bytes and throughput, "
-            "NVLink errors) are read in the background", default=15, minimum=1),
-        "pcie_throughput": Field(
-            "bool", "sample PCIe throughput (20 ms per direction and GPU, in the background)",
-            default=True),
-        "xid_events": Field("bool", "count XID errors through NVML events", default=True),
-    }
+    settings_type = GpuSettings
+    settings: GpuSettings
 
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)
@@ -553,11 +557,11 @@ class GpuCollector(Collector):
     # -- background counters and XID events ----------------------------------------------------
 
     def _start_background(self, gpus: list[Gpu]) -> None:
-        if self.ctx.config["xid_events"]:
+        if self.settings.xid_events:
             self.xid.ensure(self.session, gpus)
         if self._refresher is None:
             self._refresher = Refresher("gpu-counters",
-                                        float(self.ctx.config["counters_interval_seconds"]),
+                                        float(self.settings.counters_interval_seconds),
                                         self.refresh, self.ctx.log_once)
             self._refresher.start()
             self._first_round.wait(FIRST_REFRESH_WAIT)
@@ -610,7 +614,7 @@ class GpuCollector(Collector):
                                       const)
                 else:
                     raise _Failed(f"{const}: nvmlReturn {fv.nvmlReturn}")
-        if self.ctx.config["pcie_throughput"]:
+        if self.settings.pcie_throughput:
             for counter, direction in ((nv.NVML_PCIE_UTIL_TX_BYTES, "tx"),
                                        (nv.NVML_PCIE_UTIL_RX_BYTES, "rx")):
                 kbps = self._call(st, "nvmlDeviceGetPcieThroughput", counter, background=True)
@@ -630,7 +634,7 @@ class GpuCollector(Collector):
         with self._counters_lock:
             counters = dict(self._counters)
         counts, last = self.xid.snapshot()
-        xid_on = self.ctx.config["xid_events"]
+        xid_on = self.settings.xid_events
         for g in gpus:
             if g.handle is None or not g.uuid:
                 continue

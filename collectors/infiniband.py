@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -17,7 +18,7 @@ from prometheus_client.core import Metric
 
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
 from gpunet_exporter.collectors.tables import load
-from gpunet_exporter.config import Field
+from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.inventory import KINDS, MAX_NAMES, Inventory
 from gpunet_exporter.sources import rdma
 from gpunet_exporter.sources.rdma import BYTES_PER_GBIT, parse_rate, parse_state
@@ -182,15 +183,57 @@ INVENTORY_MISSING_INFO = MetricSpec(
     f"most {MAX_NAMES} per kind)", ("kind", "name"), "", _INV_SRC)
 INVENTORY_SPECS = (INVENTORY_EXPECTED, INVENTORY_PRESENT, INVENTORY_MISSING,
                    INVENTORY_MISSING_INFO)
-_EXPECTED_KEYS = {"rdma_devices": "rdma_device", "rdma_ports": "rdma_port", "netdevs": "netdev"}
 
-_RULE = Field("map", fields={
-    "device": Field("regex", "device names this rule applies to"),
-    "hca_type": Field("regex", "hca_type values this rule applies to (e.g. MT4129)"),
-    "link_layer": Field("str", "InfiniBand or Ethernet"),
-    "gbps": Field("number", "expected rate in Gb/s, as the rate file prints it", minimum=0,
-                  required=True),
-})
+
+@dataclass(frozen=True, kw_only=True)
+class RateRule(Settings):
+    """One rule of infiniband.expected_rate."""
+
+    device: re.Pattern[str] | None = setting("RDMA device names this rule applies to (unset: "
+                                             "every device)")
+    hca_type: re.Pattern[str] | None = setting("`hca_type` values this rule applies to, e.g. "
+                                               "`MT4129` (unset: every type)")
+    link_layer: str | None = setting("the link layer this rule applies to, `InfiniBand` or "
+                                     "`Ethernet` (unset: both)")
+    gbps: float = setting("expected rate in Gb/s, as the `rate` file prints it: 400 for NDR 4X",
+                          required=True, minimum=0)
+
+    def matches(self, device: str, hca_type: str, link_layer: str) -> bool:
+        return ((self.device is None or bool(self.device.search(device)))
+                and (self.hca_type is None or bool(self.hca_type.search(hca_type)))
+                and self.link_layer in (None, link_layer))
+
+
+@dataclass(frozen=True)
+class InventoryExpected(Settings):
+    """infiniband.inventory_expected: a count left unset is learned."""
+
+    rdma_devices: int | None = setting("RDMA devices this node should have (after "
+                                       "`device_include`/`device_exclude`)", minimum=0)
+    rdma_ports: int | None = setting("RDMA ports, all devices together", minimum=0)
+    netdevs: int | None = setting("netdevs behind RDMA ports", minimum=0)
+
+
+@dataclass(frozen=True)
+class InfinibandSettings(Settings):
+    device_include: re.Pattern[str] | None = setting("only RDMA devices whose name matches are "
+                                                     "reported")
+    device_exclude: re.Pattern[str] | None = setting("RDMA devices whose name matches are not "
+                                                     "reported")
+    expected_rate: tuple[RateRule, ...] = setting(
+        "expected port rates: the first rule that matches an ACTIVE port gives its expected "
+        "rate; without rules, the fastest active port with the same `hca_type` and link layer "
+        "does (see **Expected rate** below)", default=())
+    generic_hw_counters_max: int = setting(
+        "`hw_counters/` files without a curated name exported per port and per device-level "
+        "directory, the first ones by file name (0: curated counters only); see "
+        "**hw_counters** below", default=GENERIC_HW_COUNTERS_MAX, minimum=0)
+    inventory_expected: InventoryExpected = setting(
+        "how many RDMA devices, RDMA ports and netdevs this node should have; a count left unset "
+        "is learned from what was seen (see **Inventory** below)", default=InventoryExpected())
+    inventory_state_file: str | None = setting(
+        "where the learned inventory is kept across restarts, e.g. "
+        "`/var/lib/gpunet-exporter/inventory.json`; unset: learned in memory only")
 
 
 def _selected(name: str, include: Any, exclude: Any) -> bool:
@@ -220,26 +263,8 @@ class InfinibandCollector(Collector):
                *HW_PORT_SPECS.values(), PORT_HW_COUNTER, PORT_HW_DROPPED,
                *HW_DEVICE_SPECS.values(), DEVICE_HW_COUNTER, DEVICE_HW_DROPPED,
                *INVENTORY_SPECS)
-    config_fields: ClassVar[Mapping[str, Field]] = {
-        "device_include": Field("regex", "only devices whose name matches"),
-        "device_exclude": Field("regex", "skip devices whose name matches"),
-        "expected_rate": Field("list", "expected port rates; the first matching rule wins",
-                               item=_RULE),
-        "generic_hw_counters_max": Field(
-            "int", "hw_counters files without a curated name exported per port (and per "
-            "device-level directory); the first ones by file name are kept",
-            default=GENERIC_HW_COUNTERS_MAX, minimum=0),
-        "inventory_expected": Field("map", "how many of each this node should have; unset: "
-                                    "learned from what was seen", fields={
-            "rdma_devices": Field("int", "RDMA devices (after device_include/exclude)",
-                                  minimum=0),
-            "rdma_ports": Field("int", "RDMA ports, all devices together", minimum=0),
-            "netdevs": Field("int", "netdevs behind RDMA ports", minimum=0),
-        }),
-        "inventory_state_file": Field(
-            "str", "file keeping the learned inventory across restarts (e.g. "
-            "/var/lib/gpunet-exporter/inventory.json); unset: learned in memory only"),
-    }
+    settings_type = InfinibandSettings
+    settings: InfinibandSettings
     flags: ClassVar[Mapping[str, tuple[str, str]]] = {
         "device-include": ("device_include", "regexp of RDMA devices to include"),
         "device-exclude": ("device_exclude", "regexp of RDMA devices to exclude"),
@@ -250,15 +275,15 @@ class InfinibandCollector(Collector):
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)
         self._info_cache: dict[str, tuple[tuple[int, int], list[str]]] = {}
-        self._inventory = Inventory(ctx.config.get("inventory_state_file"), ctx.learn,
+        self._inventory = Inventory(self.settings.inventory_state_file, ctx.learn,
                                     ctx.log_once)
         self._present: dict[str, set[str]] = {}
 
     def collect(self) -> Iterator[Metric]:
-        cfg = self.ctx.config
+        cfg = self.settings
         # One collection runs at a time per collector (the core's Runner coalesces scrapes).
         self._fams = Families()
-        names = rdma.devices(self.ctx.sysfs, cfg.get("device_include"), cfg.get("device_exclude"))
+        names = rdma.devices(self.ctx.sysfs, cfg.device_include, cfg.device_exclude)
         for gone in self._info_cache.keys() - set(names):
             del self._info_cache[gone]
         if not names:
@@ -272,14 +297,15 @@ class InfinibandCollector(Collector):
         self._inventory_families(cfg)
         return iter(self._fams)
 
-    def _inventory_families(self, cfg: Mapping[str, Any]) -> None:
+    def _inventory_families(self, cfg: InfinibandSettings) -> None:
         """Expected, present and missing devices, ports and netdevs (exporter/inventory.py).
         Learned names outside device_include/exclude are not expected; a kind neither seen nor
         configured has no series."""
         missing = self._inventory.update(self._present)
-        inc, exc = cfg.get("device_include"), cfg.get("device_exclude")
-        configured = cfg.get("inventory_expected") or {}
-        counts = {kind: configured.get(key) for key, kind in _EXPECTED_KEYS.items()}
+        inc, exc = cfg.device_include, cfg.device_exclude
+        configured = cfg.inventory_expected
+        counts = {"rdma_device": configured.rdma_devices, "rdma_port": configured.rdma_ports,
+                  "netdev": configured.netdevs}
         for kind in KINDS:
             names = [n for n in missing[kind] if kind == "netdev" or _selected(
                 n.partition("/")[0], inc, exc)]
@@ -454,7 +480,7 @@ class InfinibandCollector(Collector):
             ) -> None:
         """A hw_counters/ directory: every curated counter, and the first
         ``generic_hw_counters_max`` other files by name (the rest are not even read)."""
-        limit: int = self.ctx.config.get("generic_hw_counters_max", GENERIC_HW_COUNTERS_MAX)
+        limit = self.settings.generic_hw_counters_max
         dropped = 0
 
         def select(names: list[str]) -> list[str]:
@@ -489,7 +515,7 @@ class InfinibandCollector(Collector):
     # -- expected versus actual rate ------------------------------------------------------
 
     def _degraded(self, active: list[_Active]) -> None:
-        rules: list[dict[str, Any]] = list(self.ctx.config.get("expected_rate") or [])
+        rules = self.settings.expected_rate
         fastest: dict[tuple[str, str], float] = {}
         for a in active:
             key = (a.hca_type, a.link_layer)
@@ -497,10 +523,8 @@ class InfinibandCollector(Collector):
         for a in active:
             expected = None
             for rule in rules:
-                if (("device" not in rule or rule["device"].search(a.device))
-                        and ("hca_type" not in rule or rule["hca_type"].search(a.hca_type))
-                        and rule.get("link_layer", a.link_layer) == a.link_layer):
-                    expected = float(rule["gbps"]) * BYTES_PER_GBIT
+                if rule.matches(a.device, a.hca_type, a.link_layer):
+                    expected = float(rule.gbps) * BYTES_PER_GBIT
                     break
             if expected is None and not rules:
                 expected = fastest[(a.hca_type, a.link_layer)]

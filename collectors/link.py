@@ -10,15 +10,16 @@ which runs in the background on its own interval, never in the scrape.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar
+from dataclasses import dataclass
 
 from prometheus_client.core import Metric
 
 from gpunet_exporter.background import Refresher
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
-from gpunet_exporter.config import Field
+from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.sources import rdma
 from gpunet_exporter.sources.commands import run_command
 from gpunet_exporter.sources.ibv_devinfo import parse_ibv_devinfo
@@ -83,19 +84,48 @@ IBV_AGE = MetricSpec(
     "gpunet_link_ibv_devinfo_age_seconds", "gauge",
     "Age of the cached ibv_devinfo values", (), "seconds", "exporter")
 
-_MTU_RULE = Field("map", fields={
-    "interface": Field("regex", "interfaces this rule applies to"),
-    "device": Field("regex", "RDMA devices this rule applies to"),
-    "link_layer": Field("str", "InfiniBand or Ethernet (RoCE)"),
-    "mtu": Field("int", "expected netdev MTU in bytes (e.g. 9000 on RoCE)", minimum=68),
-    "rdma_mtu": Field("int", "expected active RDMA MTU in bytes (e.g. 4096)", minimum=256),
-})
+
+@dataclass(frozen=True, kw_only=True)
+class MtuRule(Settings):
+    """One rule of link.expected_mtu."""
+
+    interface: re.Pattern[str] | None = setting("netdevs this rule applies to (unset: every "
+                                                "netdev)")
+    device: re.Pattern[str] | None = setting("RDMA devices this rule applies to (unset: every "
+                                             "device)")
+    link_layer: str | None = setting("the link layer this rule applies to, `InfiniBand` or "
+                                     "`Ethernet` (RoCE) (unset: both)")
+    mtu: int | None = setting("expected netdev MTU in bytes, e.g. 9000 on RoCE", minimum=68)
+    rdma_mtu: int | None = setting("expected active RDMA MTU in bytes, e.g. 4096", minimum=256)
+
+    def matches(self, interface: str, device: str, layer: str) -> bool:
+        return ((self.interface is None or bool(interface and self.interface.search(interface)))
+                and (self.device is None or bool(device and self.device.search(device)))
+                and self.link_layer in (None, layer))
 
 
-def _rule_matches(rule: Mapping[str, Any], interface: str, device: str, layer: str) -> bool:
-    return (("interface" not in rule or bool(interface and rule["interface"].search(interface)))
-            and ("device" not in rule or bool(device and rule["device"].search(device)))
-            and rule.get("link_layer", layer) == layer)
+@dataclass(frozen=True)
+class IbvDevinfoSettings(Settings):
+    """link.ibv_devinfo."""
+
+    enabled: bool = setting("run it", default=True)
+    path: str = setting("program name (looked up in PATH) or path", default="ibv_devinfo")
+    timeout_seconds: float = setting("how long one run may take", default=10, minimum=0.1)
+    interval_seconds: float = setting("how often it runs", default=300, minimum=1)
+
+
+@dataclass(frozen=True)
+class LinkSettings(Settings):
+    interfaces: tuple[str, ...] = setting(
+        "netdevs to report in addition to those behind RDMA ports (a name that does not exist "
+        "is logged once as a warning)", default=())
+    interface_exclude: re.Pattern[str] | None = setting("netdevs not to report")
+    expected_mtu: tuple[MtuRule, ...] = setting(
+        "expected MTUs: the netdev MTU is the first matching rule's `mtu`, the active RDMA MTU "
+        "the first matching rule's `rdma_mtu` (rules without it are passed over)", default=())
+    ibv_devinfo: IbvDevinfoSettings = setting(
+        "the background `ibv_devinfo` run that gives InfiniBand active MTUs",
+        default=IbvDevinfoSettings())
 
 
 class LinkCollector(Collector):
@@ -103,51 +133,40 @@ class LinkCollector(Collector):
     description = "Speed, MTU, carrier and flaps of RDMA netdevs; active RDMA MTU; expected MTU"
     metrics = (INFO, OPERSTATE, CARRIER, SPEED, MTU, CARRIER_CHANGES, MTU_EXPECTED, MTU_MISMATCH,
                RDMA_MTU, RDMA_MTU_EXPECTED, RDMA_MTU_MISMATCH, IBV_SUCCESS, IBV_AGE)
-    config_fields: ClassVar[Mapping[str, Field]] = {
-        "interfaces": Field("list", "extra interfaces to report besides RDMA netdevs",
-                            item=Field("str")),
-        "interface_exclude": Field("regex", "skip interfaces whose name matches"),
-        "expected_mtu": Field("list", "expected MTUs; the first matching rule that sets a value "
-                              "wins", item=_MTU_RULE),
-        "ibv_devinfo": Field("map", "the ibv_devinfo run giving InfiniBand active MTUs", fields={
-            "enabled": Field("bool", default=True),
-            "path": Field("str", "program name or path", default="ibv_devinfo"),
-            "timeout_seconds": Field("number", default=10, minimum=0.1),
-            "interval_seconds": Field("number", default=300, minimum=1),
-        }, default={}),  # absent: the defaults of its keys
-    }
+    settings_type = LinkSettings
+    settings: LinkSettings
 
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)
         self._ibv: Refresher[dict[tuple[str, str], int]] | None = None
-        self._ibv_cfg: Mapping[str, Any] = ctx.config["ibv_devinfo"]
+        self._ibv_cfg = self.settings.ibv_devinfo
 
     def _devinfo(self) -> Refresher[dict[tuple[str, str], int]] | None:
         """Started on the first scrape that sees an InfiniBand port, if the tool is installed."""
-        if self._ibv is None and self._ibv_cfg["enabled"]:
-            path = shutil.which(self._ibv_cfg["path"])
+        if self._ibv is None and self._ibv_cfg.enabled:
+            path = shutil.which(self._ibv_cfg.path)
             if path is None:
                 self.ctx.log_once(logging.DEBUG, "%s not installed: no InfiniBand active MTU",
-                                  self._ibv_cfg["path"])
+                                  self._ibv_cfg.path)
                 return None
-            timeout = float(self._ibv_cfg["timeout_seconds"])
+            timeout = float(self._ibv_cfg.timeout_seconds)
             self._ibv = Refresher(
-                "ibv_devinfo", float(self._ibv_cfg["interval_seconds"]),
+                "ibv_devinfo", float(self._ibv_cfg.interval_seconds),
                 lambda: parse_ibv_devinfo(run_command([path], timeout)), self.ctx.log_once)
             self._ibv.refresh()  # the first scrape waits once, so it has data
             self._ibv.start()
         return self._ibv
 
     def collect(self) -> Iterator[Metric]:
-        cfg, root, fams = self.ctx.config, self.ctx.sysfs, Families()
-        exclude = cfg.get("interface_exclude")
-        rules: list[Mapping[str, Any]] = cfg.get("expected_mtu") or []
+        cfg, root, fams = self.settings, self.ctx.sysfs, Families()
+        exclude = cfg.interface_exclude
+        rules = cfg.expected_mtu
         ports = rdma.all_ports(root)
         seen: dict[str, rdma.Port | None] = {}
         for p in ports:
             if p.netdev and p.netdev not in seen:
                 seen[p.netdev] = p
-        for name in rdma.extra_netdevs(root, cfg.get("interfaces") or [], seen,
+        for name in rdma.extra_netdevs(root, cfg.interfaces, seen,
                                        self.ctx.log_once):
             seen[name] = None
         netdev_mtu: dict[str, int] = {}
@@ -158,9 +177,8 @@ class LinkCollector(Collector):
             if mtu is not None:
                 netdev_mtu[ifname] = mtu
                 layer = port.link_layer if port else ""
-                want = next((r["mtu"] for r in rules if "mtu" in r
-                             and _rule_matches(r, ifname, port.device if port else "", layer)),
-                            None)
+                want = next((r.mtu for r in rules if r.mtu is not None
+                             and r.matches(ifname, port.device if port else "", layer)), None)
                 if want is not None:
                     fams.add(MTU_EXPECTED, [ifname], want)
                     fams.add(MTU_MISMATCH, [ifname], int(mtu != want))
@@ -176,8 +194,8 @@ class LinkCollector(Collector):
             if active is None:
                 continue
             fams.add(RDMA_MTU, [p.device, p.port], active)
-            want = next((r["rdma_mtu"] for r in rules if "rdma_mtu" in r
-                         and _rule_matches(r, p.netdev, p.device, p.link_layer)), None)
+            want = next((r.rdma_mtu for r in rules if r.rdma_mtu is not None
+                         and r.matches(p.netdev, p.device, p.link_layer)), None)
             if want is not None:
                 fams.add(RDMA_MTU_EXPECTED, [p.device, p.port], want)
                 fams.add(RDMA_MTU_MISMATCH, [p.device, p.port], int(active != want))

@@ -26,14 +26,14 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from prometheus_client.core import Metric
 
 from gpunet_exporter.background import Refresher
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
 from gpunet_exporter.collectors.tables import load
-from gpunet_exporter.config import Field
+from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.sources import rdma
 from gpunet_exporter.sources.commands import CommandError, CommandTimeout, run_command
 from gpunet_exporter.sources.ethtool import CommandStatsReader, EthtoolReader, StatsReader
@@ -237,6 +237,53 @@ CONFIG_SPECS = (CONFIG_INFO, PFC_ENABLED, PRIORITY_TC, TC_INFO, TC_BW, TC_RATE, 
 
 
 @dataclass(frozen=True)
+class EthtoolSettings(Settings):
+    """pfc.ethtool."""
+
+    path: str = setting("program name (looked up in PATH) or path", default="ethtool")
+    timeout_seconds: float = setting("how long one run may take, per interface", default=2,
+                                     minimum=0.1)
+
+
+@dataclass(frozen=True)
+class QosConfigSettings(Settings):
+    """pfc.config."""
+
+    sources: tuple[str, ...] = setting(
+        "where the QoS configuration comes from, in order: the first one present on the machine "
+        "is used", default=SOURCES, choices=SOURCES)
+    interval_seconds: float = setting("how often the configuration is read in the background",
+                                      default=60, minimum=1)
+    timeout_seconds: float = setting("how long one tool may run", default=10, minimum=0.1)
+    mlnx_qos_path: str = setting("the `mlnx_qos` program (looked up in PATH) or its path",
+                                 default="mlnx_qos")
+    dcb_path: str = setting("the `dcb` program (looked up in PATH) or its path", default="dcb")
+
+    def program(self, source: str) -> str:
+        """The program of a source that runs one (mlnx_qos, dcb)."""
+        return self.mlnx_qos_path if source == "mlnx_qos" else self.dcb_path
+
+
+@dataclass(frozen=True)
+class PfcSettings(Settings):
+    interfaces: tuple[str, ...] = setting("netdevs to report in addition to those behind RoCE "
+                                          "ports", default=())
+    interface_include: re.Pattern[str] | None = setting("only netdevs whose name matches are "
+                                                        "reported")
+    interface_exclude: re.Pattern[str] | None = setting("netdevs whose name matches are not "
+                                                        "reported")
+    stats_source: str = setting(
+        "how NIC statistics are read: `ioctl`, in-process through the SIOCETHTOOL ioctl; "
+        "`ethtool`, by running `ethtool -S IF` on every scrape (for platforms that refuse the "
+        "ioctl to Python, and to replay captures through a stand-in program)", default="ioctl",
+        choices=("ioctl", "ethtool"))
+    ethtool: EthtoolSettings = setting("the `ethtool` program, for `stats_source: ethtool`",
+                                       default=EthtoolSettings())
+    config: QosConfigSettings = setting("the background read of the QoS configuration",
+                                        default=QosConfigSettings())
+
+
+@dataclass(frozen=True)
 class _State:
     """What the background refresh knows of one interface."""
 
@@ -252,27 +299,8 @@ class PfcCollector(Collector):
                    "(refreshed in the background) and per-priority pause, discard and ECN "
                    "counters (SIOCETHTOOL, every scrape)")
     metrics = (*CONFIG_SPECS, *COUNTER_SPECS.values())
-    config_fields: ClassVar[Mapping[str, Field]] = {
-        "interfaces": Field("list", "extra interfaces to report besides RoCE netdevs",
-                            item=Field("str")),
-        "interface_include": Field("regex", "only interfaces whose name matches"),
-        "interface_exclude": Field("regex", "skip interfaces whose name matches"),
-        "stats_source": Field("str", "ioctl (in-process SIOCETHTOOL) or ethtool (run "
-                              "'ethtool -S' each scrape)", default="ioctl",
-                              choices=("ioctl", "ethtool")),
-        "ethtool": Field("map", "the ethtool program, when stats_source is ethtool", fields={
-            "path": Field("str", default="ethtool"),
-            "timeout_seconds": Field("number", default=2, minimum=0.1),
-        }, default={}),
-        "config": Field("map", "the background read of the QoS configuration", fields={
-            "sources": Field("list", "sources to try, first installed wins",
-                             item=Field("str", choices=SOURCES), default=list(SOURCES)),
-            "interval_seconds": Field("number", default=60, minimum=1),
-            "timeout_seconds": Field("number", default=10, minimum=0.1),
-            "mlnx_qos_path": Field("str", default="mlnx_qos"),
-            "dcb_path": Field("str", default="dcb"),
-        }, default={}),
-    }
+    settings_type = PfcSettings
+    settings: PfcSettings
     flags: ClassVar[Mapping[str, tuple[str, str]]] = {
         "interface-include": ("interface_include", "regexp of interfaces to include"),
         "interface-exclude": ("interface_exclude", "regexp of interfaces to exclude"),
@@ -280,15 +308,15 @@ class PfcCollector(Collector):
 
     def __init__(self, ctx: CollectorContext, reader: StatsReader | None = None) -> None:
         super().__init__(ctx)
-        cfg = ctx.config
+        cfg = self.settings
         if reader is None:
-            if cfg["stats_source"] == "ethtool":
-                reader = CommandStatsReader(cfg["ethtool"]["path"],
-                                            float(cfg["ethtool"]["timeout_seconds"]))
+            if cfg.stats_source == "ethtool":
+                reader = CommandStatsReader(cfg.ethtool.path,
+                                            float(cfg.ethtool.timeout_seconds))
             else:
                 reader = EthtoolReader()
         self.reader = reader
-        self._cfg: Mapping[str, Any] = cfg["config"]
+        self._cfg = cfg.config
         self._plans: dict[str, tuple[tuple[str, ...], list[tuple[int, MetricSpec,
                                                                   dict[str, str], int]]]] = {}
         self._states: dict[str, _State] = {}
@@ -299,13 +327,13 @@ class PfcCollector(Collector):
 
     def interfaces(self) -> list[str]:
         """Netdevs behind RoCE ports, then configured ones that exist, filtered."""
-        cfg, root = self.ctx.config, self.ctx.sysfs
+        cfg, root = self.settings, self.ctx.sysfs
         names: list[str] = []
         for p in rdma.all_ports(root):
             if p.link_layer == "Ethernet" and p.netdev and p.netdev not in names:
                 names.append(p.netdev)
-        names += rdma.extra_netdevs(root, cfg.get("interfaces") or [], names, self.ctx.log_once)
-        include, exclude = cfg.get("interface_include"), cfg.get("interface_exclude")
+        names += rdma.extra_netdevs(root, cfg.interfaces, names, self.ctx.log_once)
+        include, exclude = cfg.interface_include, cfg.interface_exclude
         return [n for n in names if (include is None or include.search(n))
                 and not (exclude is not None and exclude.search(n))]
 
@@ -321,12 +349,12 @@ class PfcCollector(Collector):
         self._first_round.set()
 
     def _pick_source(self, ifname: str) -> tuple[str, str] | None:
-        for source in self._cfg["sources"]:
+        for source in self._cfg.sources:
             if source == "sysfs":
                 if self.ctx.sysfs.exists(f"class/net/{ifname}/qos"):
                     return source, ""
                 continue
-            path = shutil.which(self._cfg[f"{source}_path"])
+            path = shutil.which(self._cfg.program(source))
             if path is not None:
                 return source, path
         return None
@@ -337,7 +365,7 @@ class PfcCollector(Collector):
         picked = self._pick_source(ifname)
         if picked is None:
             self.ctx.log_once(logging.DEBUG, "no QoS configuration source for %s (none of %s "
-                              "installed)", ifname, ", ".join(self._cfg["sources"]))
+                              "installed)", ifname, ", ".join(self._cfg.sources))
             return _State(None, ecn, None, 0.0)
         source, path = picked
         try:
@@ -351,7 +379,7 @@ class PfcCollector(Collector):
         return _State(config, ecn, True, time.time())
 
     def _read_config(self, source: str, path: str, ifname: str) -> QosConfig:
-        timeout = float(self._cfg["timeout_seconds"])
+        timeout = float(self._cfg.timeout_seconds)
         if source == "mlnx_qos":
             return parse_mlnx_qos(run_command([path, "-i", ifname], timeout))
         if source == "dcb":
@@ -384,7 +412,7 @@ class PfcCollector(Collector):
 
     def _start_refresher(self) -> None:
         if self._refresher is None:
-            self._refresher = Refresher("pfc-config", float(self._cfg["interval_seconds"]),
+            self._refresher = Refresher("pfc-config", float(self._cfg.interval_seconds),
                                         self.refresh, self.ctx.log_once)
             self._refresher.start()
             self._first_round.wait(FIRST_REFRESH_WAIT)

@@ -20,13 +20,14 @@ time and success come with it. This module maps those results to metrics.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.core import Metric
 
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
-from gpunet_exporter.config import Field
+from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.probe import results, runner, supervisor
 from gpunet_exporter.probe.results import Result
 from gpunet_exporter.sources import rdma
@@ -48,9 +49,15 @@ RUN_OPTIONS = {"backend": "backend", "nprocs": "nprocs", "scopes": "scopes",
 
 
 def _default(key: str) -> Any:
-    """The runner's default of a configuration key that is one of its options."""
+    """The runner's default of a configuration key that is one of its options (a list as a
+    tuple, as the settings hold it)."""
     value = RUNNER_DEFAULTS[RUN_OPTIONS[key]]
-    return list(value) if isinstance(value, list) else value
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _plain(value: Any) -> Any:
+    """A setting as the runner's parser holds it (a tuple as a list)."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 SUCCESS = MetricSpec(
@@ -159,6 +166,62 @@ PROBLEM = MetricSpec(
     "NCCL INFO log of the probe")
 
 
+@dataclass(frozen=True)
+class ProbeSettings(Settings):
+    """probe: the options of `gpunet-probe run` take their defaults from the runner."""
+
+    runner: str = setting(
+        "`intra`: the exporter starts and supervises the intra-node runner; `none`: it only "
+        "exports the results cluster-mode ranks write into `state_dir`", default="intra",
+        choices=("intra", "none"))
+    state_dir: str = setting("where result files are written and read (the runner's log is "
+                             "`runner.log` there)", default="/var/lib/gpunet-exporter/probe")
+    command: tuple[str, ...] = setting(
+        "the runner program (empty: `<this Python> -m gpunet_exporter.probe.cli`, i.e. "
+        "`gpunet-probe` of the exporter's environment, which needs the `probe` extra: torch)",
+        default=())
+    backend: str = setting("`nccl` on GPUs; `gloo` runs the same code on CPUs",
+                           default=_default("backend"), choices=("nccl", "gloo"))
+    nprocs: int = setting("local GPUs the runner probes (0: every visible GPU; with gloo, how "
+                          "many GPUs to stand in for: 2)", default=_default("nprocs"), minimum=0)
+    scopes: tuple[str, ...] = setting(
+        "what the node's rounds measure: `intra`, the GPUs among themselves (NVLink/P2P, SHM; "
+        "only with two GPUs or more); `net`, the GPUs through the node's NICs (NIC loopback, "
+        "below)", default=_default("scopes"), choices=results.NODE_SCOPES)
+    pin_hca: bool = setting(
+        "net scope: pin each rank to the ACTIVE RDMA port nearest its GPU with `NCCL_IB_HCA`, so "
+        "that every NIC is exercised (an `NCCL_IB_HCA` in the exporter's environment wins)",
+        default=_default("pin_hca"))
+    straggler_min_ratio: float = setting(
+        "the late rank is named (`gpunet_probe_straggler_info`) when the other ranks wait at "
+        "least this share of their collective time for it",
+        default=_default("straggler_min_ratio"), minimum=0, maximum=1)
+    sizes: tuple[int, ...] = setting("all-reduce message sizes in bytes (float32: multiples of "
+                                     "4)", default=_default("sizes"), minimum=4, multiple_of=4)
+    warmup: int = setting("untimed all-reduces per size and round", default=_default("warmup"),
+                          minimum=0)
+    iterations: int = setting("timed all-reduces per size and round",
+                              default=_default("iterations"), minimum=1)
+    interval_seconds: float = setting("from one round's start to the next",
+                                      default=_default("interval_seconds"), minimum=1)
+    timeout_seconds: float = setting(
+        "a scope's start or round taking longer has that scope's workers killed by the runner, "
+        "and a runner stuck that long plus a grace period (the timeout, at most 10 s) has its "
+        "whole process group killed by the exporter", default=_default("timeout_seconds"),
+        minimum=1)
+    memory_cap_bytes: int = setting(
+        "GPU memory in bytes that the probe's PyTorch allocations may use per GPU (the CUDA "
+        "context and NCCL's own buffers are outside it)", default=_default("memory_cap_bytes"),
+        minimum=1 << 20)
+    busy_utilization: float = setting(
+        "GPU utilization (0 to 1) above which a GPU is busy with other work: sizes of 1 MiB and "
+        "up are skipped while it is (with `skip_busy`)", default=_default("busy_utilization"),
+        minimum=0)
+    skip_busy: bool = setting("skip sizes of 1 MiB and up while a GPU is busy: above "
+                              "`busy_utilization`, or running a process that is not the "
+                              "probe's", default=_default("skip_busy"))
+
+
 class ProbeCollector(Collector):
     name = "probe"
     description = ("Micro all-reduce probes through torch.distributed/NCCL run outside the "
@@ -167,64 +230,25 @@ class ProbeCollector(Collector):
     metrics = (SUCCESS, LAST_ROUND, LAST_SUCCESS, DURATION, FAILURES, RUNNING, LATENCY, ALGBW,
                BUSBW, SKIPPED, STRAGGLER_WAIT, STRAGGLER_RATIO, STRAGGLER, LINK, LINK_RATIO,
                HCA_RANKS, HCA_GDR, WORLD, INFO, TRANSPORT, GDR, SOCKET_FALLBACK, PROBLEM)
-    config_fields: ClassVar[Mapping[str, Field]] = {
-        "state_dir": Field("str", "where the runner and cluster-mode ranks write results",
-                           default="/var/lib/gpunet-exporter/probe"),
-        "runner": Field("str", "intra: start the intra-node runner; none: only export what "
-                        "cluster-mode ranks write", default="intra", choices=("intra", "none")),
-        "command": Field("list", "the runner program (default: gpunet-probe of this Python)",
-                         item=Field("str")),
-        "backend": Field("str", "nccl (GPUs) or gloo (CPUs)", default=_default("backend"),
-                         choices=("nccl", "gloo")),
-        "nprocs": Field("int", "local GPUs to probe (0: every visible GPU; gloo: 2 stand-ins)",
-                        default=_default("nprocs"), minimum=0),
-        "scopes": Field("list", "what the node's rounds measure: intra (GPUs among themselves, "
-                        "needs two), net (GPUs through the NICs)",
-                        default=_default("scopes"),
-                        item=Field("str", choices=results.NODE_SCOPES)),
-        "pin_hca": Field("bool", "net scope: pin each rank to the ACTIVE RDMA port nearest its "
-                         "GPU (NCCL_IB_HCA), so that every NIC is exercised",
-                         default=_default("pin_hca")),
-        "straggler_min_ratio": Field("number", "the late rank is named when the others wait "
-                                     "at least this share of their collective time for it",
-                                     default=_default("straggler_min_ratio"), minimum=0,
-                                     maximum=1),
-        "sizes": Field("list", "all-reduce message sizes in bytes (multiples of 4: float32)",
-                       item=Field("int", minimum=4, multiple_of=4),
-                       default=_default("sizes")),
-        "warmup": Field("int", "untimed all-reduces per size", default=_default("warmup"),
-                        minimum=0),
-        "iterations": Field("int", "timed all-reduces per size",
-                            default=_default("iterations"), minimum=1),
-        "interval_seconds": Field("number", "from one round's start to the next",
-                                  default=_default("interval_seconds"), minimum=1),
-        "timeout_seconds": Field("number", "a round (or the start) taking longer is killed",
-                                 default=_default("timeout_seconds"), minimum=1),
-        "memory_cap_bytes": Field("int", "GPU memory the probe may allocate per GPU",
-                                  default=_default("memory_cap_bytes"), minimum=1 << 20),
-        "busy_utilization": Field("number", "GPU utilization (0 to 1) above which a GPU is "
-                                  "busy with other work", default=_default("busy_utilization"),
-                                  minimum=0),
-        "skip_busy": Field("bool", "skip sizes of 1 MiB and up while a GPU is busy",
-                           default=_default("skip_busy")),
-    }
+    settings_type = ProbeSettings
+    settings: ProbeSettings
 
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)
-        cfg = ctx.config
-        self.state_dir: str = cfg["state_dir"]
+        cfg = self.settings
+        self.state_dir = cfg.state_dir
         self.supervisor = supervisor.Supervisor(
-            self.state_dir, self.command() if cfg["runner"] == "intra" else None,
-            interval=float(cfg["interval_seconds"]), timeout=float(cfg["timeout_seconds"]),
-            default_scope=str((cfg.get("scopes") or ["intra"])[0]), log=ctx.log_once,
+            self.state_dir, self.command() if cfg.runner == "intra" else None,
+            interval=float(cfg.interval_seconds), timeout=float(cfg.timeout_seconds),
+            default_scope=(cfg.scopes or ("intra",))[0], log=ctx.log_once,
             logger=ctx.logger)
 
     def command(self) -> list[str]:
         """The runner's command line: its options only where the configuration differs from
         the runner's defaults (which are the configuration's defaults too)."""
-        cfg = self.ctx.config
-        base = list(cfg.get("command") or [sys.executable, "-m", "gpunet_exporter.probe.cli"])
-        options = {dest: cfg[key] for key, dest in RUN_OPTIONS.items()}
+        cfg = self.settings
+        base = list(cfg.command or (sys.executable, "-m", "gpunet_exporter.probe.cli"))
+        options = {dest: _plain(getattr(cfg, key)) for key, dest in RUN_OPTIONS.items()}
         return [*base, "run", *runner.run_argv(
             {"state_dir": self.state_dir, "sysfs": self.ctx.sysfs.root, **options})]
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 from collections.abc import Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from prometheus_client.core import Metric
@@ -29,7 +30,7 @@ from gpunet_exporter.collector import (
     MetricSpec,
     Privilege,
 )
-from gpunet_exporter.config import Field
+from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.nccl.env import NCCL_FAULT_CLASSES, NCCL_FINDINGS, env_settings, parse_environ
 from gpunet_exporter.sources import nvml, rdma
 from gpunet_exporter.sources.pcie import (
@@ -186,6 +187,24 @@ def _pci_sort_key(address: str) -> tuple[int, ...]:
     return int(domain, 16), int(bus, 16), int(dev, 16), int(fn)
 
 
+@dataclass(frozen=True)
+class TopologySettings(Settings):
+    device_include: re.Pattern[str] | None = setting("only RDMA devices whose name matches are "
+                                                     "covered by the GPU-NIC series")
+    device_exclude: re.Pattern[str] | None = setting("RDMA devices whose name matches are not "
+                                                     "covered by the GPU-NIC series")
+    nccl_env_audit: bool = setting(
+        "read the environment of GPU compute processes for NCCL settings, and those that turn "
+        "off InfiniBand, GPUDirect RDMA or P2P", default=True)
+    rail_devices: re.Pattern[str] | None = setting(
+        "RDMA devices that are compute rails, the NICs NCCL uses for GPU traffic (unset: every "
+        "device the collector covers); the NUMA mismatch is judged against each GPU's nearest "
+        "rail")
+    rail_exclude: re.Pattern[str] | None = setting(
+        "RDMA devices that are not rails even when `rail_devices` matches, e.g. storage or "
+        "front-end ports")
+
+
 class TopologyCollector(Collector):
     name = "topology"
     description = ("GPU-NIC PCIe distances, GPUDirect RDMA readiness, ACS redirect on the path, "
@@ -195,18 +214,8 @@ class TopologyCollector(Collector):
                NCCL_ENV_SETTINGS, NCCL_ENV_PROCESSES, NIC_PCIE_INFO, NIC_PCIE_SPEED,
                NIC_PCIE_WIDTH, NIC_PCIE_MAX_SPEED, NIC_PCIE_MAX_WIDTH, NIC_PCIE_DEGRADED,
                NEAREST_RAIL_NIC)
-    config_fields: ClassVar[Mapping[str, Field]] = {
-        "device_include": Field("regex", "only RDMA devices whose name matches"),
-        "device_exclude": Field("regex", "skip RDMA devices whose name matches"),
-        "nccl_env_audit": Field("bool", "read the environment of GPU compute processes for NCCL "
-                                "settings, and those that disable RDMA, GPUDirect or P2P",
-                                default=True),
-        "rail_devices": Field("regex", "RDMA devices that are compute rails, the NICs NCCL uses "
-                              "for GPU traffic (default: every device); the NUMA mismatch is "
-                              "judged against the GPU's nearest rail"),
-        "rail_exclude": Field("regex", "RDMA devices that are not rails even when rail_devices "
-                              "matches, e.g. storage or front-end ports"),
-    }
+    settings_type = TopologySettings
+    settings: TopologySettings
     flags: ClassVar[Mapping[str, tuple[str, str]]] = {
         "device-include": ("device_include", "regexp of RDMA devices to include"),
         "device-exclude": ("device_exclude", "regexp of RDMA devices to exclude"),
@@ -242,7 +251,7 @@ class TopologyCollector(Collector):
         self._endpoints = self._endpoints_now  # only what this scrape saw stays cached
         self._pairs(fams, gpus, nics)
         self._nic_links(fams, nics)
-        if self.ctx.config.get("nccl_env_audit", True):
+        if self.settings.nccl_env_audit:
             self._nccl_audit(fams)
         return iter(fams)
 
@@ -334,10 +343,9 @@ class TopologyCollector(Collector):
         return found
 
     def _nics(self) -> list[Endpoint]:
-        cfg = self.ctx.config
+        cfg = self.settings
         out = []
-        for dev in rdma.devices(self.ctx.sysfs, cfg.get("device_include"),
-                                cfg.get("device_exclude")):
+        for dev in rdma.devices(self.ctx.sysfs, cfg.device_include, cfg.device_exclude):
             ep = self._pci_endpoint(dev, f"{rdma.CLASS}/{dev}/device")
             if ep is None:  # rxe/siw (no PCI parent), or gone
                 self.ctx.log_once(logging.DEBUG, "RDMA device %s has no PCI function; skipped",
@@ -383,8 +391,8 @@ class TopologyCollector(Collector):
                     fams.add(NUMA_MISMATCH, [gpu.name], int(gpu.numa != rail.numa))
 
     def _is_rail(self, name: str) -> bool:
-        cfg = self.ctx.config
-        include, exclude = cfg.get("rail_devices"), cfg.get("rail_exclude")
+        cfg = self.settings
+        include, exclude = cfg.rail_devices, cfg.rail_exclude
         return ((include is None or bool(include.search(name)))
                 and not (exclude is not None and exclude.search(name)))
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
 
-from gpunet_exporter.config import Field
+from gpunet_exporter.config import Field, Settings, parse_settings, settings_fields
 from gpunet_exporter.sources.sysfs import Root
 
 MetricType = Literal["gauge", "counter"]
@@ -95,6 +95,8 @@ class CollectorContext:
     name: str
     sysfs: Root
     procfs: Root
+    # The collector's section as validate() returns it, every default filled in; collectors
+    # with a settings_type read ``Collector.settings`` (the same, typed) instead.
     config: Mapping[str, Any]
     logger: logging.LoggerAdapter[logging.Logger]
     log_once: LogOnce
@@ -104,6 +106,9 @@ class CollectorContext:
     # False in a one-off reader (the doctor): state kept across restarts (the inventory) is
     # read, never learned into nor written.
     learn: bool = True
+    # The section as the collector's settings_type, parsed once (options.resolve()); None:
+    # the collector parses ``config`` when it starts (a context built by hand, as tests do).
+    settings: Settings | None = None
 
     def skip(self, what: str, reason: object) -> None:
         """Record one value that could not be read or parsed; it costs that value alone."""
@@ -119,21 +124,48 @@ class Collector(abc.ABC):
     """Base class for collectors.
 
     Subclasses set ``name`` (also the flag ``--collector.<name>`` and the metric subsystem),
-    ``description``, ``metrics`` (every family it can emit), and optionally ``config_fields``
-    (the schema of its YAML section), ``flags`` (extra ``--collector.<name>.<flag>`` options,
-    mapped to keys of its config section) and ``privileges`` (readings that want a capability).
+    ``description``, ``metrics`` (every family it can emit), and optionally:
+
+    - ``settings_type``: its YAML section, a frozen dataclass deriving from
+      :class:`~gpunet_exporter.config.Settings` whose fields are declared with
+      :func:`~gpunet_exporter.config.setting`. ``self.settings`` is then the section, typed,
+      every default filled in (nested maps included); declare ``settings: ThatType`` in the
+      class body so that type checkers know it. ``config_fields`` is derived from it.
+    - or ``config_fields``, the section's schema as a mapping of keys to ``Field``s, read as
+      a mapping through ``ctx.config`` (the older way, still supported);
+    - ``flags`` (extra ``--collector.<name>.<flag>`` options, mapped to keys of its config
+      section) and ``privileges`` (readings that want a capability).
     """
 
     name: ClassVar[str]
     description: ClassVar[str] = ""
     default_enabled: ClassVar[bool] = True
     metrics: ClassVar[tuple[MetricSpec, ...]] = ()
+    settings_type: ClassVar[type[Settings]] = Settings  # none
     config_fields: ClassVar[Mapping[str, Field]] = {}
     flags: ClassVar[Mapping[str, tuple[str, str]]] = {}
     privileges: ClassVar[tuple[Privilege, ...]] = ()
+    settings: Settings
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        declared = {"settings_type", "config_fields"} & set(cls.__dict__)
+        if len(declared) == 2:
+            raise TypeError(f"{cls.__qualname__}: declare settings_type or config_fields, not "
+                            "both (config_fields is derived from settings_type)")
+        if "settings_type" in declared:
+            cls.config_fields = settings_fields(cls.settings_type)
+        elif "config_fields" in declared:
+            cls.settings_type = Settings  # read through ctx.config
 
     def __init__(self, ctx: CollectorContext) -> None:
         self.ctx = ctx
+        if isinstance(ctx.settings, self.settings_type):
+            self.settings = ctx.settings
+        elif self.settings_type is Settings:
+            self.settings = Settings()
+        else:
+            self.settings = parse_settings(self.settings_type, ctx.config, ctx.name)
 
     @abc.abstractmethod
     def collect(self) -> Iterable[Metric]:

@@ -3,6 +3,10 @@
 An unknown key, a wrong type or a bad regular expression produces one ``ConfigError`` that names
 the file, the key (dotted, with list indexes) and what was expected.
 
+A collector declares its section once, as a frozen dataclass of :class:`Settings` whose fields
+are declared with :func:`setting`; the schema (:func:`settings_fields`) is derived from it, and a
+validated section becomes an instance of it through :func:`settings_from`.
+
 Every YAML file the commands read (``--config.file``, ``--web.config.file``, thresholds files) goes
 through :func:`read_yaml`, which bounds what a file can cost before any value is checked: a
 regular file (a FIFO, a device, a directory or a socket is refused without being opened for a
@@ -15,13 +19,16 @@ short excerpt, whatever the value's size.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
 import stat
-from collections.abc import Iterator, Mapping
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 import yaml
 
@@ -156,6 +163,20 @@ def text_problem(text: str) -> str | None:
     return None
 
 
+def number_text(value: float) -> str:
+    """A bound as people write it: 1048576, not %g's 1.04858e+06; 0.1."""
+    if float(value).is_integer() and abs(value) < 1e16:
+        return str(int(value))
+    return f"{value:g}"
+
+
+def bounds_text(low: float | None, high: float | None) -> str:
+    """``from LOW to HIGH``, ``>= LOW`` or ``<= HIGH``."""
+    if low is not None and high is not None:
+        return f"from {number_text(low)} to {number_text(high)}"
+    return f">= {number_text(low)}" if low is not None else f"<= {number_text(cast(float, high))}"
+
+
 def validate(value: Any, spec: Field, key: str) -> Any:
     """Check ``value`` against ``spec`` and return it normalised (regexes compiled).
 
@@ -183,8 +204,7 @@ def validate(value: Any, spec: Field, key: str) -> Any:
                               "(up to about 1.8e308), got a larger one")
         low, high, number = spec.minimum, spec.maximum, cast(float, value)
         if (low is not None and number < low) or (high is not None and number > high):
-            expected = (f"from {low:g} to {high:g}" if low is not None and high is not None
-                        else f">= {low:g}" if low is not None else f"<= {high:g}")
+            expected = bounds_text(low, high)
             raise ConfigError(f"{where}: expected a value {expected}, got {short(value)}")
         if spec.multiple_of and cast(int, value) % spec.multiple_of:
             raise ConfigError(f"{where}: expected a multiple of {spec.multiple_of}, "
@@ -202,6 +222,8 @@ def validate(value: Any, spec: Field, key: str) -> Any:
                               f"got {short(value)}")
         return value
     if spec.kind == "regex":
+        if isinstance(value, re.Pattern):  # validated already (no YAML file makes one)
+            return value
         if not isinstance(value, str):
             raise wrong()
         try:
@@ -236,6 +258,183 @@ def validate(value: Any, spec: Field, key: str) -> Any:
             if f.default is not None:
                 out[k] = validate(f.default, f, f"{key}.{k}" if key else k)
     return out
+
+
+# ---- typed settings -------------------------------------------------------------------------
+#
+# A collector's section is declared once, as a frozen dataclass deriving from Settings whose
+# fields carry their schema (setting()): the Python type of each field gives its kind, and the
+# dataclass default is the default. The schema validate() checks (Collector.config_fields), the
+# defaults shown by --help and docs/configuration.md are all derived from that declaration, and
+# options.resolve() turns each validated section into an instance, once, at start.
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Base of a collector's typed settings; on its own, the settings of a collector that has
+    none (or that declares ``config_fields`` and reads ``ctx.config`` instead).
+
+    A subclass is a frozen dataclass whose fields are its keys. Each field's type gives the kind
+    of its value: ``bool``, ``int``, ``float`` (a number: an int or a float), ``str``,
+    ``re.Pattern[str]`` (a regular expression, compiled once), ``tuple[X, ...]`` (a list of X),
+    or another Settings subclass (a nested map, which always gets its own keys' defaults,
+    whether the file names it or not). ``X | None`` is a key that may be left unset (its default
+    None). Declare each field with :func:`setting` to give it help text and bounds.
+    """
+
+
+S = TypeVar("S", bound=Settings)
+
+_SETTING = "gpunet_exporter.setting"  # the key of a field's _Doc in its dataclass metadata
+
+
+@dataclass(frozen=True)
+class _Doc:
+    help: str = ""
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] = ()
+    multiple_of: int | None = None
+
+
+def setting(help: str = "", default: Any = None, *, required: bool = False,
+            minimum: float | None = None, maximum: float | None = None,
+            choices: tuple[str, ...] = (), multiple_of: int | None = None) -> Any:
+    """A field of a Settings dataclass: its help text (the meaning column of
+    docs/configuration.md), its default and its bounds.
+
+    ``default`` None is a key left unset: its type must then allow None. A list (``tuple``)
+    defaults to a tuple (``()``: none), a nested map to an instance of its class with its own
+    defaults (``Nested()``). ``required`` keys have no default; a dataclass with one is best
+    declared ``kw_only=True``. On a list, ``minimum``, ``maximum``, ``choices`` and
+    ``multiple_of`` bound each of its items.
+    """
+    meta = {_SETTING: _Doc(help, minimum, maximum, tuple(choices), multiple_of)}
+    if required:
+        return field(metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class _Member:
+    name: str
+    spec: Field
+    convert: Callable[[Any], Any]  # from what validate() returns to the field's type
+
+
+def _scalar(hint: Any, doc: _Doc, where: str) -> Field:
+    kinds: tuple[tuple[Any, Kind], ...] = ((bool, "bool"), (int, "int"), (float, "number"),
+                                           (str, "str"))
+    kind = next((k for t, k in kinds if hint is t), None)
+    if kind is None and (hint is re.Pattern or typing.get_origin(hint) is re.Pattern):
+        kind = "regex"
+    if kind is None:
+        raise TypeError(f"setting {where}: unsupported type {hint!r} (bool, int, float, str, "
+                        "re.Pattern[str], tuple[X, ...] or a Settings subclass)")
+    return Field(kind, doc.help, minimum=doc.minimum, maximum=doc.maximum, choices=doc.choices,
+                 multiple_of=doc.multiple_of)
+
+
+def _is_settings(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, Settings)
+
+
+def _member(f: dataclasses.Field[Any], hint: Any, where: str) -> _Member:
+    doc = f.metadata.get(_SETTING) or _Doc()
+    required, default = False, cast(Any, f.default)
+    if f.default is dataclasses.MISSING:
+        if f.default_factory is dataclasses.MISSING:
+            required, default = True, None
+        else:
+            default = f.default_factory()
+    optional = False
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        others = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(others) != 1 or len(typing.get_args(hint)) != 2:
+            raise TypeError(f"setting {where}: a union other than `X | None`")
+        hint, optional = others[0], True
+    if typing.get_origin(hint) is tuple:
+        args = typing.get_args(hint)
+        if len(args) != 2 or args[1] is not Ellipsis:
+            raise TypeError(f"setting {where}: a list is declared tuple[X, ...]")
+        if optional or not (required or isinstance(default, tuple)):
+            raise TypeError(f"setting {where}: a list defaults to a tuple (() for none), "
+                            "never None")
+        item_hint = args[0]
+        if _is_settings(item_hint):
+            if doc.minimum is not None or doc.maximum is not None or doc.choices or (
+                    doc.multiple_of is not None):
+                raise TypeError(f"setting {where}: bounds apply to a list of scalars")
+            items = _members(item_hint)
+            item = Field("map", fields={m.name: m.spec for m in items})
+
+            def convert_item(value: Any) -> Any:
+                return _build(item_hint, items, value)
+        else:
+            item, convert_item = _scalar(item_hint, doc, f"{where}[]"), _same
+        spec = Field("list", doc.help, default=list(default) if default else None, item=item,
+                     required=required)
+        return _Member(f.name, spec, lambda value: tuple(convert_item(v) for v in value))
+    if _is_settings(hint):
+        if optional or required or default != hint():
+            raise TypeError(f"setting {where}: a nested map defaults to its class with its own "
+                            f"defaults ({hint.__name__}())")
+        nested = _members(hint)
+        spec = Field("map", doc.help, fields={m.name: m.spec for m in nested},
+                     default={})  # absent: the defaults of its keys
+        return _Member(f.name, spec, lambda value: _build(hint, nested, value))
+    spec = _scalar(hint, doc, where)
+    if default is None and not (optional or required):
+        raise TypeError(f"setting {where}: default None needs the type `X | None` (or "
+                        "required=True)")
+    if default is not None and spec.kind == "regex":
+        raise TypeError(f"setting {where}: a regular expression defaults to None")
+    if default is not None:
+        validate(default, spec, where)  # a default the schema refuses is a bug of the code
+    return _Member(f.name, dataclasses.replace(spec, default=default, required=required), _same)
+
+
+_MEMBERS: dict[type[Settings], tuple[_Member, ...]] = {}
+
+
+def _members(cls: type[Settings]) -> tuple[_Member, ...]:
+    """The keys of a Settings class, worked out from its declaration once."""
+    members = _MEMBERS.get(cls)
+    if members is None:
+        params = getattr(cls, "__dataclass_params__", None)
+        if "__dataclass_fields__" not in cls.__dict__ or not (params and params.frozen):
+            raise TypeError(f"{cls.__qualname__} must be a frozen dataclass")
+        hints = typing.get_type_hints(cls)
+        members = _MEMBERS[cls] = tuple(
+            _member(f, hints[f.name], f"{cls.__qualname__}.{f.name}")
+            for f in dataclasses.fields(cls))
+    return members
+
+
+def _build(cls: type[S], members: tuple[_Member, ...], section: Mapping[str, Any]) -> S:
+    return cls(**{m.name: m.convert(section[m.name]) for m in members if m.name in section})
+
+
+def settings_fields(cls: type[Settings]) -> dict[str, Field]:
+    """The keys of ``cls`` as the schema that validate() checks (a map's ``fields``)."""
+    return {m.name: m.spec for m in _members(cls)}
+
+
+def settings_from(cls: type[S], section: Mapping[str, Any]) -> S:
+    """The settings of a section that validate() returned for ``settings_fields(cls)``; a key
+    it lacks has its declared default."""
+    return _build(cls, _members(cls), section)
+
+
+def parse_settings(cls: type[S], section: Mapping[str, Any], key: str) -> S:
+    """Validate a section (raw, as YAML gives it, or validated already) and return its
+    settings; ConfigError naming ``key`` and the wrong key under it otherwise."""
+    valid = validate(dict(section), Field("map", fields=settings_fields(cls)), key)
+    return settings_from(cls, valid)
 
 
 MAX_FILE_BYTES = 1 << 20  # a config, web config or thresholds file: some KiB in practice

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 from gpunet_exporter import DEFAULT_PORT, __version__
 from gpunet_exporter.collector import Collector, CollectorContext, LogOnce, collector_logger
-from gpunet_exporter.config import ConfigError, Field, load_file, validate
+from gpunet_exporter.config import ConfigError, Field, Settings, load_file, settings_from, validate
 from gpunet_exporter.flags import Parser, non_negative_int, positive_seconds, root_problem
 from gpunet_exporter.logs import LEVELS
 from gpunet_exporter.sources.sysfs import Root
@@ -128,8 +128,10 @@ def fail(message: str, code: int = 2, prog: str = PROG) -> NoReturn:
 
 def resolve(args: argparse.Namespace, classes: dict[str, type[Collector]],
             config: dict[str, Any], parser: argparse.ArgumentParser
-            ) -> tuple[list[str], dict[str, dict[str, Any]]]:
-    """Which collectors run, and each one's settings: defaults < config file < flags."""
+            ) -> tuple[list[str], dict[str, dict[str, Any]], dict[str, Settings]]:
+    """Which collectors run, and each one's settings: defaults < config file < flags; as
+    validated mappings (``CollectorContext.config``) and as each collector's settings_type,
+    parsed once."""
     enabled = []
     for name, cls in classes.items():
         on = cls.default_enabled and not args.disable_defaults
@@ -140,6 +142,7 @@ def resolve(args: argparse.Namespace, classes: dict[str, type[Collector]],
         if on:
             enabled.append(name)
     sections: dict[str, dict[str, Any]] = {}
+    settings: dict[str, Settings] = {}
     for name, cls in classes.items():
         section = dict(validate({}, Field("map", fields=dict(cls.config_fields)), name))
         section.update(config.get(name, {}))
@@ -152,7 +155,8 @@ def resolve(args: argparse.Namespace, classes: dict[str, type[Collector]],
             except ConfigError as exc:
                 parser.error(f"argument --collector.{name}.{flag}: {exc}")
         sections[name] = section
-    return enabled, sections
+        settings[name] = settings_from(cls.settings_type, section)
+    return enabled, sections, settings
 
 
 def start_collectors(args: argparse.Namespace, classes: dict[str, type[Collector]],
@@ -173,13 +177,14 @@ def start_collectors(args: argparse.Namespace, classes: dict[str, type[Collector
             config = load_file(args.config_file, config_schema(classes))
         except ConfigError as exc:
             fail(str(exc), prog=parser.prog)
-    enabled, sections = resolve(args, classes, config, parser)
+    enabled, sections, settings = resolve(args, classes, config, parser)
     sysfs, procfs = Root(args.sysfs), Root(args.procfs)
     collectors: dict[str, Collector] = {}
     for name in enabled:
         logger = collector_logger(name)
         ctx = CollectorContext(name, sysfs, procfs, sections[name], logger, LogOnce(logger),
-                               nvml_module=args.nvml_module, learn=learn)
+                               nvml_module=args.nvml_module, learn=learn,
+                               settings=settings[name])
         try:
             collectors[name] = classes[name](ctx)
         except Exception as exc:  # one broken collector must not stop the others

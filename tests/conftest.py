@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).parent))
 
 from gpunet_exporter.collector import Collector, CollectorContext, LogOnce, collector_logger
-from gpunet_exporter.config import Field, validate
+from gpunet_exporter.config import Field, settings_from, validate
 from gpunet_exporter.sources.sysfs import Root
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,10 +56,12 @@ def series(samples: Samples, name: str) -> dict[frozenset[tuple[str, str]], floa
 def make_collector(cls: type[Collector], sysfs: Path | str, config: Mapping[str, Any] | None = None,
                    root: Root | None = None, procfs: Path | str = "/proc",
                    nvml_module: str = "pynvml") -> Collector:
+    """The collector as options.start_collectors() builds it, with ``config`` as its section."""
     section = validate(dict(config or {}), Field("map", fields=dict(cls.config_fields)), cls.name)
     logger = collector_logger(cls.name)
     ctx = CollectorContext(cls.name, root or Root(str(sysfs)), Root(str(procfs)), section, logger,
-                           LogOnce(logger), nvml_module=nvml_module)
+                           LogOnce(logger), nvml_module=nvml_module,
+                           settings=settings_from(cls.settings_type, section))
     return cls(ctx)
 
 

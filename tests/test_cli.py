@@ -50,6 +50,11 @@ def write(tmp_path: Path, text: str) -> str:
      ["key 'collectors.infiniband': expected true or false"]),
     ("link:\n  expected_mtu:\n    - mtu: 12\n",
      ["link.expected_mtu[0].mtu': expected a value >= 68"]),
+    ("link:\n  ibv_devinfo:\n    timeout_seconds: soon\n",
+     ["key 'link.ibv_devinfo.timeout_seconds': expected a number, got 'soon' (str)"]),
+    ("probe:\n  memory_cap_bytes: 5\n",
+     ["key 'probe.memory_cap_bytes': expected a value >= 1048576, got 5"]),
+    ("probe:\n  sizes: [8, 6]\n", ["key 'probe.sizes[1]': expected a multiple of 4, got 6"]),
     ("- just\n- a list\n", ["top level: expected a mapping"]),
     ("infiniband: [\n", ["invalid YAML at line 2"]),
 ])

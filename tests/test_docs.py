@@ -12,6 +12,7 @@ from gpunet_exporter.collectors.infiniband import InfinibandCollector
 from gpunet_exporter.collectors.link import LinkCollector
 from gpunet_exporter.collectors.pfc import PfcCollector
 from gpunet_exporter.daemon import hotplug
+from gpunet_exporter.health import configdoc
 from gpunet_exporter.health.metricsdoc import own_metrics, render
 from gpunet_exporter.registry import SCRAPE_METRICS, discover
 from gpunet_exporter.sources.ethtool import parse_stats_text
@@ -29,6 +30,15 @@ def test_metrics_md_is_fresh() -> None:
     assert committed == render(), (
         "docs/metrics.md is stale: run "
         "`python -m gpunet_exporter.health.metricsdoc > docs/metrics.md`")
+
+
+def test_configuration_keys_are_fresh() -> None:
+    """The key table of docs/configuration.md is generated from the collectors' settings
+    (tests/test_settings.py checks that its defaults are the dataclasses')."""
+    text = (REPO / "docs" / "configuration.md").read_text()
+    assert configdoc.refresh(text) == text, (
+        "docs/configuration.md is stale: run "
+        "`python -m gpunet_exporter.health.configdoc docs/configuration.md`")
 
 
 def test_every_exported_family_is_documented(tmp_path: Path) -> None:

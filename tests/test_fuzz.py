@@ -56,8 +56,9 @@ probe, status.json)
 runner.parse_bytes/parse_sizes        value, or ArgumentTypeError/          runner_arguments
                                       ValueError (argparse reports both)
 runner.cluster_from_env               Cluster or None, never raises         runner_arguments
-config.validate, read_yaml,           value, or ConfigError only            config_validate,
-load_file, thresholds.load                                                  config_file
+config.validate, read_yaml,           value, or ConfigError only; a valid   config_validate,
+load_file, thresholds.load;           collector section converts to its     config_file
+config.settings_from                  typed settings, never raises
 config.short, key_text (error         at most 60 characters: repr() or its  short_excerpt
 messages)                             start, for any value (huge, shared)
 read_yaml (anchors and aliases)       refused exactly beyond MAX_VALUES     yaml_aliases_are_
@@ -141,6 +142,7 @@ from gpunet_exporter.config import (
     key_text,
     load_file,
     read_yaml,
+    settings_from,
     short,
     validate,
 )
@@ -991,13 +993,23 @@ SCHEMAS: dict[str, Field] = {
 }
 
 
+SETTINGS = {cls.name: cls.settings_type
+            for cls in (InfinibandCollector, LinkCollector, PfcCollector, GpuCollector,
+                        TopologyCollector, ProbeCollector)}
+
+
 @fuzz(150)
 @given(hs.sampled_from(sorted(SCHEMAS)).flatmap(
-    lambda n: hs.tuples(hs.just(SCHEMAS[n]), field_values(SCHEMAS[n]) | JSON)))
-def test_config_validate(case: tuple[Field, Any]) -> None:
-    spec, value = case
-    with contextlib.suppress(ConfigError):
-        validate(value, spec, "")
+    lambda n: hs.tuples(hs.just(n), field_values(SCHEMAS[n]) | JSON)))
+def test_config_validate(case: tuple[str, Any]) -> None:
+    name, value = case
+    try:
+        valid = validate(value, SCHEMAS[name], "")
+    except ConfigError:
+        return
+    if name in SETTINGS:  # what validate() accepts is always the collector's typed settings
+        assert settings_from(SETTINGS[name], valid) == settings_from(
+            SETTINGS[name], validate(valid, SCHEMAS[name], ""))
 
 
 THRESHOLDS_YAML = """\

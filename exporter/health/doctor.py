@@ -32,6 +32,7 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from gpunet_exporter.collector import Collector
+from gpunet_exporter.collectors.probe import ProbeSettings
 from gpunet_exporter.config import ConfigError, read_regular
 from gpunet_exporter.health import rules
 from gpunet_exporter.health.thresholds import load
@@ -677,8 +678,8 @@ def _wait_for_probe(probe: Collector, timeout: float, quiet: bool) -> None:
     """Until the probe collector has a result of the scope a round ends with (net, the NICs;
     intra when net is not configured). It only reads its cache, so asking it alone is cheap;
     the other collectors are not run meanwhile."""
-    scopes = probe.ctx.config.get("scopes") or ["intra"]
-    last = "net" if "net" in scopes else str(scopes[-1])
+    scopes = probe.settings.scopes if isinstance(probe.settings, ProbeSettings) else ()
+    last = "net" if "net" in scopes else (scopes[-1] if scopes else "intra")
     _progress(quiet, f"waiting for the probe's round (up to {timeout:g} s)")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
