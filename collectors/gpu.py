@@ -9,10 +9,13 @@ Two tiers, because some NVML reads are firmware round trips (measured on an H100
 580: about 0.17 ms for each PCIe error counter field, 20 ms for each PCIe throughput sample):
 - every scrape: utilization, memory, PCIe generation and width, compute processes, NVLink state,
   lost GPUs: a few microseconds each;
-- in the background, every ``counters_interval_seconds``: PCIe replay, error, recovery and byte
-  counters, PCIe throughput, NVLink error counters. The scrape serves the last values with their
-  age, like the other background reads of this exporter.
-XID errors come from an NVML event thread that blocks in ``nvmlEventSetWait``.
+- in the background, every ``counters_interval_seconds`` (a background.Refresher): PCIe replay,
+  error, recovery and byte counters, PCIe throughput, NVLink error counters. The scrape serves the
+  last good values with their success and last-success timestamp, like every background read of
+  this exporter. NVML calls have no timeout of their own, so a round still running after one
+  interval (a hung firmware call) counts as failed, and its late result is discarded.
+XID errors come from an NVML event thread that blocks in ``nvmlEventSetWait`` (XidWatcher: an
+event listener, not a refreshed value, so not a Refresher; its docstring says why).
 
 A call a GPU does not support (NotSupported, FunctionNotFound) is skipped for that GPU alone
 from then on and logged once. A GPU that answers GpuIsLost becomes ``gpunet_gpu_lost 1`` with
@@ -31,7 +34,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from gpunet_exporter.background import Refresher
+from gpunet_exporter.background import Fresh, Refresher, add_freshness, last_success_spec
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
 from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.sources import nvml
@@ -41,7 +44,6 @@ _G = ("gpu",)
 _NVML = "NVML"
 UNSUPPORTED = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound",
                "NVMLError_ArgumentVersionMismatch")
-FIRST_REFRESH_WAIT = 1.0
 XID_WAIT_MS = 500
 XID_LABELS_PER_GPU = 64  # XID codes are a small enumeration; anything beyond this is "other"
 
@@ -141,10 +143,11 @@ NVLINK_ERRORS = MetricSpec(
 COUNTERS_SUCCESS = MetricSpec(
     "gpunet_gpu_counters_refresh_success", "gauge",
     "1 if the latest background read of the GPU's counters succeeded, else 0 (the last good "
-    "values keep being served)", _G, "boolean", "exporter")
-COUNTERS_AGE = MetricSpec(
-    "gpunet_gpu_counters_age_seconds", "gauge",
-    "Age of the GPU's background counter values", _G, "seconds", "exporter")
+    "values keep being served); 0 as well for a round still running after one "
+    "counters_interval_seconds; absent until the first round has ended", _G, "boolean",
+    "exporter")
+COUNTERS_LAST_SUCCESS = last_success_spec("gpunet_gpu_counters",
+                                          "background read of the GPU's counters", _G)
 # XID events ----------------------------------------------------------------------------------
 XID_MONITORING = MetricSpec(
     "gpunet_gpu_xid_monitoring", "gauge",
@@ -228,17 +231,20 @@ class _GpuState:
     unsupported: set[str] = field(default_factory=set)
 
 
-@dataclass
-class _Counters:
-    samples: list[Sample]
-    ok: bool
-    last_success: float  # time.time(), 0 when never
+Counters = dict[str, Fresh[list[Sample]]]  # by GPU UUID
 
 
 class XidWatcher:
     """Counts XID events of every GPU in a daemon thread blocked in nvmlEventSetWait.
 
     Counts are kept by GPU UUID, so they survive NVML re-initialisations.
+
+    Not a background.Refresher, which serves the last good value of a periodic read: this is an
+    event listener whose counts only ever accumulate (no round, no "last good value", no
+    interval: no event is the normal state, so there is no freshness to export), and its
+    thread is bound to one NVML initialisation: the event set belongs to it, so the thread must
+    be stopped and joined before nvmlShutdown (Session.before_shutdown) and started again after
+    the next nvmlInit, which a Refresher (stopped for good, never joined) does not do.
     """
 
     def __init__(self, log: Callable[..., None]) -> None:
@@ -345,7 +351,7 @@ class GpuCollector(Collector):
                PROCS, PCIE_GEN,
                PCIE_GEN_MAX, PCIE_WIDTH, PCIE_WIDTH_MAX, PCIE_DEGRADED, NVLINK_ACTIVE,
                PCIE_THROUGHPUT, PCIE_REPLAYS, PCIE_REPLAY_ROLLOVERS, PCIE_RECOVERIES,
-               PCIE_ERRORS, NVLINK_ERRORS, COUNTERS_SUCCESS, COUNTERS_AGE, XID_MONITORING,
+               PCIE_ERRORS, NVLINK_ERRORS, COUNTERS_SUCCESS, COUNTERS_LAST_SUCCESS, XID_MONITORING,
                XID_ERRORS, XID_LAST, XID_LAST_CODE)
     settings_type = GpuSettings
     settings: GpuSettings
@@ -358,10 +364,12 @@ class GpuCollector(Collector):
         self._states: dict[int, _GpuState] = {}
         self._generation = -1
         self._seen: set[str] = set()  # UUIDs ever enumerated
-        self._counters: dict[str, _Counters] = {}  # by UUID
-        self._counters_lock = threading.Lock()
-        self._refresher: Refresher[None] | None = None
-        self._first_round = threading.Event()
+        # The background counters, started by the first scrape with GPUs. NVML calls cannot be
+        # given a timeout, so the round has one: a round still running after an interval has
+        # failed.
+        interval = float(self.settings.counters_interval_seconds)
+        self._refresher: Refresher[Counters] = Refresher(
+            "gpu-counters", interval, self._round, ctx.log_once, timeout=interval)
         self._hotplug = ""  # why NVML must be initialised again, from a hot-plug event
 
     # -- NVML plumbing -------------------------------------------------------------------------
@@ -559,38 +567,27 @@ class GpuCollector(Collector):
     def _start_background(self, gpus: list[Gpu]) -> None:
         if self.settings.xid_events:
             self.xid.ensure(self.session, gpus)
-        if self._refresher is None:
-            self._refresher = Refresher("gpu-counters",
-                                        float(self.settings.counters_interval_seconds),
-                                        self.refresh, self.ctx.log_once)
-            self._refresher.start()
-            self._first_round.wait(FIRST_REFRESH_WAIT)
+        self._refresher.start()  # its first round runs while this scrape reads the GPUs
 
     def refresh(self) -> None:
-        """One background round over every GPU; a GPU that fails keeps its last good values."""
-        try:
-            gpus = self.session.gpus() or []
-            for g in gpus:
-                if g.handle is None or not g.uuid:
-                    continue
-                samples: list[Sample] | None
-                try:
-                    samples = self._read_counters(g)
-                except (_Lost, _SessionGone, _Failed) as exc:
-                    self.ctx.log_once(logging.WARNING, "GPU %d: background counters: %s",
-                                      g.index, str(exc) or type(exc).__name__)
-                    samples = None
-                with self._counters_lock:
-                    old = self._counters.get(g.uuid)
-                    if samples is None:
-                        if old is not None:
-                            old.ok = False
-                        else:
-                            self._counters[g.uuid] = _Counters([], False, 0.0)
-                    else:
-                        self._counters[g.uuid] = _Counters(samples, True, time.time())
-        finally:
-            self._first_round.set()
+        """One background round now, in the calling thread, kept as the thread keeps its own."""
+        self._refresher.refresh()
+
+    def _round(self) -> Counters:
+        """One background round over every GPU, built on the last good round's values: a GPU
+        that fails keeps its last good values, a GPU not enumerated now keeps its entry."""
+        counters: Counters = dict(self._refresher.value or {})
+        for g in self.session.gpus() or []:
+            if g.handle is None or not g.uuid:
+                continue
+            old = counters.get(g.uuid, Fresh())
+            try:
+                counters[g.uuid] = old.succeeded(self._read_counters(g))
+            except (_Lost, _SessionGone, _Failed) as exc:
+                self.ctx.log_once(logging.WARNING, "GPU %d: background counters: %s",
+                                  g.index, str(exc) or type(exc).__name__)
+                counters[g.uuid] = old.failed()
+        return counters
 
     def _read_counters(self, g: Gpu) -> list[Sample]:
         nv = self.session.nv
@@ -630,9 +627,10 @@ class GpuCollector(Collector):
         return out
 
     def _add_background(self, fams: Families, gpus: list[Gpu], lost: set[int]) -> None:
-        now = time.time()
-        with self._counters_lock:
-            counters = dict(self._counters)
+        fresh = self._refresher.wait_first(self.ctx.deadline)
+        counters = fresh.value or {}
+        # A round that failed as a whole (overran its timeout, raised) fails every GPU.
+        round_failed = fresh.ok is False
         counts, last = self.xid.snapshot()
         xid_on = self.settings.xid_events
         for g in gpus:
@@ -641,11 +639,10 @@ class GpuCollector(Collector):
             gpu = str(g.index)
             c = counters.get(g.uuid)
             if c is not None and g.index not in lost:
-                for spec, labels, v in c.samples:
+                for spec, labels, v in c.value or ():
                     fams.add(spec, [gpu, *labels[1:]], v)
-                fams.add(COUNTERS_SUCCESS, [gpu], int(c.ok))
-                if c.last_success:
-                    fams.add(COUNTERS_AGE, [gpu], max(0.0, now - c.last_success))
+                add_freshness(fams, COUNTERS_SUCCESS, COUNTERS_LAST_SUCCESS, [gpu], c,
+                              ok=False if round_failed else None)
             if xid_on and g.uuid in self.xid.registered:
                 fams.add(XID_MONITORING, [gpu], int(self.xid.registered[g.uuid]))
             for (uuid, code), n in sorted(counts.items()):
@@ -671,8 +668,7 @@ class GpuCollector(Collector):
             self._hotplug = f"PCI device {slot} {action} (hot-plug)"
 
     def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.stop()
+        self._refresher.stop()
         self.xid.stop()
 
 

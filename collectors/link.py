@@ -4,7 +4,9 @@ interfaces named in the config), the active RDMA MTU, and expected-versus-actual
 Sources: /sys/class/net/<if>/{operstate,carrier,speed,mtu,carrier_changes} (kernel
 net/core/net-sysfs.c); RoCE active MTU derived from the netdev MTU as the kernel's iboe_get_mtu()
 does (docs/formats.md §1.6); InfiniBand active MTU from ``ibv_devinfo`` (docs/formats.md §7),
-which runs in the background on its own interval, never in the scrape.
+which runs in the background on its own interval (a background.Refresher), never in the scrape;
+the first scrape that sees an InfiniBand port starts it and waits for its first run at most until
+the scrape's deadline.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 from prometheus_client.core import Metric
 
-from gpunet_exporter.background import Refresher
+from gpunet_exporter.background import Fresh, Refresher, add_freshness, last_success_spec
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
 from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.sources import rdma
@@ -78,11 +80,9 @@ RDMA_MTU_MISMATCH = MetricSpec(
 IBV_SUCCESS = MetricSpec(
     "gpunet_link_ibv_devinfo_refresh_success", "gauge",
     "1 if the latest background run of ibv_devinfo succeeded, else 0 (the last good values keep "
-    "being served); absent when ibv_devinfo is not installed or no InfiniBand port exists", (),
-    "boolean", "ibv_devinfo exit status")
-IBV_AGE = MetricSpec(
-    "gpunet_link_ibv_devinfo_age_seconds", "gauge",
-    "Age of the cached ibv_devinfo values", (), "seconds", "exporter")
+    "being served); absent when ibv_devinfo is not installed or no InfiniBand port exists, and "
+    "until the first run has ended", (), "boolean", "ibv_devinfo exit status")
+IBV_LAST_SUCCESS = last_success_spec("gpunet_link_ibv_devinfo", "background run of ibv_devinfo")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +132,7 @@ class LinkCollector(Collector):
     name = "link"
     description = "Speed, MTU, carrier and flaps of RDMA netdevs; active RDMA MTU; expected MTU"
     metrics = (INFO, OPERSTATE, CARRIER, SPEED, MTU, CARRIER_CHANGES, MTU_EXPECTED, MTU_MISMATCH,
-               RDMA_MTU, RDMA_MTU_EXPECTED, RDMA_MTU_MISMATCH, IBV_SUCCESS, IBV_AGE)
+               RDMA_MTU, RDMA_MTU_EXPECTED, RDMA_MTU_MISMATCH, IBV_SUCCESS, IBV_LAST_SUCCESS)
     settings_type = LinkSettings
     settings: LinkSettings
 
@@ -142,7 +142,9 @@ class LinkCollector(Collector):
         self._ibv_cfg = self.settings.ibv_devinfo
 
     def _devinfo(self) -> Refresher[dict[tuple[str, str], int]] | None:
-        """Started on the first scrape that sees an InfiniBand port, if the tool is installed."""
+        """Started on the first scrape that sees an InfiniBand port, if the tool is installed;
+        its thread runs the first round at once. No refresh timeout of its own: run_command
+        kills ibv_devinfo after ``timeout_seconds``."""
         if self._ibv is None and self._ibv_cfg.enabled:
             path = shutil.which(self._ibv_cfg.path)
             if path is None:
@@ -153,7 +155,6 @@ class LinkCollector(Collector):
             self._ibv = Refresher(
                 "ibv_devinfo", float(self._ibv_cfg.interval_seconds),
                 lambda: parse_ibv_devinfo(run_command([path], timeout)), self.ctx.log_once)
-            self._ibv.refresh()  # the first scrape waits once, so it has data
             self._ibv.start()
         return self._ibv
 
@@ -169,6 +170,8 @@ class LinkCollector(Collector):
         for name in rdma.extra_netdevs(root, cfg.interfaces, seen,
                                        self.ctx.log_once):
             seen[name] = None
+        # Started before the netdevs are read, so that a first run overlaps with them.
+        devinfo = self._devinfo() if any(p.link_layer == "InfiniBand" for p in ports) else None
         netdev_mtu: dict[str, int] = {}
         for ifname, port in seen.items():
             if exclude is not None and exclude.search(ifname):
@@ -183,8 +186,9 @@ class LinkCollector(Collector):
                     fams.add(MTU_EXPECTED, [ifname], want)
                     fams.add(MTU_MISMATCH, [ifname], int(mtu != want))
 
-        devinfo = self._devinfo() if any(p.link_layer == "InfiniBand" for p in ports) else None
-        ib_mtus = (devinfo.value if devinfo else None) or {}
+        fresh: Fresh[dict[tuple[str, str], int]] = (
+            devinfo.wait_first(self.ctx.deadline) if devinfo else Fresh())
+        ib_mtus = fresh.value or {}
         for p in ports:
             if p.link_layer == "Ethernet":
                 nmtu = netdev_mtu.get(p.netdev)
@@ -199,11 +203,8 @@ class LinkCollector(Collector):
             if want is not None:
                 fams.add(RDMA_MTU_EXPECTED, [p.device, p.port], want)
                 fams.add(RDMA_MTU_MISMATCH, [p.device, p.port], int(active != want))
-        if devinfo is not None and devinfo.ok is not None:
-            fams.add(IBV_SUCCESS, [], int(devinfo.ok))
-            age = devinfo.age()
-            if age is not None:
-                fams.add(IBV_AGE, [], age)
+        if devinfo is not None:
+            add_freshness(fams, IBV_SUCCESS, IBV_LAST_SUCCESS, [], fresh)
         return iter(fams)
 
     def _netdev(self, fams: Families, ifname: str, port: rdma.Port | None) -> int | None:

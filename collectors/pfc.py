@@ -2,11 +2,13 @@
 with the per-priority counters so an alert can say "pause frames on a priority that has no PFC"
 or "PFC is off on the priority RoCE uses".
 
-- Configuration (changes rarely) is refreshed in a background thread on its own interval, never
-  in the scrape: ``mlnx_qos``, iproute2 ``dcb`` or the MLNX_OFED ``qos/`` sysfs files, whichever
-  comes first in ``config.sources`` and exists on the machine, plus ``ecn/`` in sysfs. A failed,
-  hung (killed after its timeout) or unparseable refresh keeps the last good values and sets
-  ``gpunet_pfc_config_refresh_success`` to 0; a tool that is not installed is no data.
+- Configuration (changes rarely) is refreshed in a background thread (a background.Refresher)
+  on its own interval, never in the scrape: ``mlnx_qos``, iproute2 ``dcb`` or the MLNX_OFED
+  ``qos/`` sysfs files, whichever comes first in ``config.sources`` and exists on the machine,
+  plus ``ecn/`` in sysfs. A failed, hung (killed after its timeout) or unparseable refresh keeps
+  the last good values, sets ``gpunet_pfc_config_refresh_success`` to 0 and leaves
+  ``gpunet_pfc_config_last_success_timestamp_seconds`` where it was; a tool that is not installed
+  is no data. The first scrape waits for the first round at most until its deadline.
 - Counters are read on every scrape in-process through the SIOCETHTOOL ioctl (what
   ``ethtool -S`` prints), or by running ``ethtool -S`` where the ioctl is refused. Names map to
   metrics through collectors/data/pfc_ethtool.csv; per-priority names not in it are exported
@@ -22,7 +24,6 @@ import errno
 import logging
 import re
 import shutil
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from typing import ClassVar
 
 from prometheus_client.core import Metric
 
-from gpunet_exporter.background import Refresher
+from gpunet_exporter.background import Fresh, Refresher, add_freshness, last_success_spec
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
 from gpunet_exporter.collectors.tables import load
 from gpunet_exporter.config import Settings, setting
@@ -49,7 +50,6 @@ from gpunet_exporter.sources.qos import (
 )
 
 SOURCES = ("mlnx_qos", "dcb", "sysfs")
-FIRST_REFRESH_WAIT = 1.0  # seconds the first scrape waits for the first configuration round
 
 _I = ("interface",)
 _ID = ("interface", "direction")
@@ -224,16 +224,14 @@ ECN_CNP_PRIORITY = MetricSpec(
 REFRESH_SUCCESS = MetricSpec(
     "gpunet_pfc_config_refresh_success", "gauge",
     "1 if the latest background read of the interface's QoS configuration succeeded, else 0 (the "
-    "last good values keep being served); absent when no source is installed", _I, "boolean",
-    "exit status and output of the configuration source")
-REFRESH_AGE = MetricSpec(
-    "gpunet_pfc_config_age_seconds", "gauge",
-    "Age of the QoS configuration values served (time since the last good read)", _I, "seconds",
-    "exporter")
+    "last good values keep being served); absent when no source is installed, and until the "
+    "first read has ended", _I, "boolean", "exit status and output of the configuration source")
+REFRESH_LAST_SUCCESS = last_success_spec(
+    "gpunet_pfc_config", "background read of the interface's QoS configuration", _I)
 
 CONFIG_SPECS = (CONFIG_INFO, PFC_ENABLED, PRIORITY_TC, TC_INFO, TC_BW, TC_RATE, DSCP_PRIORITY,
                 DEFAULT_PRIORITY, BUFFER_SIZE, BUFFER_CAPACITY, PRIORITY_BUFFER, ECN_ENABLED,
-                ECN_CNP_DSCP, ECN_CNP_PRIORITY, REFRESH_SUCCESS, REFRESH_AGE)
+                ECN_CNP_DSCP, ECN_CNP_PRIORITY, REFRESH_SUCCESS, REFRESH_LAST_SUCCESS)
 
 
 @dataclass(frozen=True)
@@ -287,10 +285,8 @@ class PfcSettings(Settings):
 class _State:
     """What the background refresh knows of one interface."""
 
-    config: QosConfig | None  # last good configuration
+    qos: Fresh[QosConfig]  # last good configuration; ok None: no source installed
     ecn: Ecn
-    ok: bool | None  # latest refresh; None: no source installed
-    last_success: float  # time.time() of the last good refresh, 0 if none
 
 
 class PfcCollector(Collector):
@@ -320,8 +316,11 @@ class PfcCollector(Collector):
         self._plans: dict[str, tuple[tuple[str, ...], list[tuple[int, MetricSpec,
                                                                   dict[str, str], int]]]] = {}
         self._states: dict[str, _State] = {}
-        self._refresher: Refresher[None] | None = None
-        self._first_round = threading.Event()
+        # Started by the first scrape; rounds call self.refresh() (looked up each round). No
+        # round timeout: every tool run is killed after config.timeout_seconds (run_command).
+        self._refresher: Refresher[None] = Refresher(
+            "pfc-config", float(self._cfg.interval_seconds), lambda: self.refresh(),
+            self.ctx.log_once)
 
     # -- interfaces ------------------------------------------------------------------------
 
@@ -346,7 +345,6 @@ class PfcCollector(Collector):
             self._states[ifname] = self._refresh_one(ifname, self._states.get(ifname))
         for gone in self._states.keys() - set(names):
             del self._states[gone]
-        self._first_round.set()
 
     def _pick_source(self, ifname: str) -> tuple[str, str] | None:
         for source in self._cfg.sources:
@@ -366,17 +364,17 @@ class PfcCollector(Collector):
         if picked is None:
             self.ctx.log_once(logging.DEBUG, "no QoS configuration source for %s (none of %s "
                               "installed)", ifname, ", ".join(self._cfg.sources))
-            return _State(None, ecn, None, 0.0)
+            return _State(Fresh(), ecn)
         source, path = picked
         try:
             config = self._read_config(source, path, ifname)
         except (CommandError, ValueError, OSError) as exc:
             self.ctx.log_once(logging.WARNING, "reading the QoS configuration of %s with %s "
                               "failed: %s", ifname, source, exc)
-            if old is not None and old.config is not None and old.config.source == source:
-                return _State(old.config, ecn, False, old.last_success)
-            return _State(None, ecn, False, 0.0)
-        return _State(config, ecn, True, time.time())
+            if old is not None and old.qos.value is not None and old.qos.value.source == source:
+                return _State(old.qos.failed(), ecn)
+            return _State(Fresh[QosConfig]().failed(), ecn)
+        return _State(Fresh(config, True, time.time()), ecn)
 
     def _read_config(self, source: str, path: str, ifname: str) -> QosConfig:
         timeout = float(self._cfg.timeout_seconds)
@@ -410,24 +408,21 @@ class PfcCollector(Collector):
                 raise OSError(text.errno, f"{base}/{name}: {text.strerror}")
         return parse_qos_sysfs(texts)
 
-    def _start_refresher(self) -> None:
-        if self._refresher is None:
-            self._refresher = Refresher("pfc-config", float(self._cfg.interval_seconds),
-                                        self.refresh, self.ctx.log_once)
-            self._refresher.start()
-            self._first_round.wait(FIRST_REFRESH_WAIT)
-
     # -- scrape ----------------------------------------------------------------------------
 
     def collect(self) -> Iterator[Metric]:
-        self._start_refresher()
+        self._refresher.start()  # the first round runs while the counters are read
         fams = Families()
         names = self.interfaces()
         for ifname in names:
             self._counters(fams, ifname)
+        # A round that failed as a whole (an exception, not one interface's tool) fails every
+        # interface's configuration.
+        round_failed = self._refresher.wait_first(self.ctx.deadline).ok is False
+        for ifname in names:
             state = self._states.get(ifname)
             if state is not None:
-                self._config(fams, ifname, state)
+                self._config(fams, ifname, state, round_failed)
         for gone in self._plans.keys() - set(names):
             del self._plans[gone]
         forget = getattr(self.reader, "forget", None)
@@ -455,7 +450,7 @@ class PfcCollector(Collector):
             fams.add_labeled(spec, labels, values[index] / divisor if divisor != 1
                              else values[index])
 
-    def _config(self, fams: Families, ifname: str, state: _State) -> None:
+    def _config(self, fams: Families, ifname: str, state: _State, round_failed: bool) -> None:
         ecn = state.ecn
         for (point, prio), on in sorted(ecn.enabled.items()):
             fams.add(ECN_ENABLED, [ifname, str(prio), point], int(on))
@@ -463,11 +458,9 @@ class PfcCollector(Collector):
             fams.add(ECN_CNP_DSCP, [ifname], ecn.cnp_dscp)
         if ecn.cnp_priority is not None:
             fams.add(ECN_CNP_PRIORITY, [ifname], ecn.cnp_priority)
-        if state.ok is not None:
-            fams.add(REFRESH_SUCCESS, [ifname], int(state.ok))
-        if state.last_success:
-            fams.add(REFRESH_AGE, [ifname], max(0.0, time.time() - state.last_success))
-        cfg = state.config
+        add_freshness(fams, REFRESH_SUCCESS, REFRESH_LAST_SUCCESS, [ifname], state.qos,
+                      ok=False if round_failed and state.qos.ok is not None else None)
+        cfg = state.qos.value
         if cfg is None:
             return
         fams.add(CONFIG_INFO, [ifname, cfg.source, cfg.dcbx_mode, cfg.trust], 1)
@@ -500,7 +493,7 @@ class PfcCollector(Collector):
         configuration must not be served as current) and refresh the configuration now. Events
         of other interfaces (container veths) cost one listing of the RDMA ports."""
         if (subsystem not in ("net", "infiniband") or action not in ("add", "remove", "move")
-                or self._refresher is None):
+                or not self._refresher.started):
             return
         known, now = set(self._states), set(self.interfaces())
         gone = known - now
@@ -520,8 +513,7 @@ class PfcCollector(Collector):
             self._refresher.wake()
 
     def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.stop()
+        self._refresher.stop()
         self.reader.close()
 
 

@@ -90,7 +90,8 @@ class Privilege:
 
 @dataclass
 class CollectorContext:
-    """What a collector gets from the core: roots, its config section, a logger."""
+    """What a collector gets from the core: roots, its config section, a logger, and the
+    deadline of the collection running now."""
 
     name: str
     sysfs: Root
@@ -109,6 +110,11 @@ class CollectorContext:
     # The section as the collector's settings_type, parsed once (options.resolve()); None:
     # the collector parses ``config`` when it starts (a context built by hand, as tests do).
     settings: Settings | None = None
+    # time.monotonic() by which this collection should have returned, set by the registry
+    # before each collect() (a little before the scrape's own deadline, so that the families
+    # still make it into the scrape); None outside a scrape (a test calling collect()). A
+    # collector waits for nothing beyond it: gpunet_exporter.background.Refresher.wait_first.
+    deadline: float | None = None
 
     def skip(self, what: str, reason: object) -> None:
         """Record one value that could not be read or parsed; it costs that value alone."""

@@ -6,7 +6,10 @@ success. Every label of every collector's samples, third-party collectors' inclu
 here (:func:`drop_unexposable`) before it can reach an encoder. While a collection is still
 running (a hung read), later scrapes join it instead of starting another, so a stuck source never
 piles up threads. The deadline is ``--scrape.timeout``, shortened for one request by the
-scraper's own (``X-Prometheus-Scrape-Timeout-Seconds``, see :func:`request_timeout`).
+scraper's own (``X-Prometheus-Scrape-Timeout-Seconds``, see :func:`request_timeout`). Each
+collection learns it as ``CollectorContext.deadline`` (time.monotonic()), set WAIT_RESERVE before
+the scrape's own, so that a collector waiting for a background value (background.Refresher
+.wait_first) still returns in time to be part of the scrape.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ log = logging.getLogger("gpunet.exporter")
 
 ENTRY_POINT_GROUP = "gpunet_exporter.collectors"
 SOLO_SECONDS = 0.25
+# How long before the scrape's deadline a collection's own deadline (CollectorContext.deadline)
+# lies: a tenth of the scrape's timeout, at most half a second.
+WAIT_RESERVE = 0.1
+WAIT_RESERVE_MAX = 0.5
 # The deadline the current HTTP request asked for, for Scraper.collect() called through
 # prometheus_client's registry (which passes no arguments); None: --scrape.timeout alone.
 _REQUEST_TIMEOUT: ContextVar[float | None] = ContextVar("gpunet_request_timeout", default=None)
@@ -219,25 +226,28 @@ class Runner:
         self._lock = threading.Lock()
         self._inflight: Future[Result] | None = None
         self._started = 0.0
-        self._queue: queue.SimpleQueue[Future[Result]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Future[Result], float | None]] = queue.SimpleQueue()
         threading.Thread(target=self._loop, name=f"collect-{self.name}", daemon=True).start()
 
-    def start(self) -> tuple[Future[Result], float]:
+    def start(self, deadline: float | None = None) -> tuple[Future[Result], float]:
+        """The collection in flight, or a new one whose CollectorContext.deadline is
+        ``deadline`` (time.monotonic()); a scrape that joins one in flight gets its deadline."""
         with self._lock:
             if self._inflight is None or self._inflight.done():
                 fut: Future[Result] = Future()
                 self._started = time.perf_counter()
                 self._inflight = fut
-                self._queue.put(fut)
+                self._queue.put((fut, deadline))
             return self._inflight, self._started
 
     def _loop(self) -> None:
         while True:
-            self._run(self._queue.get())
+            self._run(*self._queue.get())
 
-    def _run(self, fut: Future[Result]) -> None:
+    def _run(self, fut: Future[Result], deadline: float | None = None) -> None:
         ctx = self.collector.ctx
         ctx.unreadable = 0
+        ctx.deadline = deadline
         t0 = time.perf_counter()
         try:
             families = list(self.collector.collect())
@@ -266,9 +276,10 @@ class Scraper:
             timeout = _REQUEST_TIMEOUT.get()
         limit = self.timeout if timeout is None else min(self.timeout, timeout)
         deadline = time.perf_counter() + limit
+        collect_by = time.monotonic() + limit - min(WAIT_RESERVE * limit, WAIT_RESERVE_MAX)
         started = []
         for runner in self.runners:
-            fut, t_start = runner.start()
+            fut, t_start = runner.start(collect_by)
             started.append((runner, fut, t_start))
             # Collectors are mostly Python between short syscalls: run side by side they only
             # trade the GIL back and forth. So each gets the interpreter to itself for up to

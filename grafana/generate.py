@@ -1026,12 +1026,14 @@ def node() -> Json:
                        "issue.",
                        [target(sel("gpunet_scrape_collector_unreadable_values"),
                                "{{collector}}")], "short"), 12, 7)
-    lay.add(timeseries("Age of background values", "Age of values read in the background "
-                       "(GPU counters, QoS configuration, ibv_devinfo). Growing: the "
-                       "background reader is stuck.",
-                       [target(sel("gpunet_gpu_counters_age_seconds"), gpu + " counters"),
-                        target(sel("gpunet_pfc_config_age_seconds"), "{{interface}} QoS"),
-                        target(sel("gpunet_link_ibv_devinfo_age_seconds"), "ibv_devinfo")],
+    ages = (("gpunet_gpu_counters_last_success_timestamp_seconds", gpu + " counters"),
+            ("gpunet_pfc_config_last_success_timestamp_seconds", "{{interface}} QoS"),
+            ("gpunet_link_ibv_devinfo_last_success_timestamp_seconds", "ibv_devinfo"))
+    lay.add(timeseries("Age of background values", "Time since the last good read of the "
+                       "values read in the background (GPU counters, QoS configuration, "
+                       "ibv_devinfo): time() minus their last-success timestamps. Growing: "
+                       "the reads fail or the background reader is stuck.",
+                       [target("time() - " + sel(m), legend) for m, legend in ages],
                        "s"), 12, 7)
 
     return dashboard(

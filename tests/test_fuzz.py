@@ -375,10 +375,12 @@ def scrape(c: Collector) -> tuple[list[Metric], int]:
 
 
 def no_background(c: Collector) -> None:
-    """Give a collector an idle Refresher, so that collect() starts no thread; the test calls
-    its refresh() itself, where an exception cannot be swallowed by the thread."""
-    c._refresher = Refresher("fuzz", 3600.0, lambda: None,  # type: ignore[attr-defined]
-                             lambda *_a: None)
+    """Stop a collector's Refresher before it starts, so that collect() starts no thread; the
+    test calls the collector's refresh() itself, where an exception cannot be swallowed by the
+    thread."""
+    refresher = c._refresher  # type: ignore[attr-defined]
+    assert isinstance(refresher, Refresher)
+    refresher.stop()
 
 
 def check_qos(cfg: QosConfig, source: str) -> None:

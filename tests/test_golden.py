@@ -63,8 +63,10 @@ exit 94
 CAPTURE = FIXTURES / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
 
 # Families whose values depend on time; dropped from the golden comparison.
-TIME_BASED = {"gpunet_scrape_collector_duration_seconds", "gpunet_link_ibv_devinfo_age_seconds",
-              "gpunet_pfc_config_age_seconds", "gpunet_gpu_counters_age_seconds",
+TIME_BASED = {"gpunet_scrape_collector_duration_seconds",
+              "gpunet_link_ibv_devinfo_last_success_timestamp_seconds",
+              "gpunet_pfc_config_last_success_timestamp_seconds",
+              "gpunet_gpu_counters_last_success_timestamp_seconds",
               "gpunet_gpu_xid_last_timestamp_seconds",
               # open connections: the start-up check's may not have closed yet
               "gpunet_exporter_http_connections"}

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from gpunet_exporter.collectors.gpu import XID_LABELS_PER_GPU, GpuCollector, XidWatcher
+from gpunet_exporter.registry import Scraper
 from gpunet_exporter.sources import nvml
 
 import fake_nvml
@@ -22,6 +23,7 @@ CAPTURE = fake_nvml.h200x2()
 UUID0 = CAPTURE["devices"][0]["nvmlDeviceGetUUID"]["ok"]
 UUID1 = CAPTURE["devices"][1]["nvmlDeviceGetUUID"]["ok"]
 NO_BACKGROUND = {"counters_interval_seconds": 3600}
+LAST_SUCCESS = "gpunet_gpu_counters_last_success_timestamp_seconds"
 
 
 @pytest.fixture(autouse=True)
@@ -164,8 +166,8 @@ def test_background_pcie_counters(gpu: Gpu) -> None:
                  direction="tx") == 796_000
     assert value(s, "gpunet_gpu_pcie_throughput_bytes_per_second", gpu="1",
                  direction="rx") == 546_000
-    age = value(s, "gpunet_gpu_counters_age_seconds", gpu="0")
-    assert age is not None and 0 <= age < 60
+    when = value(s, LAST_SUCCESS, gpu="0")
+    assert when is not None and abs(time.time() - when) < 60
 
 
 def test_pcie_throughput_can_be_turned_off(sysfs: Path) -> None:
@@ -381,12 +383,74 @@ def test_xid_codes_are_bounded() -> None:
 
 def test_background_failure_keeps_last_good_values(gpu: Gpu) -> None:
     wait_for(lambda: value(gpu.scrape(), "gpunet_gpu_counters_refresh_success", gpu="0") == 1)
+    good = value(gpu.scrape(), LAST_SUCCESS, gpu="0")
+    assert good is not None
     fake_nvml.device(0)["nvmlDeviceGetFieldValues"] = {"exc": "NVMLError_Unknown"}
+    time.sleep(0.05)
     gpu.c.refresh()  # type: ignore[attr-defined]
     s = gpu.scrape()
     assert value(s, "gpunet_gpu_counters_refresh_success", gpu="0") == 0
     assert value(s, "gpunet_gpu_counters_refresh_success", gpu="1") == 1
     assert value(s, "gpunet_gpu_pcie_link_recoveries_total", gpu="0") == 163  # last good
+    assert value(s, LAST_SUCCESS, gpu="0") == good  # no longer advancing
+    later = value(s, LAST_SUCCESS, gpu="1")
+    assert later is not None and later > good  # GPU 1's round went on
+
+
+def test_first_scrape_does_not_wait_for_slow_counters(sysfs: Path) -> None:
+    """NVML counters slower than the scrape timeout: the scrape answers within its deadline
+    with the per-scrape values, and no counters, success or timestamp yet; a later scrape has
+    them."""
+    fake_nvml.device(0).setdefault("sleep", {})["nvmlDeviceGetFieldValues"] = 3
+    g = Gpu(sysfs)
+    scraper = Scraper({"gpu": g.c}, 1.0)
+    try:
+        s = samples_of(list(scraper.collect()))
+        # Finished within the deadline: the registry says 0 for a collector it gave up on.
+        assert value(s, "gpunet_scrape_collector_success", collector="gpu") == 1
+        assert value(s, "gpunet_gpu_memory_total_bytes", gpu="0") is not None
+        assert value(s, "gpunet_gpu_pcie_link_width", gpu="1") == 16
+        assert not series(s, "gpunet_gpu_pcie_link_recoveries_total")
+        assert not series(s, "gpunet_gpu_counters_refresh_success")
+        assert not series(s, LAST_SUCCESS)
+        deadline = time.monotonic() + 20
+        while value(s, "gpunet_gpu_counters_refresh_success", gpu="0") is None:
+            assert time.monotonic() < deadline, "the counters never arrived"
+            time.sleep(0.1)
+            s = samples_of(list(scraper.collect()))
+    finally:
+        g.close()
+    assert value(s, "gpunet_gpu_counters_refresh_success", gpu="0") == 1
+    assert value(s, "gpunet_gpu_pcie_link_recoveries_total", gpu="0") == 163
+    assert value(s, LAST_SUCCESS, gpu="1") is not None
+
+
+def test_a_round_past_its_timeout_fails_and_keeps_last_good_values(sysfs: Path) -> None:
+    """NVML calls have no timeout: a round still running after one interval (its timeout)
+    counts as failed for every GPU, the last good values stay, the timestamps stop, and the
+    round's late result is not taken."""
+    g = Gpu(sysfs, {"counters_interval_seconds": 1})
+    try:
+        wait_for(lambda: value(g.scrape(), "gpunet_gpu_counters_refresh_success", gpu="0") == 1)
+        fake_nvml.device(0).setdefault("sleep", {})["nvmlDeviceGetFieldValues"] = 2.5
+        wait_for(lambda: value(g.scrape(), "gpunet_gpu_counters_refresh_success", gpu="0") == 0,
+                 timeout=15)
+        s = g.scrape()
+        stopped = {gpu: value(s, LAST_SUCCESS, gpu=gpu) for gpu in ("0", "1")}
+        assert None not in stopped.values()
+        time.sleep(4)  # more than one whole round (2.5 s) and the pause after it (1 s)
+        s = g.scrape()
+        for gpu in ("0", "1"):  # GPU 1 answered at once, but within a round that failed
+            assert value(s, "gpunet_gpu_counters_refresh_success", gpu=gpu) == 0
+            assert value(s, LAST_SUCCESS, gpu=gpu) == stopped[gpu]
+        assert value(s, "gpunet_gpu_pcie_link_recoveries_total", gpu="0") == 163
+        del fake_nvml.device(0)["sleep"]["nvmlDeviceGetFieldValues"]
+        wait_for(lambda: value(g.scrape(), "gpunet_gpu_counters_refresh_success", gpu="0") == 1,
+                 timeout=15)
+        later, before = value(g.scrape(), LAST_SUCCESS, gpu="0"), stopped["0"]
+        assert later is not None and before is not None and later > before
+    finally:
+        g.close()
 
 
 def test_unsupported_fields_are_not_asked_again(gpu: Gpu) -> None:

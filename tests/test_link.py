@@ -10,9 +10,12 @@ from pathlib import Path
 import pytest
 
 from gpunet_exporter.collectors.link import LinkCollector
+from gpunet_exporter.registry import Scraper
 
 import sysfs_tree as st
 from conftest import Samples, collect, make_collector, samples_of, series, value
+
+LAST_SUCCESS = "gpunet_link_ibv_devinfo_last_success_timestamp_seconds"
 
 RDMA_NETDEVS = {"ibp24s0", "ibp64s0", "ibp79s0", "ibp94s0", "ibp154s0", "ibp192s0", "ibp206s0",
                 "ibp220s0", "enp41s0f0np0", "enp170s0f0np0"}
@@ -128,8 +131,8 @@ def test_ibv_devinfo_active_mtu(dgx: Path, tmp_path: Path) -> None:
     assert value(s, "gpunet_link_rdma_mtu_mismatch", device="mlx5_6", port="1") == 1
     assert sum(series(s, "gpunet_link_rdma_mtu_mismatch").values()) == 1
     assert value(s, "gpunet_link_ibv_devinfo_refresh_success") == 1
-    age = value(s, "gpunet_link_ibv_devinfo_age_seconds")
-    assert age is not None and 0 <= age < 60
+    when = value(s, LAST_SUCCESS)
+    assert when is not None and abs(time.time() - when) < 60
 
 
 def test_ibv_devinfo_failure_keeps_last_good_values(dgx: Path, tmp_path: Path) -> None:
@@ -142,14 +145,25 @@ def test_ibv_devinfo_failure_keeps_last_good_values(dgx: Path, tmp_path: Path) -
     try:
         first = samples_of(list(c.collect()))
         assert value(first, "gpunet_link_ibv_devinfo_refresh_success") == 1
+        good = value(first, LAST_SUCCESS)
+        assert good is not None
         out.unlink()
         refresher = c._ibv  # type: ignore[attr-defined]
+        time.sleep(0.05)
         refresher.refresh()  # the background thread's next round, without waiting for it
         s = samples_of(list(c.collect()))
+        out.write_text(DEVINFO)
+        time.sleep(0.05)
+        refresher.refresh()  # the tool works again
+        again = samples_of(list(c.collect()))
     finally:
         c.close()
     assert value(s, "gpunet_link_ibv_devinfo_refresh_success") == 0
     assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_0", port="1") == 4096
+    assert value(s, LAST_SUCCESS) == good  # the last good run's time, no longer advancing
+    assert value(again, "gpunet_link_ibv_devinfo_refresh_success") == 1
+    later = value(again, LAST_SUCCESS)
+    assert later is not None and later > good
 
 
 @pytest.mark.parametrize("body,reason", [("exit 3\n", "fails"), ("echo garbage\n", "garbage"),
@@ -176,3 +190,40 @@ def test_ibv_devinfo_not_installed(dgx: Path, tmp_path: Path) -> None:
     assert not series(s, "gpunet_link_ibv_devinfo_refresh_success")
     assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_0", port="1") is None
     assert os.path.exists(dgx)
+
+
+def test_first_scrape_does_not_wait_for_a_slow_ibv_devinfo(dgx: Path, tmp_path: Path) -> None:
+    """ibv_devinfo that takes longer than the scrape timeout (its own timeout, 30 s, is longer
+    still): the scrape answers within its deadline with everything else, and no InfiniBand
+    active MTU nor any ibv_devinfo success or timestamp yet; a later scrape has them."""
+    out, gate = tmp_path / "devinfo.txt", tmp_path / "gate"
+    out.write_text(DEVINFO)
+    # Blocks until the test opens the gate, however slow or fast this machine is.
+    tool = fake_tool(tmp_path, f"while [ ! -f {gate} ]; do sleep 0.05; done\ncat {out}\n")
+    c = make_collector(LinkCollector, dgx, {"ibv_devinfo": {"path": str(tool),
+                                                           "timeout_seconds": 30}})
+    scraper = Scraper({"link": c}, 1.0)
+    try:
+        for _ in range(2):  # the first scrape waits (up to its deadline), the second does not
+            t0 = time.monotonic()
+            s = samples_of(list(scraper.collect()))
+            assert time.monotonic() - t0 < 25  # not the tool's 30 s
+            # Finished within the deadline: the registry says 0 for a collector it gave up on.
+            assert value(s, "gpunet_scrape_collector_success", collector="link") == 1
+            assert value(s, "gpunet_link_mtu_bytes", interface="ibp24s0") == 4092
+            assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_8", port="1") == 4096
+            assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_0", port="1") is None
+            assert not series(s, "gpunet_link_ibv_devinfo_refresh_success")
+            assert not series(s, LAST_SUCCESS)
+        gate.write_text("")
+        deadline = time.monotonic() + 20
+        while value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_0", port="1") is None:
+            assert time.monotonic() < deadline, "ibv_devinfo's values never arrived"
+            time.sleep(0.05)
+            s = samples_of(list(scraper.collect()))
+    finally:
+        c.close()
+    assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_6", port="1") == 2048
+    assert value(s, "gpunet_link_ibv_devinfo_refresh_success") == 1
+    when = value(s, LAST_SUCCESS)
+    assert when is not None and abs(time.time() - when) < 60

@@ -29,6 +29,7 @@ from gpunet_exporter.collectors.pfc import (
     PfcCollector,
 )
 from gpunet_exporter.collectors.tables import load
+from gpunet_exporter.registry import Scraper
 from gpunet_exporter.sources.ethtool import NicStats, parse_stats_text
 from gpunet_exporter.sources.qos import (
     QOS_FILES,
@@ -58,6 +59,7 @@ CAPTURE = FIXTURES / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
 ROCE = "enp170s0f0np0"  # netdev of mlx5_9 in the DGX tree
 ROCE2 = "enp41s0f0np0"  # netdev of mlx5_8
 NO_TOOL = "/nonexistent/tool"
+LAST_SUCCESS = "gpunet_pfc_config_last_success_timestamp_seconds"
 
 
 # ---- mlnx_qos ---------------------------------------------------------------------------------
@@ -401,13 +403,12 @@ def refreshed(sysfs: Path, config: dict[str, object]) -> Iterator[Samples]:
     (as the thread would) and one scrape."""
     c = make_collector(PfcCollector, sysfs, config)
     c.reader = TextReader({})  # type: ignore[attr-defined]
-    c._refresher = object()  # type: ignore[attr-defined,assignment]  # no thread in these tests
+    c._refresher.stop()  # type: ignore[attr-defined]  # stopped before it starts: no thread
     try:
         while True:
             c.refresh()  # type: ignore[attr-defined]
             yield samples_of(list(c.collect()))
     finally:
-        c._refresher = None  # type: ignore[attr-defined]
         c.close()
 
 
@@ -437,15 +438,19 @@ def test_mlnx_qos_refresh_and_last_good_values(dgx: Path, tmp_path: Path) -> Non
     assert value(s, "gpunet_pfc_buffer_capacity_bytes", interface=ROCE) == 262016
     assert value(s, "gpunet_pfc_default_priority", interface=ROCE) == 3
     assert not series(s, "gpunet_pfc_dscp_priority")  # pcp trust
-    age = value(s, "gpunet_pfc_config_age_seconds", interface=ROCE)
-    assert age is not None and 0 <= age < 60
+    good = value(s, LAST_SUCCESS, interface=ROCE)
+    assert good is not None and abs(time.time() - good) < 60
     report.unlink()
     time.sleep(0.05)
     s = next(rounds)
     assert value(s, "gpunet_pfc_config_refresh_success", interface=ROCE) == 0
     assert value(s, "gpunet_pfc_enabled", interface=ROCE, priority="3") == 1  # last good kept
-    age2 = value(s, "gpunet_pfc_config_age_seconds", interface=ROCE)
-    assert age2 is not None and age2 > age  # and it ages
+    assert value(s, LAST_SUCCESS, interface=ROCE) == good  # and no longer advances
+    shutil.copy(DATA / "mlnx_qos_fw-buffers-total-size.txt", report)
+    s = next(rounds)
+    assert value(s, "gpunet_pfc_config_refresh_success", interface=ROCE) == 1
+    later = value(s, LAST_SUCCESS, interface=ROCE)
+    assert later is not None and later > good
     rounds.close()
 
 
@@ -458,7 +463,44 @@ def test_broken_mlnx_qos(dgx: Path, tmp_path: Path, body: str, reason: str) -> N
     assert time.monotonic() - t0 < 10  # killed after its timeout
     assert value(s, "gpunet_pfc_config_refresh_success", interface=ROCE) == 0
     assert not series(s, "gpunet_pfc_config_info")  # never had good values
-    assert not series(s, "gpunet_pfc_config_age_seconds")
+    assert not series(s, LAST_SUCCESS)
+
+
+def test_first_scrape_does_not_wait_for_a_slow_mlnx_qos(dgx: Path, tmp_path: Path) -> None:
+    """mlnx_qos slower than the scrape timeout (its own timeout, 30 s, longer still): the scrape
+    answers within its deadline with the counters, and no configuration, success or timestamp
+    yet; a later scrape has them."""
+    gate = tmp_path / "gate"
+    qos = tool(tmp_path, "mlnx_qos", f"while [ ! -f {gate} ]; do sleep 0.05; done\n"
+               f"cat {DATA / 'mlnx_qos_fw-buffers-total-size.txt'}\n")
+    c = make_collector(PfcCollector, dgx, _cfg(mlnx_qos_path=str(qos), sources=["mlnx_qos"],
+                                               timeout_seconds=30))
+    c.reader = TextReader({ROCE: CAPTURE.read_text()})  # type: ignore[attr-defined]
+    scraper = Scraper({"pfc": c}, 1.0)
+    try:
+        for _ in range(2):  # the first scrape waits (up to its deadline), the second does not
+            t0 = time.monotonic()
+            s = samples_of(list(scraper.collect()))
+            assert time.monotonic() - t0 < 25  # not the tool's 30 s
+            # Finished within the deadline: the registry says 0 for a collector it gave up on.
+            assert value(s, "gpunet_scrape_collector_success", collector="pfc") == 1
+            assert per_prio(s, "gpunet_pfc_pause_frames_total") == {"3": 1840}
+            assert not series(s, "gpunet_pfc_config_info")
+            assert not series(s, "gpunet_pfc_config_refresh_success")
+            assert not series(s, LAST_SUCCESS)
+        gate.write_text("")
+        deadline = time.monotonic() + 20
+        while len(series(s, "gpunet_pfc_config_refresh_success")) < 2:  # one per interface
+            assert time.monotonic() < deadline, "the configuration never arrived"
+            time.sleep(0.05)
+            s = samples_of(list(scraper.collect()))
+    finally:
+        c.close()
+    for ifname in (ROCE, ROCE2):
+        assert value(s, "gpunet_pfc_config_refresh_success", interface=ifname) == 1
+        assert value(s, "gpunet_pfc_enabled", interface=ifname, priority="3") == 1
+        when = value(s, LAST_SUCCESS, interface=ifname)
+        assert when is not None and abs(time.time() - when) < 60
 
 
 def test_no_tool_installed_is_no_data(dgx: Path) -> None:
