@@ -175,7 +175,7 @@ class LinkCollector(Collector):
         cfg, root, fams = self.ctx.config, self.ctx.sysfs, Families()
         exclude = cfg.get("interface_exclude")
         rules: list[Mapping[str, Any]] = cfg.get("expected_mtu") or []
-        ports = rdma.all_ports(root)
+        ports = self.ctx.rdma().ports()
         seen: dict[str, rdma.Port | None] = {}
         for p in ports:
             if p.netdev and p.netdev not in seen:

@@ -325,7 +325,7 @@ class PfcCollector(Collector):
         """Netdevs behind RoCE ports, then configured ones that exist, filtered."""
         cfg, root = self.ctx.config, self.ctx.sysfs
         names: list[str] = []
-        for p in rdma.all_ports(root):
+        for p in self.ctx.rdma().ports():
             if p.link_layer == "Ethernet" and p.netdev and p.netdev not in names:
                 names.append(p.netdev)
         names += rdma.extra_netdevs(root, cfg.get("interfaces") or [], names, self.ctx.log_once)

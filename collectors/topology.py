@@ -411,8 +411,8 @@ class TopologyCollector(Collector):
     def _nics(self) -> list[Endpoint]:
         cfg = self.ctx.config
         out = []
-        for dev in rdma.devices(self.ctx.sysfs, cfg.get("device_include"),
-                                cfg.get("device_exclude")):
+        for dev in self.ctx.rdma().devices(cfg.get("device_include"),
+                                           cfg.get("device_exclude")):
             ep = self._pci_endpoint(dev, f"{rdma.CLASS}/{dev}/device")
             if ep is None:  # rxe/siw (no PCI parent), or gone
                 self.ctx.log_once(logging.DEBUG, "RDMA device %s has no PCI function; skipped",
@@ -601,8 +601,9 @@ class TopologyCollector(Collector):
             if not env:
                 continue
             if netdevs is None:  # only when some process sets an NCCL variable
-                netdevs = {p.netdev for p in rdma.all_ports(self.ctx.sysfs) if p.netdev}
-                devices = rdma.devices(self.ctx.sysfs)
+                snapshot = self.ctx.rdma()
+                netdevs = {p.netdev for p in snapshot.ports() if p.netdev}
+                devices = snapshot.devices()
             for variable, cls in env_settings(env, netdevs, devices).items():
                 settings[(variable, cls)] = settings.get((variable, cls), 0) + 1
                 issue = NCCL_FAULT_CLASSES.get((variable, cls))

@@ -28,7 +28,7 @@ from importlib.metadata import entry_points
 from prometheus_client.core import Metric
 
 from gpunet_exporter import __version__
-from gpunet_exporter.collector import Collector, MetricSpec
+from gpunet_exporter.collector import Collector, MetricSpec, ScrapeScope, scrape_scope
 
 log = logging.getLogger("gpunet.exporter")
 
@@ -219,28 +219,33 @@ class Runner:
         self._lock = threading.Lock()
         self._inflight: Future[Result] | None = None
         self._started = 0.0
-        self._queue: queue.SimpleQueue[Future[Result]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Future[Result], ScrapeScope | None]] = (
+            queue.SimpleQueue())
         threading.Thread(target=self._loop, name=f"collect-{self.name}", daemon=True).start()
 
-    def start(self) -> tuple[Future[Result], float]:
+    def start(self, scope: ScrapeScope | None = None) -> tuple[Future[Result], float]:
+        """A collection for a scrape whose shared values are ``scope``'s; a scrape that finds
+        one still in flight joins it (and that one keeps the scope of the scrape it began in)."""
         with self._lock:
             if self._inflight is None or self._inflight.done():
                 fut: Future[Result] = Future()
                 self._started = time.perf_counter()
                 self._inflight = fut
-                self._queue.put(fut)
+                self._queue.put((fut, scope))
             return self._inflight, self._started
 
     def _loop(self) -> None:
         while True:
-            self._run(self._queue.get())
+            fut, scope = self._queue.get()
+            self._run(fut, scope)
 
-    def _run(self, fut: Future[Result]) -> None:
+    def _run(self, fut: Future[Result], scope: ScrapeScope | None = None) -> None:
         ctx = self.collector.ctx
         ctx.unreadable = 0
         t0 = time.perf_counter()
         try:
-            families = list(self.collector.collect())
+            with scrape_scope(scope):
+                families = list(self.collector.collect())
             drop_unexposable(families, ctx.skip)
             success, error = True, ""
         except BaseException as exc:  # even SystemExit: this thread must answer the future
@@ -266,9 +271,10 @@ class Scraper:
             timeout = _REQUEST_TIMEOUT.get()
         limit = self.timeout if timeout is None else min(self.timeout, timeout)
         deadline = time.perf_counter() + limit
+        scope = ScrapeScope()  # what this scrape's collectors share (one listing of RDMA devices)
         started = []
         for runner in self.runners:
-            fut, t_start = runner.start()
+            fut, t_start = runner.start(scope)
             started.append((runner, fut, t_start))
             # Collectors are mostly Python between short syscalls: run side by side they only
             # trade the GIL back and forth. So each gets the interpreter to itself for up to
