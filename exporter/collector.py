@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
@@ -41,7 +42,7 @@ class MetricSpec:
     unit: str = ""
     source: str = ""
 
-    @property
+    @functools.cached_property  # a frozen dataclass's __dict__ takes it; asked every scrape
     def full_help(self) -> str:
         parts = [self.help.rstrip(".") + "."]
         if self.unit:
