@@ -9,6 +9,13 @@ both see the same machine noise. Then each exporter's resident memory, and how t
 time grows with the number of ports (build_scaled trees of 2..32 single-port IB devices).
 
     python bench/scrape.py [--scrapes 300] [--out bench/results/scrape.json]
+                           [--baseline /path/to/an/older/gpunet-exporter]
+
+With --baseline, a second gpunet-exporter (another commit's console script, or a wrapper that
+runs one) is scraped in the same loop (ours, baseline, node_exporter, ours, ...), for before and
+after numbers taken side by side. Besides the ratio of medians, the cost per exported value
+(median ms, and CPU ms, per sample) is compared with node_exporter's, since the exporters do not
+export the same number of series.
 
 stdlib only; needs the gpunet-exporter console script and prometheus-node-exporter on PATH.
 Wall-clock numbers are for docs/benchmarks.md, never for test assertions.
@@ -60,6 +67,7 @@ TARGET_MEDIAN_MS = 15.0
 TARGET_RSS_MB = 40.0  # decimal megabytes (10^6 bytes), as the issue states it
 NODE_EXPORTER = "prometheus-node-exporter"
 OURS = "gpunet-exporter"
+BASELINE = "baseline"  # the name of the --baseline target
 
 # Per-collector duration each exporter reports about itself, for the where-does-time-go split.
 _SELF_DURATION = re.compile(
@@ -162,23 +170,37 @@ class Target:
         self.logfile.close()
 
 
-def start_pair(sysfs: Path, logdir: Path) -> tuple[Target, Target]:
-    ours = Target(OURS, [OURS, f"--path.sysfs={sysfs}"], logdir)
+def start_node_exporter(sysfs: Path, logdir: Path) -> Target:
+    return Target(
+        "node_exporter",
+        [
+            NODE_EXPORTER,
+            "--collector.disable-defaults",
+            "--collector.infiniband",
+            "--collector.netclass",
+            f"--path.sysfs={sysfs}",
+        ],
+        logdir,
+    )
+
+
+def start_targets(sysfs: Path, logdir: Path, baseline: str | None = None) -> list[Target]:
+    """Ours, the baseline (when given) and node_exporter, all on ``sysfs``, in scrape order."""
+    started: list[Target] = []
     try:
-        theirs = Target(
-            "node_exporter",
-            [
-                NODE_EXPORTER,
-                "--collector.disable-defaults",
-                "--collector.infiniband",
-                "--collector.netclass",
-                f"--path.sysfs={sysfs}",
-            ],
-            logdir,
-        )
+        started.append(Target(OURS, [OURS, f"--path.sysfs={sysfs}"], logdir))
+        if baseline:
+            started.append(Target(BASELINE, [baseline, f"--path.sysfs={sysfs}"], logdir))
+        started.append(start_node_exporter(sysfs, logdir))
     except BaseException:
-        ours.stop()
+        for t in started:
+            t.stop()
         raise
+    return started
+
+
+def start_pair(sysfs: Path, logdir: Path) -> tuple[Target, Target]:
+    ours, theirs = start_targets(sysfs, logdir)
     return ours, theirs
 
 
@@ -355,26 +377,26 @@ def temp_root() -> tuple[Path, str]:
     return tmp, f"{tmp.parent} (/dev/shm not available; not memory-backed unless tmpfs)"
 
 
-def main_run(root: Path, scrapes: int) -> dict[str, Any]:
+def main_run(root: Path, scrapes: int, baseline: str | None = None) -> dict[str, Any]:
     host_netdevs = (
         set(os.listdir("/sys/class/net")) - {"lo"} if Path("/sys/class/net").is_dir() else set()
     )
     host_netdevs -= {n.netdev for n in DGX_NICS} | {"eno1"}
     sysfs = build_dgx_h100(root / "dgx")
-    ours, theirs = start_pair(sysfs, root)
+    targets = start_targets(sysfs, root, baseline)
     try:
-        for t in (ours, theirs):
+        for t in targets:
             check_reads_fixture(t.name, t.scrape().body, host_netdevs)
         log(f"DGX tree: {scrapes} interleaved scrapes each after {WARMUP} warm-up ...")
-        run = interleaved((ours, theirs), scrapes, keep_self=True)
-        mem = {t.name: t.memory_kb() for t in (ours, theirs)}
-        exe = {t.name: t.executable() for t in (ours, theirs)}
-        argv = {t.name: t.argv for t in (ours, theirs)}
+        run = interleaved(targets, scrapes, keep_self=True)
+        mem = {t.name: t.memory_kb() for t in targets}
+        exe = {t.name: t.executable() for t in targets}
+        argv = {t.name: t.argv for t in targets}
     finally:
-        ours.stop()
-        theirs.stop()
+        for t in targets:
+            t.stop()
     result: dict[str, Any] = {"targets": {}}
-    for name in (OURS, "node_exporter"):
+    for name in [t.name for t in targets]:
         last = run.last[name]
         result["targets"][name] = {
             "argv": argv[name],
@@ -403,7 +425,27 @@ def main_run(root: Path, scrapes: int) -> dict[str, Any]:
     result["ratio_of_medians"] = (
         t[OURS]["stats"]["median_ms"] / t["node_exporter"]["stats"]["median_ms"]
     )
+    result["per_value"] = {name: per_value(t[name], t["node_exporter"]) for name in t}
+    if baseline:
+        result["baseline_ratio_of_medians"] = (
+            t[BASELINE]["stats"]["median_ms"] / t["node_exporter"]["stats"]["median_ms"]
+        )
     return result
+
+
+def per_value(target: dict[str, Any], node: dict[str, Any]) -> dict[str, float]:
+    """Median scrape time and CPU time per exported sample (us), and their ratios to
+    node_exporter's."""
+    lat = target["stats"]["median_ms"] * 1000 / target["samples"]
+    cpu = target["cpu_ms_per_scrape"] * 1000 / target["samples"]
+    node_lat = node["stats"]["median_ms"] * 1000 / node["samples"]
+    node_cpu = node["cpu_ms_per_scrape"] * 1000 / node["samples"]
+    return {
+        "latency_us": lat,
+        "cpu_us": cpu,
+        "latency_ratio": lat / node_lat,
+        "cpu_ratio": cpu / node_cpu,
+    }
 
 
 def scaling_run(root: Path) -> list[dict[str, Any]]:
@@ -459,7 +501,12 @@ def markdown(report: dict[str, Any]) -> str:
         "| CPU ms/scrape | new TCP conns | VmRSS MB | VmHWM MB |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, t in ((OURS, o), ("node_exporter 1.5.0", n)):
+    table = [(OURS, o)]
+    if BASELINE in d["targets"]:
+        table.append(
+            (f"{BASELINE} (`{d['targets'][BASELINE]['argv'][0]}`)", d["targets"][BASELINE])
+        )
+    for name, t in [*table, ("node_exporter 1.5.0", n)]:
         s, mem = t["stats"], t["memory_kb"]
         out.append(
             f"| {name} | {s['median_ms']:.2f} | {s['p90_ms']:.2f} | {s['p99_ms']:.2f} "
@@ -469,7 +516,21 @@ def markdown(report: dict[str, Any]) -> str:
         )
     out += [
         "",
-        f"Ratio of medians (ours / node_exporter): **{d['ratio_of_medians']:.2f}**",
+        f"Ratio of medians (ours / node_exporter): **{d['ratio_of_medians']:.2f}**"
+        + (
+            f"; baseline / node_exporter: {d['baseline_ratio_of_medians']:.2f}"
+            if "baseline_ratio_of_medians" in d
+            else ""
+        ),
+        "",
+        "Cost per exported value (median ms and CPU ms per scrape, divided by the samples), "
+        "and its ratio to node_exporter's: "
+        + "; ".join(
+            f"{name} {v['latency_us']:.2f} us ({v['latency_ratio']:.2f}x), "
+            f"CPU {v['cpu_us']:.2f} us ({v['cpu_ratio']:.2f}x)"
+            for name, v in d["per_value"].items()
+        )
+        + ".",
         "",
         "Median per tenth of the run, ms (drift check): "
         + "; ".join(
@@ -483,7 +544,7 @@ def markdown(report: dict[str, Any]) -> str:
         + "; ".join(
             f"{name}: "
             + ", ".join(f"{c} {v:.2f}" for c, v in t["self_reported_collector_ms_median"].items())
-            for name, t in ((OURS, o), ("node_exporter", n))
+            for name, t in d["targets"].items()
         )
         + ".",
     ]
@@ -549,6 +610,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--scrapes", type=int, default=300, help="timed scrapes per exporter")
     p.add_argument("--out", type=Path, help="write the raw numbers as JSON here")
     p.add_argument("--no-scaling", action="store_true", help="skip the 2..32 port scaling run")
+    p.add_argument(
+        "--baseline",
+        help="another gpunet-exporter executable (an older commit's) scraped in the same loop",
+    )
     args = p.parse_args(argv)
     if args.scrapes < 2:
         p.error("--scrapes must be at least 2")
@@ -567,7 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "headers": SCRAPE_HEADERS,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        report["dgx"] = main_run(root, args.scrapes)
+        report["dgx"] = main_run(root, args.scrapes, args.baseline)
         report["scaling"] = [] if args.no_scaling else scaling_run(root)
         report["targets"] = judge(report["dgx"])
     finally:

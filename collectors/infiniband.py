@@ -283,7 +283,8 @@ class InfinibandCollector(Collector):
         cfg = self.settings
         # One collection runs at a time per collector (the core's Runner coalesces scrapes).
         self._fams = Families()
-        names = rdma.devices(self.ctx.sysfs, cfg.device_include, cfg.device_exclude)
+        snapshot = self.ctx.rdma()
+        names = snapshot.devices(cfg.device_include, cfg.device_exclude)
         for gone in self._info_cache.keys() - set(names):
             del self._info_cache[gone]
         if not names:
@@ -292,7 +293,7 @@ class InfinibandCollector(Collector):
         active: list[_Active] = []
         self._present = {k: set() for k in KINDS}
         for dev in names:
-            self._device(dev, active)
+            self._device(snapshot.device(dev), active)
         self._degraded(active)
         self._inventory_families(cfg)
         return iter(self._fams)
@@ -358,36 +359,37 @@ class InfinibandCollector(Collector):
 
     # -- per device and port ---------------------------------------------------------------
 
-    def _device(self, dev: str, active: list[_Active]) -> None:
+    def _device(self, device: rdma.Device, active: list[_Active]) -> None:
+        dev = device.name
         root, base = self.ctx.sysfs, f"{rdma.CLASS}/{dev}"
-        try:
-            ports = rdma.ports(root, dev)
-        except OSError as exc:
+        if device.error is not None:
             if not root.exists(base):
                 self.ctx.logger.debug("device %s vanished during the scrape", dev)
                 return
-            self.ctx.skip(f"{base}/ports", _errno_name(exc))
-            ports = []
-        info = self._device_info(dev)
+            self.ctx.skip(f"{base}/ports", _errno_name(device.error))
+        try:
+            ident: tuple[int, int] | None = root.identity(base)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:  # gone since the listing: none of its values
+                self.ctx.logger.debug("device %s vanished during the scrape", dev)
+                return
+            ident = None
+        info = self._device_info(dev, ident)
         self._present["rdma_device"].add(dev)
         self._fams.add(DEVICE_INFO, info, 1)
         self._hw(f"{base}/hw_counters", [dev], {"device": dev}, HW_DEVICE_SPECS,
                  DEVICE_HW_COUNTER, DEVICE_HW_DROPPED)
-        for port in ports:
-            self._port(dev, port, info[_HCA_TYPE], active)
+        for port in device.ports:
+            self._port(port, info[_HCA_TYPE], active)
 
-    def _device_info(self, dev: str) -> list[str]:
+    def _device_info(self, dev: str, ident: tuple[int, int] | None) -> list[str]:
         """Labels of gpunet_infiniband_device_info, read once per device instance.
 
         Firmware version, GUID, PCI address and NUMA node only change when the device is
         re-created (hot-plug, driver reload, firmware reset), which gives its directory a new
-        inode; the cache is keyed on that, so a replaced device is read afresh.
+        inode (``ident``); the cache is keyed on that, so a replaced device is read afresh.
         """
         root, base = self.ctx.sysfs, f"{rdma.CLASS}/{dev}"
-        try:
-            ident = root.identity(base)
-        except OSError:
-            ident = None
         cached = self._info_cache.get(dev)
         if cached is not None and ident is not None and cached[0] == ident:
             return cached[1]
@@ -399,12 +401,12 @@ class InfinibandCollector(Collector):
             self._info_cache[dev] = (ident, info)
         return info
 
-    def _port(self, dev: str, port: str, hca_type: str, active: list[_Active]) -> None:
-        pdir = f"{rdma.CLASS}/{dev}/ports/{port}"
+    def _port(self, p: rdma.Port, hca_type: str, active: list[_Active]) -> None:
+        dev, port, pdir = p.device, p.port, p.dir
         labels = [dev, port]
         shared = dict(zip(_P, labels, strict=True))  # one dict for the port's series
         try:
-            files = self.ctx.sysfs.read_many(pdir, ("link_layer", "state", "phys_state", "rate"))
+            files = self.ctx.sysfs.read_many(pdir, ("state", "phys_state", "rate"))
         except OSError:  # the port went away with its device mid-scrape
             return
 
@@ -415,8 +417,10 @@ class InfinibandCollector(Collector):
                 return None
             return text
 
-        link_layer = attr("link_layer") or ""
-        netdev = rdma.netdev(self.ctx.sysfs, dev, port, link_layer)
+        # link layer and netdev: from the scrape's listing of the RDMA devices
+        if p.link_layer_error is not None:
+            self.ctx.skip(f"{pdir}/link_layer", _errno_name(p.link_layer_error))
+        link_layer, netdev = p.link_layer, p.netdev
         self._present["rdma_port"].add(f"{dev}/{port}")
         if netdev:
             self._present["netdev"].add(netdev)

@@ -162,7 +162,7 @@ class LinkCollector(Collector):
         cfg, root, fams = self.settings, self.ctx.sysfs, Families()
         exclude = cfg.interface_exclude
         rules = cfg.expected_mtu
-        ports = rdma.all_ports(root)
+        ports = self.ctx.rdma().ports()
         seen: dict[str, rdma.Port | None] = {}
         for p in ports:
             if p.netdev and p.netdev not in seen:

@@ -328,7 +328,7 @@ class PfcCollector(Collector):
         """Netdevs behind RoCE ports, then configured ones that exist, filtered."""
         cfg, root = self.settings, self.ctx.sysfs
         names: list[str] = []
-        for p in rdma.all_ports(root):
+        for p in self.ctx.rdma().ports():
             if p.link_layer == "Ethernet" and p.netdev and p.netdev not in names:
                 names.append(p.netdev)
         names += rdma.extra_netdevs(root, cfg.interfaces, names, self.ctx.log_once)

@@ -345,7 +345,7 @@ class TopologyCollector(Collector):
     def _nics(self) -> list[Endpoint]:
         cfg = self.settings
         out = []
-        for dev in rdma.devices(self.ctx.sysfs, cfg.device_include, cfg.device_exclude):
+        for dev in self.ctx.rdma().devices(cfg.device_include, cfg.device_exclude):
             ep = self._pci_endpoint(dev, f"{rdma.CLASS}/{dev}/device")
             if ep is None:  # rxe/siw (no PCI parent), or gone
                 self.ctx.log_once(logging.DEBUG, "RDMA device %s has no PCI function; skipped",
@@ -534,8 +534,9 @@ class TopologyCollector(Collector):
             if not env:
                 continue
             if netdevs is None:  # only when some process sets an NCCL variable
-                netdevs = {p.netdev for p in rdma.all_ports(self.ctx.sysfs) if p.netdev}
-                devices = rdma.devices(self.ctx.sysfs)
+                snapshot = self.ctx.rdma()
+                netdevs = {p.netdev for p in snapshot.ports() if p.netdev}
+                devices = snapshot.devices()
             for variable, cls in env_settings(env, netdevs, devices).items():
                 settings[(variable, cls)] = settings.get((variable, cls), 0) + 1
                 issue = NCCL_FAULT_CLASSES.get((variable, cls))

@@ -8,19 +8,24 @@ Collectors are found through the entry-point group ``gpunet_exporter.collectors`
 from __future__ import annotations
 
 import abc
+import contextlib
+import functools
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
 
 from gpunet_exporter.config import Field, Settings, parse_settings, settings_fields
+from gpunet_exporter.sources import rdma
 from gpunet_exporter.sources.sysfs import Root
 
 MetricType = Literal["gauge", "counter"]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,7 @@ class MetricSpec:
     unit: str = ""
     source: str = ""
 
-    @property
+    @functools.cached_property  # a frozen dataclass's __dict__ takes it; asked every scrape
     def full_help(self) -> str:
         parts = [self.help.rstrip(".") + "."]
         if self.unit:
@@ -88,6 +93,58 @@ class Privilege:
     option: str | None = None  # a boolean setting of the collector that turns this reading off
 
 
+class _Slot:
+    """One value of a :class:`ScrapeScope`, built by the first thread that asks for it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.built = False
+        self.value: Any = None
+
+
+class ScrapeScope:
+    """What the collectors of one scrape share: values built once, by the first collector that
+    asks for one, and handed to the others of the same scrape (CollectorContext.shared()).
+
+    The Scraper makes one per scrape and runs each collection inside it (:func:`scrape_scope`).
+    Thread-safe: collectors run in threads of their own, and one asking for a value another is
+    building waits for it instead of building it again. A build that raises is not kept: the
+    next one to ask tries again.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._slots: dict[Hashable, _Slot] = {}
+
+    def get(self, key: Hashable, build: Callable[[], _T]) -> _T:
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._slots[key] = _Slot()
+        if slot.built:
+            return slot.value  # type: ignore[no-any-return]
+        with slot.lock:
+            if not slot.built:
+                slot.value = build()
+                slot.built = True
+        return slot.value  # type: ignore[no-any-return]
+
+
+# The scope of the scrape the current thread collects for; None outside a scrape (a test calling
+# collect(), a background refresh thread: threads start with no value of it).
+_SCOPE: ContextVar[ScrapeScope | None] = ContextVar("gpunet_scrape_scope", default=None)
+
+
+@contextlib.contextmanager
+def scrape_scope(scope: ScrapeScope | None) -> Iterator[None]:
+    """Within the block (in this thread), CollectorContext.shared() uses ``scope``."""
+    token = _SCOPE.set(scope)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
 @dataclass
 class CollectorContext:
     """What a collector gets from the core: roots, its config section, a logger, and the
@@ -120,6 +177,18 @@ class CollectorContext:
         """Record one value that could not be read or parsed; it costs that value alone."""
         self.unreadable += 1
         self.log_once(logging.DEBUG, "skipping %s: %s", what, reason)
+
+    def shared(self, key: Hashable, build: Callable[[], _T]) -> _T:
+        """``build()``, once per scrape for all the collectors of that scrape that ask with the
+        same ``key``; outside a scrape (a test, a background thread) built anew on each call."""
+        scope = _SCOPE.get()
+        return build() if scope is None else scope.get(key, build)
+
+    def rdma(self) -> rdma.Snapshot:
+        """The RDMA devices, ports, link layers and netdevs under ``sysfs``, listed once per
+        scrape and shared by that scrape's collectors (each reads its counters itself)."""
+        sysfs = self.sysfs
+        return self.shared(("rdma", sysfs), lambda: rdma.Snapshot(sysfs))
 
 
 def collector_logger(name: str) -> logging.LoggerAdapter[logging.Logger]:

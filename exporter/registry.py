@@ -31,7 +31,7 @@ from importlib.metadata import entry_points
 from prometheus_client.core import Metric
 
 from gpunet_exporter import __version__
-from gpunet_exporter.collector import Collector, MetricSpec
+from gpunet_exporter.collector import Collector, MetricSpec, ScrapeScope, scrape_scope
 
 log = logging.getLogger("gpunet.exporter")
 
@@ -226,31 +226,37 @@ class Runner:
         self._lock = threading.Lock()
         self._inflight: Future[Result] | None = None
         self._started = 0.0
-        self._queue: queue.SimpleQueue[tuple[Future[Result], float | None]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[
+            tuple[Future[Result], float | None, ScrapeScope | None]] = queue.SimpleQueue()
         threading.Thread(target=self._loop, name=f"collect-{self.name}", daemon=True).start()
 
-    def start(self, deadline: float | None = None) -> tuple[Future[Result], float]:
+    def start(self, deadline: float | None = None, scope: ScrapeScope | None = None
+              ) -> tuple[Future[Result], float]:
         """The collection in flight, or a new one whose CollectorContext.deadline is
-        ``deadline`` (time.monotonic()); a scrape that joins one in flight gets its deadline."""
+        ``deadline`` (time.monotonic()) and whose shared values are ``scope``'s; a scrape that
+        finds one still in flight joins it (and that one keeps the deadline and scope of the
+        scrape it began in)."""
         with self._lock:
             if self._inflight is None or self._inflight.done():
                 fut: Future[Result] = Future()
                 self._started = time.perf_counter()
                 self._inflight = fut
-                self._queue.put((fut, deadline))
+                self._queue.put((fut, deadline, scope))
             return self._inflight, self._started
 
     def _loop(self) -> None:
         while True:
             self._run(*self._queue.get())
 
-    def _run(self, fut: Future[Result], deadline: float | None = None) -> None:
+    def _run(self, fut: Future[Result], deadline: float | None = None,
+             scope: ScrapeScope | None = None) -> None:
         ctx = self.collector.ctx
         ctx.unreadable = 0
         ctx.deadline = deadline
         t0 = time.perf_counter()
         try:
-            families = list(self.collector.collect())
+            with scrape_scope(scope):
+                families = list(self.collector.collect())
             drop_unexposable(families, ctx.skip)
             success, error = True, ""
         except BaseException as exc:  # even SystemExit: this thread must answer the future
@@ -277,9 +283,10 @@ class Scraper:
         limit = self.timeout if timeout is None else min(self.timeout, timeout)
         deadline = time.perf_counter() + limit
         collect_by = time.monotonic() + limit - min(WAIT_RESERVE * limit, WAIT_RESERVE_MAX)
+        scope = ScrapeScope()  # what this scrape's collectors share (one listing of RDMA devices)
         started = []
         for runner in self.runners:
-            fut, t_start = runner.start(collect_by)
+            fut, t_start = runner.start(collect_by, scope)
             started.append((runner, fut, t_start))
             # Collectors are mostly Python between short syscalls: run side by side they only
             # trade the GIL back and forth. So each gets the interpreter to itself for up to

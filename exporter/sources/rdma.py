@@ -1,5 +1,9 @@
 """RDMA device and port discovery under /sys/class/infiniband, shared by the collectors.
 
+:class:`Snapshot` is one listing of the devices, their ports, link layers and netdevs; a scrape
+builds one and every collector of that scrape reads it (CollectorContext.rdma()), instead of
+each walking the tree again. Counters and states are not in it: each collector reads those itself.
+
 Sources and formats: docs/formats.md §1.1 (layout, netdev mapping order).
 """
 
@@ -7,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Callable, Container, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpunet_exporter.sources.sysfs import Root, parse_int, parse_uint
 
@@ -25,12 +30,92 @@ _RATE = re.compile(r"^(\d+)(\.5)? Gb/sec \((\d+)X(?: (\w+))?\)$")
 class Port:
     device: str
     port: str
-    link_layer: str
-    netdev: str
+    link_layer: str  # "" when it could not be read
+    netdev: str  # "" when the port has none
+    # Why ``link_layer`` could not be read; None when it was.
+    link_layer_error: OSError | None = field(default=None, compare=False)
 
     @property
     def dir(self) -> str:
         return f"{CLASS}/{self.device}/ports/{self.port}"
+
+
+@dataclass(frozen=True)
+class Device:
+    """An RDMA device as one listing found it: its ports in numeric order, or ``error`` (then no
+    ports) when ``ports/`` could not be listed, because the device went away or is unreadable."""
+
+    name: str
+    ports: tuple[Port, ...]
+    error: OSError | None = field(default=None, compare=False)
+
+
+def _select(names: Iterable[str], include: re.Pattern[str] | None,
+            exclude: re.Pattern[str] | None) -> list[str]:
+    return [n for n in names
+            if (include is None or include.search(n)) and not (exclude and exclude.search(n))]
+
+
+def read_device(root: Root, name: str) -> Device:
+    """One device's ports, link layers and netdevs, read now."""
+    try:
+        numbers = ports(root, name)
+    except OSError as exc:
+        return Device(name, (), exc)
+    out = []
+    for p in numbers:
+        error = None
+        try:
+            layer = root.read(f"{CLASS}/{name}/ports/{p}/link_layer")
+        except OSError as exc:
+            layer, error = "", exc
+        out.append(Port(name, p, layer, netdev(root, name, p, layer), error))
+    return Device(name, tuple(out))
+
+
+class Snapshot:
+    """The RDMA devices under a root, their ports, link layers and netdevs, each read once.
+
+    The device names are listed when the snapshot is made; a device's ports (and their link
+    layers and netdevs) when it is first asked for, so a device that every reader filters out
+    is never read. Thread-safe: collectors of one scrape run in threads of their own, and a
+    device asked for by two at once is read by one while the other waits for it. A device gone
+    after the listing has ``error`` set (or, gone later still, files that fail to read), which
+    costs its own values only.
+    """
+
+    def __init__(self, root: Root) -> None:
+        self.root = root
+        try:
+            self.names: tuple[str, ...] = tuple(root.listdir(CLASS))
+        except OSError:  # no class directory: no RDMA hardware
+            self.names = ()
+        self._devices: dict[str, Device] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    def devices(self, include: re.Pattern[str] | None = None,
+                exclude: re.Pattern[str] | None = None) -> list[str]:
+        """Device names in name order, filtered as :func:`devices` does."""
+        return _select(self.names, include, exclude)
+
+    def device(self, name: str) -> Device:
+        """The device ``name`` (one of ``names``), read on first use."""
+        dev = self._devices.get(name)
+        if dev is not None:
+            return dev
+        with self._lock:
+            lock = self._locks.setdefault(name, threading.Lock())
+        with lock:
+            dev = self._devices.get(name)
+            if dev is None:
+                dev = self._devices[name] = read_device(self.root, name)
+        return dev
+
+    def ports(self, include: re.Pattern[str] | None = None,
+              exclude: re.Pattern[str] | None = None) -> list[Port]:
+        """Every port of every (filtered) device, as :func:`all_ports`."""
+        return [p for name in self.devices(include, exclude) for p in self.device(name).ports]
 
 
 def devices(root: Root, include: re.Pattern[str] | None = None,
@@ -40,8 +125,7 @@ def devices(root: Root, include: re.Pattern[str] | None = None,
         names = root.listdir(CLASS)
     except OSError:
         return []
-    return [n for n in names
-            if (include is None or include.search(n)) and not (exclude and exclude.search(n))]
+    return _select(names, include, exclude)
 
 
 def ports(root: Root, device: str) -> list[str]:
@@ -115,20 +199,10 @@ def extra_netdevs(root: Root, configured: Iterable[str], known: Container[str],
 
 def all_ports(root: Root, include: re.Pattern[str] | None = None,
               exclude: re.Pattern[str] | None = None) -> list[Port]:
-    """Every port of every (filtered) RDMA device; vanished devices and ports are skipped."""
-    out = []
-    for dev in devices(root, include, exclude):
-        try:
-            nums = ports(root, dev)
-        except OSError:
-            continue
-        for p in nums:
-            try:
-                ll = root.read(f"{CLASS}/{dev}/ports/{p}/link_layer")
-            except OSError:
-                ll = ""
-            out.append(Port(dev, p, ll, netdev(root, dev, p, ll)))
-    return out
+    """Every port of every (filtered) RDMA device, read now; vanished devices and ports are
+    skipped. A collector in a scrape asks CollectorContext.rdma() instead, which reads them once
+    for the whole scrape."""
+    return Snapshot(root).ports(include, exclude)
 
 
 def active_ports(root: Root) -> list[tuple[str, str]]:

