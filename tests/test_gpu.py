@@ -1,4 +1,4 @@
-"""gpu collector against the NVML stand-in (tests/fake_nvml.py) replaying the real 2 x H200
+"""gpu collector against the NVML stand-in (tests/support/fake_nvml.py) replaying the real 2 x H200
 readings of tests/fixtures/nvml, and against the real nvidia-ml-py without a driver."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import pytest
 from gpunet_exporter.collectors.gpu import XID_LABELS_PER_GPU, GpuCollector, XidWatcher
 from gpunet_exporter.sources import nvml
 
-import fake_nvml
-from conftest import REPO, Samples, collect, make_collector, parse, samples_of, series, value
+from support import fake_nvml
+from support.metrics import Samples, collect, make_collector, parse, samples_of, series, value
+from support.wait import wait_for
 
 CAPTURE = fake_nvml.h200x2()
 UUID0 = CAPTURE["devices"][0]["nvmlDeviceGetUUID"]["ok"]
@@ -28,9 +29,9 @@ NO_BACKGROUND = {"counters_interval_seconds": 3600}
 def fresh_nvml() -> Iterator[None]:
     """Every test starts with the real capture and a new NVML session."""
     fake_nvml.load(fake_nvml.h200x2())
-    nvml.forget("fake_nvml")
+    nvml.forget(fake_nvml.MODULE)
     yield
-    nvml.forget("fake_nvml")
+    nvml.forget(fake_nvml.MODULE)
 
 
 @pytest.fixture
@@ -49,7 +50,7 @@ class Gpu:
     def __init__(self, sysfs: Path, config: dict[str, Any] | None = None,
                  procfs: Path | str = "/proc") -> None:
         self.c = make_collector(GpuCollector, sysfs, {**NO_BACKGROUND, **(config or {})},
-                                procfs=procfs, nvml_module="fake_nvml")
+                                procfs=procfs, nvml_module=fake_nvml.MODULE)
 
     def scrape(self) -> Samples:
         self.c.ctx.unreadable = 0
@@ -75,13 +76,6 @@ def scrape_once(sysfs: Path, scenario: dict[str, Any] | None = None) -> Samples:
         return g.scrape()
     finally:
         g.close()
-
-
-def wait_for(cond: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def test_capture_values_exactly(gpu: Gpu) -> None:
@@ -236,7 +230,7 @@ def test_no_library_or_driver_no_data(sysfs: Path, library: str) -> None:
     scenario = fake_nvml.h200x2()
     scenario["library"] = library
     fake_nvml.load(scenario)
-    s, unreadable = collect(GpuCollector, sysfs, nvml_module="fake_nvml")
+    s, unreadable = collect(GpuCollector, sysfs, nvml_module=fake_nvml.MODULE)
     assert s == {} and unreadable == 0
 
 
@@ -442,10 +436,9 @@ def test_end_to_end_installed_exporter(run_exporter: Any, sysfs: Path, tmp_path:
     (tmp_path / "nvml.json").write_text(json.dumps(scenario))
     events = tmp_path / "events"
     events.write_text("")
-    env = {"PYTHONPATH": str(REPO / "tests"), "GPUNET_FAKE_NVML": str(tmp_path / "nvml.json"),
-           "GPUNET_FAKE_NVML_EVENTS": str(events)}
+    env = fake_nvml.exporter_env(tmp_path / "nvml.json", events)
     e = run_exporter(f"--path.sysfs={sysfs}", "--collector.disable-defaults", "--collector.gpu",
-                     "--nvml.module=fake_nvml", env=env)
+                     f"--nvml.module={fake_nvml.MODULE}", env=env)
     s = parse(e.metrics())
     assert value(s, "gpunet_scrape_collector_success", collector="gpu") == 1
     assert value(s, "gpunet_gpu_compute_processes", gpu="0") == 2

@@ -62,7 +62,7 @@ def test_text_format_and_gzip() -> None:
 def test_keep_alive_and_http10(run_exporter) -> None:  # type: ignore[no-untyped-def]
     import http.client
 
-    from conftest import UPSTREAM
+    from support.paths import UPSTREAM
     e = run_exporter(f"--path.sysfs={UPSTREAM / 'procfs-sysfs-infiniband/tree/sys'}")
     conn = http.client.HTTPConnection("127.0.0.1", e.port, timeout=10)
     conn.connect()

@@ -11,8 +11,9 @@ import pytest
 
 from gpunet_exporter.collectors.link import LinkCollector
 
-import sysfs_tree as st
-from conftest import Samples, collect, make_collector, samples_of, series, value
+from support import sysfs_tree as st
+from support.metrics import Samples, collect, make_collector, samples_of, series, value
+from support.sysfs_tree import DGX_IBV_DEVINFO as DEVINFO
 
 RDMA_NETDEVS = {"ibp24s0", "ibp64s0", "ibp79s0", "ibp94s0", "ibp154s0", "ibp192s0", "ibp206s0",
                 "ibp220s0", "enp41s0f0np0", "enp170s0f0np0"}
@@ -93,13 +94,6 @@ def test_unreadable_mtu_costs_one_value(dgx: Path) -> None:
     assert unreadable == 1
     assert value(s, "gpunet_link_mtu_bytes", interface="ibp24s0") is None
     assert value(s, "gpunet_link_speed_bytes_per_second", interface="ibp24s0") == 50e9
-
-
-DEVINFO = "".join(
-    f"hca_id:\tmlx5_{i}\n\ttransport:\t\t\tInfiniBand (0)\n\tphys_port_cnt:\t\t\t1\n"
-    f"\t\tport:\t1\n\t\t\tstate:\t\t\tPORT_ACTIVE (4)\n\t\t\tmax_mtu:\t\t4096 (5)\n"
-    f"\t\t\tactive_mtu:\t\t{2048 if i == 6 else 4096} ({4 if i == 6 else 5})\n"
-    f"\t\t\tlink_layer:\t\tInfiniBand\n\n" for i in range(8))
 
 
 def fake_tool(tmp_path: Path, body: str) -> Path:

@@ -12,7 +12,7 @@ import zipfile
 from fnmatch import fnmatch
 from pathlib import Path
 
-from conftest import REPO
+from support.paths import REPO
 
 SKIP_DIRS = {".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache",
              ".hypothesis", "build", "dist"}
@@ -104,8 +104,10 @@ def test_wheel_builds_clean_with_its_license(tmp_path: Path) -> None:
         meta = z.read(next(n for n in names if n.endswith("/METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in meta
     assert any(n.endswith("/licenses/LICENSE") for n in names)
-    for name in ("collectors/data/infiniband_counters.csv", "collectors/data/pfc_ethtool.csv",
-                 "collectors/py.typed", "exporter/py.typed", "exporter/cli.py"):
+    for name in ("gpunet_exporter/collectors/data/infiniband_counters.csv",
+                 "gpunet_exporter/collectors/data/pfc_ethtool.csv",
+                 "gpunet_exporter/collectors/py.typed", "gpunet_exporter/py.typed",
+                 "gpunet_exporter/cli.py"):
         assert name in names
     assert not [n for n in names if n.startswith("tests/")]
     assert "Apache License" in (REPO / "LICENSE").read_text()
