@@ -35,7 +35,7 @@ from support import fake_nvml
 from support import sysfs_tree as st
 from support.exporter import free_port
 from support.metrics import make_collector, parse, samples_of, series, value
-from support.paths import REPO
+from support.paths import REPO, TESTS
 from support.wait import refresher_idle, wait_for
 
 ROCE, ROCE2 = "enp170s0f0np0", "enp41s0f0np0"  # netdevs of the RoCE ports mlx5_9, mlx5_8
@@ -332,7 +332,7 @@ def netns() -> Iterator[str]:
 def in_netns(ns: str, code: str, timeout: float = 30) -> dict[str, Any]:
     res = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code],
                          capture_output=True, text=True, timeout=timeout, check=False,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+                         env={**os.environ, "PYTHONPATH": f"{REPO}:{TESTS}"})
     assert res.returncode == 0, res.stderr
     return dict(json.loads(res.stdout.strip().splitlines()[-1]))
 
@@ -341,8 +341,9 @@ def in_netns(ns: str, code: str, timeout: float = 30) -> dict[str, Any]:
 def test_real_monitor_sees_a_veth_pair_come_and_go(netns: str) -> None:
     pytest.importorskip("pyudev")
     got = in_netns(netns, textwrap.dedent("""\
-        import json, subprocess, time
+        import json, subprocess
         from gpunet_exporter.daemon.hotplug import Hotplug
+        from support.wait import wait_for
 
         class Rec:
             name = "rec"
@@ -357,9 +358,10 @@ def test_real_monitor_sees_a_veth_pair_come_and_go(netns: str) -> None:
         subprocess.run(["ip", "link", "add", "hpa0", "type", "veth", "peer", "name", "hpb0"],
                        check=True)
         subprocess.run(["ip", "link", "del", "hpa0"], check=True)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and hp.counts().get(("net", "remove"), 0) < 2:
-            time.sleep(0.05)
+        try:
+            wait_for(lambda: hp.counts().get(("net", "remove"), 0) >= 2, timeout=10)
+        except AssertionError:
+            pass  # the test says what was missing, from the counts printed below
         hp.stop()
         print(json.dumps({"started": started, "source": hp.source, "error": hp.error,
                           "counts": {f"{s} {a}": n for (s, a), n in hp.counts().items()},
@@ -385,23 +387,28 @@ def test_installed_exporter_counts_veth_events(netns: str, tmp_path: Path) -> No
          "--collector.disable-defaults", "--collector.link", "--collector.pfc"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     fetch = textwrap.dedent(f"""\
-        import json, sys, time, urllib.request
-        deadline = time.monotonic() + float(sys.argv[1])
-        while True:
+        import json, sys, urllib.request
+        from support.wait import wait_for
+        got = {{"text": ""}}
+
+        def scraped():
             try:
-                text = urllib.request.urlopen("{url}/metrics", timeout=5).read().decode()
+                got["text"] = urllib.request.urlopen("{url}/metrics", timeout=5).read().decode()
             except OSError:
-                text = ""
-            if all(w in text for w in sys.argv[2:]) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        print(json.dumps({{"text": text}}))
+                got["text"] = ""
+            return all(w in got["text"] for w in sys.argv[2:])
+
+        try:
+            wait_for(scraped, timeout=float(sys.argv[1]), interval=0.1)
+        except AssertionError:
+            pass  # the test says what was missing, from the last scrape printed below
+        print(json.dumps(got))
         """)
 
     def metrics(wait: float, *want: str) -> str:
         res = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", fetch,
                               str(wait), *want], capture_output=True, text=True, timeout=60,
-                             check=True)
+                             check=True, env={**os.environ, "PYTHONPATH": str(TESTS)})
         return str(json.loads(res.stdout)["text"])
 
     try:
