@@ -5,7 +5,8 @@ generated rules loaded, and Debian's Alertmanager running the shipped alerts/ale
 
 The faulty node has a port trained down to 200 Gb/s, PFC off on the RoCE priority (on priority 5
 instead of 3), a cluster-mode probe result showing NCCL on TCP sockets without GPUDirect RDMA, and
-no nvidia_peermem (with the proprietary driver, so no DMA-BUF either). The test proves that:
+no nvidia_peermem (with the proprietary driver, so no DMA-BUF either); tests/support/bundle_node.py
+builds both nodes (tests/test_doctor.py runs the doctor on them). The test proves that:
 the expected alerts reach the webhook, routed by severity, with their labels and annotations;
 the alerts they cause (bandwidth and latency low, GDR inactive) fire in Prometheus but are
 inhibited by Alertmanager; the healthy node raises nothing, not even a pending alert; and every
