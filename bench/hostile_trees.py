@@ -1,9 +1,9 @@
 """Hostile sysfs trees side by side: names that are not UTF-8 and a hw_counters/ directory of
 20,000 files (issue 15, items 1 and 5), against gpunet-exporter and node_exporter.
 
-Each case is a fresh copy of the generated DGX H100 tree (tests/sysfs_tree.py) with one change;
-each exporter is started on it, scraped once to warm up and then five times, and the last answer
-is counted: HTTP status, samples, InfiniBand samples, bytes, the median time and VmRSS. An
+Each case is a fresh copy of the generated DGX H100 tree (tests/support/sysfs_tree.py) with one
+change; each exporter is started on it, scraped once to warm up and then five times, and the last
+answer is counted: HTTP status, samples, InfiniBand samples, bytes, the median time and VmRSS. An
 exporter that drops the connection is reported with its exit status (node_exporter 1.5.0 panics
 on a label value that is not UTF-8).
 
@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests"))  # for support.sysfs_tree
 
-import sysfs_tree as st  # noqa: E402
+from support import sysfs_tree as st  # noqa: E402
 
 BAD = b"\xff"  # never UTF-8
 IB = "class/infiniband"

@@ -165,7 +165,7 @@ class _Families:
 
 
 def make_pfc(reader: WithMlx5) -> PfcCollector:
-    """As tests/conftest.py make_collector() builds one, with the reader injected."""
+    """As make_collector() of tests/support/metrics.py builds one, with the reader injected."""
     config = {"interfaces": list(INTERFACES), "config": {"sources": ["sysfs"]}}
     section = validate(config, Field("map", fields=dict(PfcCollector.config_fields)), "pfc")
     logger = collector_logger("pfc")

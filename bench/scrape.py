@@ -1,7 +1,7 @@
 """Scrape benchmark: gpunet-exporter against node_exporter on the same fixture sysfs tree.
 
-Both exporters read a generated DGX H100-class tree (tests/sysfs_tree.py), and are scraped over
-HTTP the way Prometheus scrapes them: one persistent HTTP/1.1 connection per target (re-opened
+Both exporters read a generated DGX H100-class tree (tests/support/sysfs_tree.py), and are scraped
+over HTTP the way Prometheus scrapes them: one persistent HTTP/1.1 connection per target (re-opened
 only when the server closes it), Prometheus's Accept / Accept-Encoding / scrape-timeout headers,
 and the full body read and gunzipped inside the timed region (Prometheus's scrape duration
 covers reading the decompressed body too). Scrapes alternate ours, theirs, ours, theirs... so
@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests"))  # for support.sysfs_tree
 
-from sysfs_tree import DGX_NICS, build_dgx_h100, build_scaled  # noqa: E402
+from support.sysfs_tree import DGX_NICS, build_dgx_h100, build_scaled  # noqa: E402
 
 # What Prometheus 2.x sends on every scrape with its default scrape_protocols (the Accept header
 # asks for OpenMetrics first), gzip, and the scrape timeout.

@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not (TREES[args.tree] / "sys").is_dir():
             raise DemoError(f"example tree {TREES[args.tree]} missing: regenerate it with "
-                            "python tests/sysfs_tree.py")
+                            "python tests/support/sysfs_tree.py")
         tools = find_tools()
         with workdir(args.keep) as path:
             demo = Demo(args.tree, args.timeout, path)

@@ -17,7 +17,7 @@ import yaml
 
 from gpunet_exporter.health import rules, thresholds
 
-from conftest import REPO
+from support.paths import REPO
 
 ALERTS_DIR = REPO / "alerts"
 RULES = ALERTS_DIR / "gpunet.rules.yml"
@@ -417,6 +417,7 @@ def test_nan_threshold_refused(tmp_path: Path) -> None:
         thresholds.load(str(f))
 
 
+@pytest.mark.slow  # about 30 s: promtool runs the unit tests twice per alert
 def test_every_alert_test_can_fail(tmp_path: Path) -> None:
     """Mutation check of alerts/gpunet.rules.test.yml, alert by alert: with the alert's
     expression made to never fire, each of its firing cases fails; made to always fire, each of

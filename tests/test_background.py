@@ -16,7 +16,8 @@ from gpunet_exporter.background import Fresh, Refresher, add_freshness, last_suc
 from gpunet_exporter.collector import Collector, Families, MetricSpec
 from gpunet_exporter.registry import WAIT_RESERVE_MAX, Scraper
 
-from conftest import make_collector, samples_of, series, value
+from support.metrics import make_collector, samples_of, series, value
+from support.wait import wait_for
 
 LOG: list[str] = []
 
@@ -56,13 +57,6 @@ def make(made: list[tuple[Refresher[Any], Source]], src: Source, **kw: Any) -> R
     r: Refresher[Any] = Refresher("t", kw.pop("interval", 3600), src, log, **kw)
     made.append((r, src))
     return r
-
-
-def wait_for(cond: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def test_failure_keeps_the_last_good_value_and_its_time(refreshers: Any) -> None:

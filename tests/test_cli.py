@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 import requests
 
-from conftest import UPSTREAM, exporter_binary, free_port
+from support.exporter import exporter_binary, free_port
+from support.paths import UPSTREAM
+from support.yaml_bombs import alias_bomb, merge_bomb
 
 SYSFS = str(UPSTREAM / "node_exporter-sysfs-infiniband" / "tree" / "sys")
 
@@ -253,25 +255,6 @@ def test_root_warning_once_started(run_exporter: Any) -> None:
 
 
 # ---- hostile files (issue 15): every YAML file a command reads is bounded ----------------------
-
-def alias_bomb() -> str:
-    """The "billion laughs" in YAML, about 300 bytes: nine lists, each of nine aliases to the one
-    before, so 9**9 (387 million) strings once expanded. PyYAML composes it in a millisecond (it
-    shares the aliased lists); before the limits, an error message's repr() of it took 40 s and
-    4.3 GB."""
-    lines = ["- &a [x, x, x, x, x, x, x, x, x]"]
-    for before, name in zip("abcdefgh", "bcdefghi", strict=True):
-        lines.append(f"- &{name} [{', '.join([f'*{before}'] * 9)}]")
-    return "\n".join(lines) + "\n"
-
-
-def merge_bomb() -> str:
-    """The same through merge keys: PyYAML itself copies 9**8 pairs while constructing it."""
-    lines = ["a: &a {" + ", ".join(f"k{i}: 1" for i in range(9)) + "}"]
-    for before, name in zip("abcdefgh", "bcdefghi", strict=True):
-        lines.append(f"{name}: &{name} {{<<: [{', '.join([f'*{before}'] * 9)}]}}")
-    return "\n".join(lines) + "\n"
-
 
 def hostile(tmp_path: Path, case: str) -> str:
     """A path for ``case``: a file with that content, or a FIFO, a device, a directory."""

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from gpunet_exporter.sources import commands
 from gpunet_exporter.sources.commands import Child, CommandError, CommandTimeout, run_command
+
+from support.wait import wait_for
 
 # Forks a child that sleeps, writes both process ids to argv[1], then does argv[2]: "sleep"
 # (hang) or an exit status.
@@ -40,19 +41,15 @@ def alive(pid: int) -> bool:
 
 
 def gone(pid: int, timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
+    try:
+        wait_for(lambda: not alive(pid), f"process {pid} gone", timeout=timeout)
+    except AssertionError:
+        return False
     return True
 
 
 def pids_of(path: Path, timeout: float = 30) -> tuple[int, int]:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, "the forker did not start"
-        time.sleep(0.02)
+    wait_for(path.exists, "the forker started", timeout=timeout, interval=0.02)
     leader, child = (int(x) for x in path.read_text().split())
     return leader, child
 

@@ -34,7 +34,7 @@ from gpunet_exporter.health.rules import ALERT_NAMES
 from gpunet_exporter.options import config_schema
 from gpunet_exporter.registry import discover
 
-from test_cli import alias_bomb, merge_bomb
+from support.yaml_bombs import alias_bomb, merge_bomb
 
 
 def write(tmp_path: Path, text: str | bytes) -> str:

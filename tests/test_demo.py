@@ -15,14 +15,15 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from support.paths import REPO
+from support.wait import wait_for
 
 DEMO = REPO / "examples" / "demo.py"
 TIMEOUT = 240  # seconds a demo run may take here; it waits up to 90 s for the alerts itself
@@ -158,11 +159,20 @@ def test_nothing_left_behind(runs: dict[str, Run], tree: str) -> None:
 @pytest.mark.slow
 def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
     proc = start(tmp_path / "run")
-    deadline = time.monotonic() + 60
-    while len(leftovers(tmp_path / "run")) < 3:  # the exporter, Alertmanager, Prometheus
-        assert proc.poll() is None and time.monotonic() < deadline, "the demo did not start"
-        time.sleep(0.2)
-    time.sleep(1)
+
+    def prometheus_ready() -> bool:
+        """The demo has started all three (Prometheus last) and Prometheus is ready: the demo
+        is done setting up and watches for alerts."""
+        assert proc.poll() is None, "the demo exited"
+        found = [re.search(r"--web\.listen-address=(\S+)", cmd)
+                 for cmd in leftovers(tmp_path / "run") if "--storage.tsdb.path=" in cmd]
+        if not found or not found[0]:
+            return False
+        with urllib.request.urlopen(f"http://{found[0].group(1)}/-/ready", timeout=5) as r:
+            return bool(r.status == 200)
+
+    wait_for(prometheus_ready, "the demo's Prometheus ready", timeout=60, interval=0.2,
+             ignore=(OSError,))
     proc.send_signal(signal.SIGINT)
     run = finish(proc, tmp_path / "run")
     assert run.returncode == 130, run.stdout + run.stderr

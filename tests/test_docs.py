@@ -18,8 +18,9 @@ from gpunet_exporter.registry import SCRAPE_METRICS, discover
 from gpunet_exporter.sources.ethtool import parse_stats_text
 from gpunet_exporter.web.http import SCRAPES_REJECTED
 
-import sysfs_tree as st
-from conftest import FIXTURES, REPO, collect, make_collector, samples_of
+from support import sysfs_tree as st
+from support.metrics import collect, make_collector, samples_of
+from support.paths import FIXTURES, GOLDEN, REPO
 
 ALL_SPECS = [*SCRAPE_METRICS, *hotplug.METRICS, SCRAPES_REJECTED,
              *(s for c in discover().values() for s in c.metrics)]
@@ -106,7 +107,7 @@ def test_every_family_of_the_golden_scrape_is_documented() -> None:
     exporter's own process_* and python_* families."""
     documented = {s.name for s in [*ALL_SPECS, *own_metrics()]}
     doc_text = (REPO / "docs" / "metrics.md").read_text()
-    golden = (REPO / "tests" / "golden" / "dgx-h100-faults.prom").read_text()
+    golden = (GOLDEN / "dgx-h100-faults.prom").read_text()
     families = {line.split()[2] for line in golden.splitlines() if line.startswith("# TYPE ")}
     families = {f if f in documented else f + "_total" for f in families}  # counters' TYPE
     assert {f for f in families if f.startswith(("gpunet_gpu_", "gpunet_topology_"))}

@@ -15,9 +15,9 @@ import pytest
 
 from gpunet_exporter.health import doctor as doctor_module
 
-import sysfs_tree as st
-from conftest import exporter_binary
-from test_alerts_e2e import HEALTHY_JOB_ENV, HEALTHY_JOB_PID, build_node
+from support import sysfs_tree as st
+from support.bundle_node import HEALTHY_JOB_ENV, HEALTHY_JOB_PID, build_node
+from support.exporter import exporter_binary
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

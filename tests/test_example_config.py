@@ -9,7 +9,7 @@ from gpunet_exporter.config import Field, load_file, validate
 from gpunet_exporter.options import config_schema
 from gpunet_exporter.registry import discover
 
-from conftest import REPO
+from support.paths import REPO
 
 
 def test_example_config_loads() -> None:

@@ -3,8 +3,8 @@ of real inputs go to every parser, and no exception escapes beyond the parser's 
 rejection.
 
 Inputs are the real samples of tests/fixtures/pfc/ (mlnx_qos reports, dcb JSON of iproute2 6.1 and
-6.15), tests/fixtures/ (NCCL logs, the NVML capture that tests/fake_nvml.py replays, the
-synthetic ``ethtool -S`` capture), trees built by tests/sysfs_tree.py and the formats of
+6.15), tests/fixtures/ (NCCL logs, the NVML capture that tests/support/fake_nvml.py replays, the
+synthetic ``ethtool -S`` capture), trees built by tests/support/sysfs_tree.py and the formats of
 docs/formats.md, mutated by :func:`mutated`: lines deleted, duplicated, swapped,
 truncated or replaced, numbers made huge, negative, fractional or non-numeric, NUL, control,
 non-ASCII, U+FFFD (what a non-UTF-8 byte decodes to) and line-separator characters inserted,
@@ -185,9 +185,10 @@ from gpunet_exporter.sources.rdma import parse_rate, parse_state, roce_active_mt
 from gpunet_exporter.sources.sysfs import Root, parse_int, parse_uint
 from gpunet_exporter.web.webconfig import BasicAuth, _schema, load_web_config, wrap
 
-import fake_nvml
-import sysfs_tree as st
-from conftest import FIXTURES, make_collector, samples_of, series
+from support import fake_nvml
+from support import sysfs_tree as st
+from support.metrics import make_collector, samples_of, series
+from support.paths import FIXTURES
 
 PFC_DATA = FIXTURES / "pfc"
 MLNX_QOS = {p.name: p.read_text() for p in sorted(PFC_DATA.glob("mlnx_qos_*.txt"))}
@@ -1328,21 +1329,21 @@ def _fake_nvml_scenario() -> dict[str, Any]:
 
 
 @fuzz(60)
-@given(data=hs.data(), module=hs.sampled_from(("fake_nvml", MISSING_NVML)))
+@given(data=hs.data(), module=hs.sampled_from((fake_nvml.MODULE, MISSING_NVML)))
 def test_topology_tree(topo_tree: tuple[Path, Path, dict[str, bytes]], data: hs.DataObject,
                        module: str) -> None:
     sys, proc, originals = topo_tree
     files = data.draw(_topology_garbage(originals))
     for path, content in files.items():
         Path(path).write_bytes(content)
-    nvml.forget("fake_nvml")
+    nvml.forget(fake_nvml.MODULE)
     fake_nvml.load(_fake_nvml_scenario())
     try:
         c = make_collector(TopologyCollector, sys, procfs=proc, nvml_module=module)
         samples_of(scrape(c)[0])
         c.close()
     finally:
-        nvml.forget("fake_nvml")
+        nvml.forget(fake_nvml.MODULE)
         fake_nvml.load(fake_nvml.h200x2())
         for path, content in originals.items():
             Path(path).write_bytes(content)
@@ -1420,10 +1421,10 @@ def odd_scenario(draw: hs.DrawFn) -> dict[str, Any]:
     hs.sampled_from(("PCI_ID", "PCI_SLOT_NAME", "DEVPATH", "INTERFACE")), text(20)
     | hs.just("10DE:2335")))
 def test_gpu_odd_nvml_values(scenario: dict[str, Any], properties: dict[str, str]) -> None:
-    nvml.forget("fake_nvml")
+    nvml.forget(fake_nvml.MODULE)
     fake_nvml.load(scenario)
     with tempfile.TemporaryDirectory() as d:
-        c = make_collector(GpuCollector, d, {"xid_events": False}, nvml_module="fake_nvml")
+        c = make_collector(GpuCollector, d, {"xid_events": False}, nvml_module=fake_nvml.MODULE)
         no_background(c)
         try:
             for _ in range(2):  # the second scrape meets the first one's cached knowledge
@@ -1434,7 +1435,7 @@ def test_gpu_odd_nvml_values(scenario: dict[str, Any], properties: dict[str, str
             samples_of(scrape(c)[0])
         finally:
             c.close()
-            nvml.forget("fake_nvml")
+            nvml.forget(fake_nvml.MODULE)
             fake_nvml.load(fake_nvml.h200x2())
 
 
@@ -1501,7 +1502,7 @@ def test_infiniband_netdev_name_with_nul(tmp_path: Path) -> None:
     _ib_port_tree(tmp_path, {"gid_attrs/ndevs/0": b"enp\x00x\n"})
     samples = samples_of(scrape(make_collector(InfinibandCollector, tmp_path))[0])
     assert samples[("gpunet_infiniband_port_info", frozenset({
-        "device": "roce0", "port": "1", "link_layer": "Ethernet", "netdev": ""}.items()))] == 1
+        "device": "roce0", "port": "1", "link_layer": "Ethernet", "interface": ""}.items()))] == 1
 
 
 # Was a strict xfail (the bug, now fixed): read_ecn parses ecn/roce_*/enable/<prio> with parse_uint
@@ -1714,13 +1715,13 @@ def test_ethtool_read_name_not_utf8() -> None:
 # nvmlSystemGetDriverVersion strictly (names and UUIDs go through _text with errors='replace'):
 # non-UTF-8 bytes fail every GPU scrape
 def test_nvml_driver_version_not_utf8() -> None:
-    nvml.forget("fake_nvml")
+    nvml.forget(fake_nvml.MODULE)
     fake_nvml.load(fake_nvml.h200x2())
     try:
         with mock.patch.object(fake_nvml, "nvmlSystemGetDriverVersion", lambda: b"580.\xff"):
-            assert nvml.session("fake_nvml").gpus() is not None
+            assert nvml.session(fake_nvml.MODULE).gpus() is not None
     finally:
-        nvml.forget("fake_nvml")
+        nvml.forget(fake_nvml.MODULE)
         fake_nvml.load(fake_nvml.h200x2())
 
 

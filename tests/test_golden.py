@@ -3,12 +3,11 @@
 One exporter (the installed console script) serves a DGX tree (with its GPUs and PCIe switches)
 with all fault variants of sysfs_tree applied except make_unreadable (its result depends on
 running as root), a procfs with two GPU processes whose environment turns NCCL's fast paths off,
-NVML replayed by tests/fake_nvml.py from the real H200 capture (its two GPUs placed at the DGX
-tree's first two GPU addresses, one XID event delivered), and a config with an expected rate and
-an expected MTU rule. Its /metrics, minus what varies from run to run
-(durations, ages, versions, the values of the exporter's own process_* and python_* series) and
-minus HELP text, sorted, must equal
-tests/golden/dgx-h100-faults.prom.
+NVML replayed by tests/support/fake_nvml.py from the real H200 capture (its two GPUs placed at
+the DGX tree's first two GPU addresses, one XID event delivered), and a config with an expected
+rate and an expected MTU rule. Its /metrics, minus what varies from run to run (durations, ages,
+versions, the values of the exporter's own process_* and python_* series) and minus HELP text,
+sorted, must equal tests/fixtures/golden/dgx-h100-faults.prom.
 
 Regenerate the golden file with GPUNET_UPDATE_GOLDEN=1 (the test then rewrites it and passes);
 test_facts checks the meaning of the same scrape independently of the golden file, so a wrong
@@ -23,7 +22,6 @@ import os
 import re
 import shutil
 import subprocess
-import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,11 +30,14 @@ import pytest
 
 from gpunet_exporter.collectors.infiniband import COUNTER_SPECS
 
-import fake_nvml
-import sysfs_tree as st
-from conftest import FIXTURES, REPO, Exporter, Samples, parse, series, value
+from support import fake_nvml, paths
+from support import sysfs_tree as st
+from support.exporter import Exporter
+from support.metrics import Samples, parse, series, value
+from support.paths import FIXTURES, REPO
+from support.wait import wait_for
 
-GOLDEN = Path(__file__).parent / "golden" / "dgx-h100-faults.prom"
+GOLDEN = paths.GOLDEN / "dgx-h100-faults.prom"
 UPDATE = os.environ.get("GPUNET_UPDATE_GOLDEN") == "1"
 
 CONFIG = """\
@@ -129,20 +130,21 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
     config.write_text(CONFIG.replace("ETHTOOL", str(ethtool)))
     exporter = Exporter(
         [f"--path.sysfs={sysfs}", f"--path.procfs={procfs}", f"--config.file={config}",
-         "--nvml.module=fake_nvml", "--no-hotplug"],  # host device events stay out
-        env={"PYTHONPATH": str(REPO / "tests"), "GPUNET_FAKE_NVML": str(root / "nvml.json"),
-             "GPUNET_FAKE_NVML_EVENTS": str(root / "xid-events")})
+         f"--nvml.module={fake_nvml.MODULE}", "--no-hotplug"],  # host device events stay out
+        env=fake_nvml.exporter_env(root / "nvml.json", root / "xid-events"))
     try:
         # The pfc configuration arrives from a background thread: normally before the first
         # scrape answers, but a stalled machine must not make the golden file flaky.
         # So do the GPU counters and the XID event.
         background = ("gpunet_pfc_config_refresh_success{", "gpunet_gpu_counters_refresh_success{",
                       "gpunet_gpu_xid_errors_total{")
-        deadline = time.monotonic() + 20
-        text = exporter.metrics()
-        while (not all(b in text for b in background)) and time.monotonic() < deadline:
-            time.sleep(0.2)
+
+        def complete() -> str:
             text = exporter.metrics()
+            return text if all(b in text for b in background) else ""
+
+        text = wait_for(complete, f"the background values {background} in a scrape",
+                        timeout=20, interval=0.2)
         yield Scrape(sysfs, text)
     finally:
         exporter.stop()
@@ -183,7 +185,7 @@ def test_golden(scrape: Scrape) -> None:
     if got != want:
         diff = "".join(difflib.unified_diff(
             want.splitlines(keepends=True), got.splitlines(keepends=True),
-            fromfile="tests/golden/dgx-h100-faults.prom", tofile="scrape", n=1))
+            fromfile=str(GOLDEN.relative_to(REPO)), tofile="scrape", n=1))
         pytest.fail(f"/metrics differs from the golden file (regenerate with "
                     f"GPUNET_UPDATE_GOLDEN=1 if the change is intended):\n{diff}", pytrace=False)
 

@@ -1,4 +1,4 @@
-"""gpu collector against the NVML stand-in (tests/fake_nvml.py) replaying the real 2 x H200
+"""gpu collector against the NVML stand-in (tests/support/fake_nvml.py) replaying the real 2 x H200
 readings of tests/fixtures/nvml, and against the real nvidia-ml-py without a driver."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from gpunet_exporter.collectors.gpu import XID_LABELS_PER_GPU, GpuCollector, Xid
 from gpunet_exporter.registry import Scraper
 from gpunet_exporter.sources import nvml
 
-import fake_nvml
-from conftest import REPO, Samples, collect, make_collector, parse, samples_of, series, value
+from support import fake_nvml
+from support.metrics import Samples, collect, make_collector, parse, samples_of, series, value
+from support.wait import wait_for
 
 CAPTURE = fake_nvml.h200x2()
 UUID0 = CAPTURE["devices"][0]["nvmlDeviceGetUUID"]["ok"]
@@ -30,9 +31,9 @@ LAST_SUCCESS = "gpunet_gpu_counters_last_success_timestamp_seconds"
 def fresh_nvml() -> Iterator[None]:
     """Every test starts with the real capture and a new NVML session."""
     fake_nvml.load(fake_nvml.h200x2())
-    nvml.forget("fake_nvml")
+    nvml.forget(fake_nvml.MODULE)
     yield
-    nvml.forget("fake_nvml")
+    nvml.forget(fake_nvml.MODULE)
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ class Gpu:
     def __init__(self, sysfs: Path, config: dict[str, Any] | None = None,
                  procfs: Path | str = "/proc") -> None:
         self.c = make_collector(GpuCollector, sysfs, {**NO_BACKGROUND, **(config or {})},
-                                procfs=procfs, nvml_module="fake_nvml")
+                                procfs=procfs, nvml_module=fake_nvml.MODULE)
 
     def scrape(self) -> Samples:
         self.c.ctx.unreadable = 0
@@ -77,13 +78,6 @@ def scrape_once(sysfs: Path, scenario: dict[str, Any] | None = None) -> Samples:
         return g.scrape()
     finally:
         g.close()
-
-
-def wait_for(cond: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def test_capture_values_exactly(gpu: Gpu) -> None:
@@ -238,7 +232,7 @@ def test_no_library_or_driver_no_data(sysfs: Path, library: str) -> None:
     scenario = fake_nvml.h200x2()
     scenario["library"] = library
     fake_nvml.load(scenario)
-    s, unreadable = collect(GpuCollector, sysfs, nvml_module="fake_nvml")
+    s, unreadable = collect(GpuCollector, sysfs, nvml_module=fake_nvml.MODULE)
     assert s == {} and unreadable == 0
 
 
@@ -413,11 +407,9 @@ def test_first_scrape_does_not_wait_for_slow_counters(sysfs: Path) -> None:
         assert not series(s, "gpunet_gpu_pcie_link_recoveries_total")
         assert not series(s, "gpunet_gpu_counters_refresh_success")
         assert not series(s, LAST_SUCCESS)
-        deadline = time.monotonic() + 20
-        while value(s, "gpunet_gpu_counters_refresh_success", gpu="0") is None:
-            assert time.monotonic() < deadline, "the counters never arrived"
-            time.sleep(0.1)
-            s = samples_of(list(scraper.collect()))
+        s = wait_for(lambda: (lambda s: s if value(
+            s, "gpunet_gpu_counters_refresh_success", gpu="0") is not None else None)(
+                samples_of(list(scraper.collect()))), "the counters", timeout=20, interval=0.1)
     finally:
         g.close()
     assert value(s, "gpunet_gpu_counters_refresh_success", gpu="0") == 1
@@ -506,10 +498,9 @@ def test_end_to_end_installed_exporter(run_exporter: Any, sysfs: Path, tmp_path:
     (tmp_path / "nvml.json").write_text(json.dumps(scenario))
     events = tmp_path / "events"
     events.write_text("")
-    env = {"PYTHONPATH": str(REPO / "tests"), "GPUNET_FAKE_NVML": str(tmp_path / "nvml.json"),
-           "GPUNET_FAKE_NVML_EVENTS": str(events)}
+    env = fake_nvml.exporter_env(tmp_path / "nvml.json", events)
     e = run_exporter(f"--path.sysfs={sysfs}", "--collector.disable-defaults", "--collector.gpu",
-                     "--nvml.module=fake_nvml", env=env)
+                     f"--nvml.module={fake_nvml.MODULE}", env=env)
     s = parse(e.metrics())
     assert value(s, "gpunet_scrape_collector_success", collector="gpu") == 1
     assert value(s, "gpunet_gpu_compute_processes", gpu="0") == 2

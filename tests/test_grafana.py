@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import REPO
+from support.paths import REPO
 
 GRAFANA = REPO / "grafana"
 

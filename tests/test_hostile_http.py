@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import requests
 
-from conftest import UPSTREAM
+from support.paths import UPSTREAM
+from support.wait import wait_for
 
 SYSFS = f"--path.sysfs={UPSTREAM / 'procfs-sysfs-infiniband/tree/sys'}"
 STATUS = re.compile(rb"HTTP/1\.1 (\d{3})")
@@ -52,6 +53,28 @@ def threads(pid: int) -> int:
         if line.startswith("Threads:"):
             return int(line.split()[1])
     raise AssertionError("no Threads line")
+
+
+def server_side(port: int) -> dict[str, int]:
+    """The server's end of the connections to ``port`` by TCP state (ss: ESTAB, CLOSE-WAIT, ...),
+    and under "queued" those in the listener's accept queue, not accepted yet."""
+    out = subprocess.run(["ss", "-Htan", f"sport = :{port}"], capture_output=True, text=True,
+                         check=True).stdout
+    counts: dict[str, int] = {}
+    for line in out.splitlines():
+        state, recv_q = line.split()[:2]
+        if state == "LISTEN":
+            counts["queued"] = int(recv_q)  # a listener's Recv-Q: its accept queue
+        else:
+            counts[state] = counts.get(state, 0) + 1
+    return counts
+
+
+def open_connections(port: int) -> int:
+    """Connections the server has accepted and not closed: established, or closed by the client
+    (CLOSE-WAIT) and not yet by the server (which counts a connection until it closes it)."""
+    counts = server_side(port)
+    return counts.get("ESTAB", 0) + counts.get("CLOSE-WAIT", 0) + counts.get("queued", 0)
 
 
 def test_request_desync_and_framing(run_exporter: Any) -> None:
@@ -193,10 +216,12 @@ def test_listen_backlog_and_a_burst_of_connections(run_exporter: Any) -> None:
 
 def test_connection_cap(run_exporter: Any) -> None:
     e = run_exporter(SYSFS, "--web.max-connections=6")
-    time.sleep(0.5)  # the start-up check's connection is closed on both sides
+    wait_for(lambda: open_connections(e.port) == 0,
+             "the start-up check's connection closed by the server")
     held = [socket.create_connection(("127.0.0.1", e.port), timeout=10) for _ in range(6)]
     try:
-        time.sleep(0.5)  # the event loop has accepted them
+        wait_for(lambda: server_side(e.port).get("ESTAB") == 6
+                 and not server_side(e.port).get("queued"), "the six connections accepted")
         with socket.create_connection(("127.0.0.1", e.port), timeout=10) as seventh:
             try:  # reset at once: no answer, whether the reset meets send or recv
                 seventh.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -204,7 +229,7 @@ def test_connection_cap(run_exporter: Any) -> None:
             except ConnectionResetError:
                 pass
         held.pop().close()
-        time.sleep(0.5)  # the server has seen it close
+        wait_for(lambda: open_connections(e.port) == 5, "the server closing its end of it")
         text = requests.get(f"{e.url}/metrics", timeout=10).text
         assert "gpunet_exporter_http_connections 6.0" in text  # five held and this one
         assert "gpunet_exporter_http_connections_refused_total 1.0" in text
@@ -224,11 +249,11 @@ def test_clients_that_leave_mid_answer(run_exporter: Any) -> None:
         with socket.create_connection(("127.0.0.1", e.port), timeout=10) as s:
             s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    time.sleep(1)  # requests already running finish (a scrape beyond the limit gets 503)
-    r = requests.get(f"{e.url}/metrics", timeout=10)
-    assert r.status_code == 200 and "gpunet_scrape_collector_success" in r.text
-    time.sleep(1)
-    assert threads(e.proc.pid) <= before + 8 + 4
-    fds = len(os.listdir(f"/proc/{e.proc.pid}/fd"))
-    assert fds < 30, fds  # the 50 connections are closed, not left in CLOSE-WAIT
+    # Requests already running finish: until then a scrape beyond the limit gets 503.
+    r = wait_for(lambda: (r := requests.get(f"{e.url}/metrics", timeout=10)).status_code == 200
+                 and r, "a scrape answered 200 once the abandoned ones are done", interval=0.2)
+    assert "gpunet_scrape_collector_success" in r.text
+    # The 50 connections are closed, not left in CLOSE-WAIT, and the threads back in the pool.
+    wait_for(lambda: len(os.listdir(f"/proc/{e.proc.pid}/fd")) < 30
+             and threads(e.proc.pid) <= before + 8 + 4, "the connections closed")
     assert "Traceback" not in e.stop()

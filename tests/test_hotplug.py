@@ -14,7 +14,7 @@ import textwrap
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,9 +31,12 @@ from gpunet_exporter.registry import Scraper
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.sources.sysfs import Root
 
-import fake_nvml
-import sysfs_tree as st
-from conftest import REPO, free_port, make_collector, parse, samples_of, series, value
+from support import fake_nvml
+from support import sysfs_tree as st
+from support.exporter import free_port
+from support.metrics import make_collector, parse, samples_of, series, value
+from support.paths import REPO, TESTS
+from support.wait import refresher_idle, wait_for
 
 ROCE, ROCE2 = "enp170s0f0np0", "enp41s0f0np0"  # netdevs of the RoCE ports mlx5_9, mlx5_8
 NVIDIA = {"PCI_ID": "10DE:2335", "PCI_SLOT_NAME": "0000:00:06.0"}
@@ -47,15 +50,6 @@ class Ev:
     subsystem: str | None
     action: str | None
     properties: Mapping[str, str] = field(default_factory=dict)
-
-
-def wait_for(cond: Callable[[], object], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def scrape(scraper: Scraper, hotplug: Hotplug | None = None) -> dict[Any, float]:
@@ -118,17 +112,19 @@ def test_refresher_wake() -> None:
                                    lambda *a: None)
     r.wake()  # before start: nothing to wake, the first round runs anyway
     r.start()
+    thread = r._thread
     try:
-        assert wait_for(lambda: len(rounds) == 1)
-        time.sleep(0.1)
+        wait_for(lambda: refresher_idle(r))  # the first round is done: waiting out the interval
         assert len(rounds) == 1  # the interval is an hour
         r.wake()
-        assert wait_for(lambda: len(rounds) == 2)
+        wait_for(lambda: len(rounds) == 2)
     finally:
         r.stop()
-    time.sleep(0.1)
+    assert thread is not None
+    thread.join(5)
+    assert not thread.is_alive(), "stop() did not end the refresher's thread"
     r.wake()
-    time.sleep(0.1)
+    assert r._thread is thread  # no thread started again: nothing is left to run a round
     assert len(rounds) == 2  # stopped stays stopped
 
 
@@ -142,12 +138,11 @@ def test_refresher_wakes_during_a_round_coalesce() -> None:
     r: Refresher[None] = Refresher("t", 3600, slow, lambda *a: None)
     r.start()
     try:
-        assert wait_for(lambda: len(rounds) == 1)
+        wait_for(lambda: len(rounds) == 1)
         for _ in range(5):
             r.wake()  # during the round: one more round, not five
         gate.set()
-        assert wait_for(lambda: len(rounds) == 2)
-        time.sleep(0.2)
+        wait_for(lambda: refresher_idle(r))  # the round asked for ran; none is pending
         assert len(rounds) == 2
     finally:
         r.stop()
@@ -177,36 +172,36 @@ def test_pfc_forgets_gone_interfaces_and_refreshes_now(dgx: Path) -> None:
     try:
         hp.dispatch(Ev("net", "add"))  # before the first scrape: nothing started, nothing to do
         c.collect()
-        assert wait_for(lambda: len(rounds) == 1)
+        wait_for(lambda: len(rounds) == 1)
         assert rounds[0] == {ROCE, ROCE2}  # veth7 does not exist (yet)
 
         # A container's veth comes and goes: not one of ours, no refresh.
         for action in ("add", "remove"):
             hp.dispatch(Ev("net", action, {"INTERFACE": "veth1234"}))
-        time.sleep(0.2)
+        wait_for(lambda: refresher_idle(c._refresher))  # type: ignore[attr-defined]
         assert len(rounds) == 1
 
         # A configured interface appears: refreshed now.
         (dgx / "class/net/veth7").mkdir()
         hp.dispatch(Ev("net", "add", {"INTERFACE": "veth7"}))
-        assert wait_for(lambda: len(rounds) == 2)
+        wait_for(lambda: len(rounds) == 2)
         assert rounds[1] == {ROCE, ROCE2, "veth7"}
 
         # The RoCE device goes away (driver unbound): its state is forgotten at once.
         (dgx / "class/infiniband/mlx5_9").unlink()  # a symlink, as in the kernel's sysfs
         hp.dispatch(Ev("infiniband", "remove", {"DEVPATH": "/devices/x/infiniband/mlx5_9"}))
         assert ROCE not in c._states  # type: ignore[attr-defined]
-        assert wait_for(lambda: len(rounds) == 3)
+        wait_for(lambda: len(rounds) == 3)
         assert rounds[2] == {ROCE2, "veth7"}
 
         # A netdev remove arrives while sysfs still shows it: the named interface is dropped.
         hp.dispatch(Ev("net", "remove", {"INTERFACE": "veth7"}))
         assert "veth7" not in c._states  # type: ignore[attr-defined]
-        assert wait_for(lambda: len(rounds) == 4)
+        wait_for(lambda: len(rounds) == 4)
 
         # change events do not invalidate anything.
         hp.dispatch(Ev("net", "change", {"INTERFACE": ROCE2}))
-        time.sleep(0.2)
+        wait_for(lambda: refresher_idle(c._refresher))  # type: ignore[attr-defined]
         assert len(rounds) == 4
     finally:
         c.close()
@@ -228,13 +223,13 @@ def test_link_refreshes_ibv_devinfo_now(dgx: Path, tmp_path: Path) -> None:
     try:
         hp.dispatch(Ev("infiniband", "add"))  # not started yet: nothing to wake
         c.collect()
-        assert wait_for(lambda: count() == 1)  # the thread's first round
+        wait_for(lambda: count() == 1)  # the thread's first round
         for ev in (Ev("net", "add"), Ev("pci", "bind", MELLANOX), Ev("infiniband", "change")):
             hp.dispatch(ev)
-        time.sleep(0.3)
+        wait_for(lambda: refresher_idle(c._ibv))  # type: ignore[attr-defined]
         assert count() == 1
         hp.dispatch(Ev("infiniband", "add", {"DEVPATH": "/devices/x/infiniband/mlx5_12"}))
-        assert wait_for(lambda: count() == 2)
+        wait_for(lambda: count() == 2)
     finally:
         c.close()
 
@@ -242,19 +237,19 @@ def test_link_refreshes_ibv_devinfo_now(dgx: Path, tmp_path: Path) -> None:
 @pytest.fixture
 def gpu_sysfs(tmp_path: Path) -> Iterator[Path]:
     fake_nvml.load(fake_nvml.h200x2())
-    nvml.forget("fake_nvml")
+    nvml.forget(fake_nvml.MODULE)
     for bdf in ("0000:00:06.0", "0000:00:07.0"):
         d = tmp_path / "sys" / "bus" / "pci" / "devices" / bdf
         d.mkdir(parents=True)
         (d / "numa_node").write_text("-1\n")
     yield tmp_path / "sys"
-    nvml.forget("fake_nvml")
+    nvml.forget(fake_nvml.MODULE)
 
 
 def test_gpu_session_invalidated_only_for_nvidia_pci_events(gpu_sysfs: Path) -> None:
     c = make_collector(GpuCollector, gpu_sysfs, {"counters_interval_seconds": 3600},
-                       nvml_module="fake_nvml")
-    session = nvml.session("fake_nvml")
+                       nvml_module=fake_nvml.MODULE)
+    session = nvml.session(fake_nvml.MODULE)
     hp = Hotplug({"gpu": c})
     try:
         s = samples_of(list(c.collect()))
@@ -337,7 +332,7 @@ def netns() -> Iterator[str]:
 def in_netns(ns: str, code: str, timeout: float = 30) -> dict[str, Any]:
     res = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code],
                          capture_output=True, text=True, timeout=timeout, check=False,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+                         env={**os.environ, "PYTHONPATH": f"{REPO}:{TESTS}"})
     assert res.returncode == 0, res.stderr
     return dict(json.loads(res.stdout.strip().splitlines()[-1]))
 
@@ -346,8 +341,9 @@ def in_netns(ns: str, code: str, timeout: float = 30) -> dict[str, Any]:
 def test_real_monitor_sees_a_veth_pair_come_and_go(netns: str) -> None:
     pytest.importorskip("pyudev")
     got = in_netns(netns, textwrap.dedent("""\
-        import json, subprocess, time
+        import json, subprocess
         from gpunet_exporter.daemon.hotplug import Hotplug
+        from support.wait import wait_for
 
         class Rec:
             name = "rec"
@@ -362,9 +358,10 @@ def test_real_monitor_sees_a_veth_pair_come_and_go(netns: str) -> None:
         subprocess.run(["ip", "link", "add", "hpa0", "type", "veth", "peer", "name", "hpb0"],
                        check=True)
         subprocess.run(["ip", "link", "del", "hpa0"], check=True)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and hp.counts().get(("net", "remove"), 0) < 2:
-            time.sleep(0.05)
+        try:
+            wait_for(lambda: hp.counts().get(("net", "remove"), 0) >= 2, timeout=10)
+        except AssertionError:
+            pass  # the test says what was missing, from the counts printed below
         hp.stop()
         print(json.dumps({"started": started, "source": hp.source, "error": hp.error,
                           "counts": {f"{s} {a}": n for (s, a), n in hp.counts().items()},
@@ -390,23 +387,28 @@ def test_installed_exporter_counts_veth_events(netns: str, tmp_path: Path) -> No
          "--collector.disable-defaults", "--collector.link", "--collector.pfc"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     fetch = textwrap.dedent(f"""\
-        import json, sys, time, urllib.request
-        deadline = time.monotonic() + float(sys.argv[1])
-        while True:
+        import json, sys, urllib.request
+        from support.wait import wait_for
+        got = {{"text": ""}}
+
+        def scraped():
             try:
-                text = urllib.request.urlopen("{url}/metrics", timeout=5).read().decode()
+                got["text"] = urllib.request.urlopen("{url}/metrics", timeout=5).read().decode()
             except OSError:
-                text = ""
-            if all(w in text for w in sys.argv[2:]) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        print(json.dumps({{"text": text}}))
+                got["text"] = ""
+            return all(w in got["text"] for w in sys.argv[2:])
+
+        try:
+            wait_for(scraped, timeout=float(sys.argv[1]), interval=0.1)
+        except AssertionError:
+            pass  # the test says what was missing, from the last scrape printed below
+        print(json.dumps(got))
         """)
 
     def metrics(wait: float, *want: str) -> str:
         res = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", fetch,
                               str(wait), *want], capture_output=True, text=True, timeout=60,
-                             check=True)
+                             check=True, env={**os.environ, "PYTHONPATH": str(TESTS)})
         return str(json.loads(res.stdout)["text"])
 
     try:

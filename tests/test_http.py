@@ -28,8 +28,8 @@ from gpunet_exporter.registry import Scraper
 from gpunet_exporter.web import openmetrics as fast_openmetrics
 from gpunet_exporter.web.http import render_metrics
 
-import sysfs_tree as st
-from conftest import make_collector
+from support import sysfs_tree as st
+from support.metrics import make_collector
 
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-"
                      "text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2")
@@ -180,7 +180,7 @@ def test_text_format_and_gzip() -> None:
 def test_keep_alive_and_http10(run_exporter) -> None:  # type: ignore[no-untyped-def]
     import http.client
 
-    from conftest import UPSTREAM
+    from support.paths import UPSTREAM
     e = run_exporter(f"--path.sysfs={UPSTREAM / 'procfs-sysfs-infiniband/tree/sys'}")
     conn = http.client.HTTPConnection("127.0.0.1", e.port, timeout=10)
     conn.connect()

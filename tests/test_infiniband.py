@@ -17,8 +17,9 @@ from gpunet_exporter.collectors.infiniband import COUNTER_SPECS, InfinibandColle
 from gpunet_exporter.config import ConfigError
 from gpunet_exporter.sources.sysfs import Root
 
-import sysfs_tree as st
-from conftest import UPSTREAM, Samples, collect, make_collector, samples_of, series, value
+from support import sysfs_tree as st
+from support.metrics import Samples, collect, make_collector, samples_of, series, value
+from support.paths import UPSTREAM
 
 GBIT = 125_000_000
 IB = [f"mlx5_{i}" for i in range(8)]
@@ -351,7 +352,7 @@ def test_eacces_for_real_as_unprivileged_user(tmp_path: Path) -> None:
         code = (
             "import os, sys\n"
             "sys.path.insert(0, sys.argv[2])\n"
-            "from conftest import collect, value\n"
+            "from support.metrics import collect, value\n"
             "from gpunet_exporter.collectors.infiniband import InfinibandCollector\n"
             "if os.geteuid() == 0:  # imports done: root's pyenv is not readable for nobody\n"
             "    os.setgid(65534); os.setuid(65534)\n"

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import UPSTREAM, install_plugin, parse, value
+from support.exporter import install_plugin
+from support.metrics import parse, value
+from support.paths import UPSTREAM
 
 SYSFS = str(UPSTREAM / "node_exporter-sysfs-infiniband" / "tree" / "sys")
 

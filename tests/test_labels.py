@@ -38,17 +38,10 @@ from gpunet_exporter.registry import LABEL_VALUE_MAX, Scraper, drop_unexposable,
 from gpunet_exporter.sources.ethtool import NicStats, parse_stats_text
 from gpunet_exporter.web.http import _landing
 
-import sysfs_tree as st
-from conftest import (
-    FIXTURES,
-    Samples,
-    install_plugin,
-    make_collector,
-    parse,
-    samples_of,
-    series,
-    value,
-)
+from support import sysfs_tree as st
+from support.exporter import install_plugin
+from support.metrics import Samples, make_collector, parse, samples_of, series, value
+from support.paths import FIXTURES
 
 BAD = b"\xff"  # a byte that is never UTF-8
 UNREADABLE = "gpunet_scrape_collector_unreadable_values"

@@ -11,7 +11,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-from conftest import REPO
+from support.paths import REPO
 
 PACKAGE = "gpunet_exporter"
 # Lowest first. A module may import its own part and the parts below it, never one above.

@@ -12,8 +12,10 @@ import pytest
 from gpunet_exporter.collectors.link import LinkCollector
 from gpunet_exporter.registry import Scraper
 
-import sysfs_tree as st
-from conftest import Samples, collect, make_collector, samples_of, series, value
+from support import sysfs_tree as st
+from support.metrics import Samples, collect, make_collector, samples_of, series, value
+from support.sysfs_tree import DGX_IBV_DEVINFO as DEVINFO
+from support.wait import wait_for
 
 LAST_SUCCESS = "gpunet_link_ibv_devinfo_last_success_timestamp_seconds"
 
@@ -96,13 +98,6 @@ def test_unreadable_mtu_costs_one_value(dgx: Path) -> None:
     assert unreadable == 1
     assert value(s, "gpunet_link_mtu_bytes", interface="ibp24s0") is None
     assert value(s, "gpunet_link_speed_bytes_per_second", interface="ibp24s0") == 50e9
-
-
-DEVINFO = "".join(
-    f"hca_id:\tmlx5_{i}\n\ttransport:\t\t\tInfiniBand (0)\n\tphys_port_cnt:\t\t\t1\n"
-    f"\t\tport:\t1\n\t\t\tstate:\t\t\tPORT_ACTIVE (4)\n\t\t\tmax_mtu:\t\t4096 (5)\n"
-    f"\t\t\tactive_mtu:\t\t{2048 if i == 6 else 4096} ({4 if i == 6 else 5})\n"
-    f"\t\t\tlink_layer:\t\tInfiniBand\n\n" for i in range(8))
 
 
 def fake_tool(tmp_path: Path, body: str) -> Path:
@@ -216,11 +211,9 @@ def test_first_scrape_does_not_wait_for_a_slow_ibv_devinfo(dgx: Path, tmp_path: 
             assert not series(s, "gpunet_link_ibv_devinfo_refresh_success")
             assert not series(s, LAST_SUCCESS)
         gate.write_text("")
-        deadline = time.monotonic() + 20
-        while value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_0", port="1") is None:
-            assert time.monotonic() < deadline, "ibv_devinfo's values never arrived"
-            time.sleep(0.05)
-            s = samples_of(list(scraper.collect()))
+        s = wait_for(lambda: (lambda s: s if value(
+            s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_0", port="1") is not None
+            else None)(samples_of(list(scraper.collect()))), "ibv_devinfo's values", timeout=20)
     finally:
         c.close()
     assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_6", port="1") == 2048

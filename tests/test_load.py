@@ -45,9 +45,11 @@ from gpunet_exporter.collector import Collector
 from gpunet_exporter.registry import Scraper, request_timeout
 from gpunet_exporter.web.http import scrape_timeout
 
-import fake_nvml
-import sysfs_tree as st
-from conftest import REPO, Exporter, Samples, make_collector, parse, samples_of, value
+from support import fake_nvml
+from support import sysfs_tree as st
+from support.exporter import Exporter
+from support.metrics import Samples, make_collector, parse, samples_of, value
+from support.wait import describe, hold, wait_for
 
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-"
                      "text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2")
@@ -63,7 +65,7 @@ BASE_CONFIG = {
 }
 
 
-# ---- the node: DGX H100 tree with GPUs, NVML replayed by tests/fake_nvml.py ---------------
+# ---- the node: DGX H100 tree with GPUs, NVML replayed by tests/support/fake_nvml.py -----------
 
 
 @dataclass
@@ -79,10 +81,9 @@ class Node:
         (self.root / "nvml.json").write_text(json.dumps(self.scenario))
         (self.root / "config.yml").write_text(json.dumps(self.config))  # JSON is YAML
         return Drained([f"--path.sysfs={self.sysfs}", f"--path.procfs={self.procfs}",
-                        f"--config.file={self.root / 'config.yml'}", "--nvml.module=fake_nvml",
-                        "--no-hotplug", *flags],
-                       env={"PYTHONPATH": str(REPO / "tests"),
-                            "GPUNET_FAKE_NVML": str(self.root / "nvml.json")})
+                        f"--config.file={self.root / 'config.yml'}",
+                        f"--nvml.module={fake_nvml.MODULE}", "--no-hotplug", *flags],
+                       env=fake_nvml.exporter_env(self.root / "nvml.json"))
 
 
 class Drained(Exporter):
@@ -166,14 +167,14 @@ def timed_scrape(e: Exporter, deadline: float, headers: Mapping[str, str] | None
     return parse(r.text)
 
 
-def wait_for(e: Exporter, want: Callable[[Samples], bool], timeout: float = 20) -> Samples:
-    end = time.monotonic() + timeout
-    s = parse(e.metrics())
-    while not want(s):
-        assert time.monotonic() < end, "the exporter did not get there in time"
-        time.sleep(0.2)
+def scrape_until(e: Exporter, want: Callable[[Samples], bool], timeout: float = 20) -> Samples:
+    """Scrape ``e`` until its samples satisfy ``want``; those samples."""
+    def scrape() -> Samples | None:
         s = parse(e.metrics())
-    return s
+        return s if want(s) else None
+
+    return wait_for(scrape, f"a scrape that satisfies {describe(want)}", timeout=timeout,
+                    interval=0.2)
 
 
 def background_ready(s: Samples) -> bool:
@@ -233,7 +234,7 @@ def test_scrape_timeout_header(node: Node) -> None:
         dev["sleep"] = {"nvmlDeviceGetUtilizationRates": 0.25}
     e = node.start("--scrape.timeout=5")
     try:
-        wait_for(e, background_ready)
+        scrape_until(e, background_ready)
 
         def scrape(header: str | None) -> Samples:
             # Every scrape below starts a fresh gpu collection: the one before waited for its.
@@ -350,7 +351,7 @@ def test_stuck_mlnx_qos_runs_in_the_background(node: Node) -> None:
         assert stats[-1].threads <= stats[0].threads, stats
         assert alive(pids), "mlnx_qos should be running (stuck) now"
         # Both RoCE netdevs, one after the other, each killed after 4 s.
-        s = wait_for(e, lambda s: all(
+        s = scrape_until(e, lambda s: all(
             value(s, "gpunet_pfc_config_refresh_success", interface=i) == 0
             for i in ("enp41s0f0np0", "enp170s0f0np0")), timeout=30)
         others_arrive(s, stuck="")
@@ -394,10 +395,8 @@ def test_max_requests_refuses_at_once(node: Node) -> None:
         held = threading.Thread(target=lambda: first.append(
             requests.get(f"{e.url}/metrics", timeout=30)))
         held.start()
-        deadline = time.monotonic() + 10
-        while not pids.read_text().strip():  # the held scrape is in the stuck tool
-            assert time.monotonic() < deadline, "ethtool never started"
-            time.sleep(0.02)
+        wait_for(lambda: pids.read_text().strip(), "the held scrape in the stuck ethtool",
+                 interval=0.02)
         refused = requests.get(f"{e.url}/metrics", timeout=30)
         answered_first = held.is_alive()  # refused before the held scrape was done
         healthy = requests.get(f"{e.url}/-/healthy", timeout=30)
@@ -586,7 +585,7 @@ def test_load_50_concurrent_scrapers(node: Node) -> None:
     # to their number; test_max_requests_refuses_at_once covers what happens beyond it.
     e = node.start(f"--web.max-requests={LOAD_SCRAPERS}")
     try:
-        wait_for(e, background_ready)
+        scrape_until(e, background_ready)
         fmts = formats(e)
         errors: list[str] = []
         counts = [0] * LOAD_SCRAPERS
@@ -765,7 +764,7 @@ def test_soak_devices_come_and_go(node: Node, tmp_path: Path) -> None:
             total[0] += 1
 
     try:
-        baseline = wait_for(e, background_ready)
+        baseline = scrape_until(e, background_ready)
         fmt = formats(e)[0]  # uncompressed text: the cheapest answer to make
         base_keys = set(baseline)
         base_oper = value(baseline, "gpunet_link_operstate_id", interface=toggled.name)
@@ -854,7 +853,10 @@ def test_soak_devices_come_and_go(node: Node, tmp_path: Path) -> None:
 
         def at_rest() -> Proc:
             gate.close()
-            time.sleep(0.3)  # a background round in flight ends
+            # The exporter's background rounds (QoS configuration every second, GPU counters)
+            # say nothing outside it when they end: a descriptor one holds open must not count
+            # as a leak, and quiet_stats takes the fewest of a few samples after this.
+            hold(0.3, "a background round in flight ends")
             p = quiet_stats(e.proc.pid)
             gate.reopen()
             return p
@@ -873,7 +875,7 @@ def test_soak_devices_come_and_go(node: Node, tmp_path: Path) -> None:
         assert not errors, f"{len(errors)} problems, first ones: {errors[:10]}"
         assert start is not None
         # Background values too: the full set of series is the baseline's again.
-        wait_for(e, lambda s: set(s) == base_keys, timeout=10)
+        scrape_until(e, lambda s: set(s) == base_keys, timeout=10)
         end = (total[0], at_rest())
         cpu = cpu_seconds(e.proc.pid)
         sampler.stop()

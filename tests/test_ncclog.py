@@ -21,7 +21,7 @@ from hypothesis import strategies as hs
 from gpunet_exporter.nccl import log as ncclog
 from gpunet_exporter.nccl.log import RankReport, looks_like_nccl_log, parse_lines, summarize
 
-from conftest import FIXTURES, REPO
+from support.paths import FIXTURES, REPO
 
 NCCL_DIR = FIXTURES / "nccl"
 SYNTHETIC = FIXTURES / "synthetic" / "nccl-2.27_ib-gdr_RECONSTRUCTED.log"

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import requests
 
-import sysfs_tree as st
-from conftest import UPSTREAM, Exporter, free_port, parse, series, value
+from support import sysfs_tree as st
+from support.exporter import Exporter, free_port
+from support.metrics import parse, series, value
+from support.paths import UPSTREAM
+from support.wait import wait_for
 
 NODE_EXPORTER = "prometheus-node-exporter"
 
@@ -129,19 +131,13 @@ Scrape = Callable[[Path], str]
 
 
 def _wait_metrics(url: str, proc: subprocess.Popen[str], what: str) -> None:
-    deadline = time.monotonic() + 20
-    while True:
+    def answers() -> bool:
         if proc.poll() is not None:
             err = proc.stderr.read() if proc.stderr else ""
             raise AssertionError(f"{what} exited {proc.returncode}: {err}")
-        try:
-            if requests.get(url, timeout=2).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not answer {url} within 20 s")
-        time.sleep(0.05)
+        return requests.get(url, timeout=2).status_code == 200
+
+    wait_for(answers, f"{what} to answer {url}", timeout=20, ignore=(requests.ConnectionError,))
 
 
 @pytest.fixture

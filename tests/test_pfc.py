@@ -41,18 +41,11 @@ from gpunet_exporter.sources.qos import (
 )
 from gpunet_exporter.sources.sysfs import Root
 
-import sysfs_tree as st
-from conftest import (
-    FIXTURES,
-    REPO,
-    Samples,
-    free_port,
-    make_collector,
-    parse,
-    samples_of,
-    series,
-    value,
-)
+from support import sysfs_tree as st
+from support.exporter import free_port
+from support.metrics import Samples, make_collector, parse, samples_of, series, value
+from support.paths import FIXTURES, REPO
+from support.wait import wait_for
 
 DATA = FIXTURES / "pfc"
 CAPTURE = FIXTURES / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
@@ -489,11 +482,9 @@ def test_first_scrape_does_not_wait_for_a_slow_mlnx_qos(dgx: Path, tmp_path: Pat
             assert not series(s, "gpunet_pfc_config_refresh_success")
             assert not series(s, LAST_SUCCESS)
         gate.write_text("")
-        deadline = time.monotonic() + 20
-        while len(series(s, "gpunet_pfc_config_refresh_success")) < 2:  # one per interface
-            assert time.monotonic() < deadline, "the configuration never arrived"
-            time.sleep(0.05)
-            s = samples_of(list(scraper.collect()))
+        s = wait_for(lambda: (lambda s: s if len(series(  # one per interface
+            s, "gpunet_pfc_config_refresh_success")) >= 2 else None)(
+                samples_of(list(scraper.collect()))), "the configuration", timeout=20)
     finally:
         c.close()
     for ifname in (ROCE, ROCE2):
@@ -583,11 +574,11 @@ def test_exporter_answers_through_broken_tools(dgx: Path, tmp_path: Path, run_ex
         assert value(s, "gpunet_scrape_collector_success", collector="pfc") == 1
         assert per_prio(s, "gpunet_pfc_pause_frames_total") == {"3": 1840}
         time.sleep(0.4)
-    deadline = time.monotonic() + 10
-    while value(s, "gpunet_pfc_config_refresh_success", interface=ROCE) != 0:
-        assert time.monotonic() < deadline, "refresh_success never went to 0"
-        time.sleep(0.3)
+    def failed() -> Samples | None:
         s = parse(e.metrics())
+        return s if value(s, "gpunet_pfc_config_refresh_success", interface=ROCE) == 0 else None
+
+    s = wait_for(failed, "refresh_success 0", timeout=10, interval=0.3)
     assert not series(s, "gpunet_pfc_config_info")
 
 
@@ -683,7 +674,7 @@ def test_interface_that_disappears_between_listing_and_reading(netns: str) -> No
         import errno, json, subprocess
         from gpunet_exporter.collectors.pfc import PfcCollector
         from gpunet_exporter.sources.ethtool import EthtoolReader
-        from conftest import make_collector
+        from support.metrics import make_collector
 
         class Vanishing:
             # The real reader; vc is deleted after the collector listed it, before its read.

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 
 import pytest
 
 from gpunet_exporter.daemon import privileges
 from gpunet_exporter.daemon.privileges import needs, root_warning
+
+from support.wait import wait_for
 
 ALL = ["infiniband", "link", "pfc", "gpu", "topology"]
 
@@ -73,7 +74,7 @@ def test_default_euid_is_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_every_need_documented() -> None:
     """docs/install.md's capability table names every capability a collector declares."""
-    from conftest import REPO
+    from support.paths import REPO
 
     text = (REPO / "docs" / "install.md").read_text(encoding="utf-8")
     assert privileges.declared()  # topology declares two
@@ -90,12 +91,13 @@ def test_environ_needs_both_capabilities() -> None:
     target = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                                "sleep", "30"])
     try:
-        deadline = time.monotonic() + 5  # until setpriv has become the user and exec'd sleep
-        while time.monotonic() < deadline:
+        def comm() -> str:
             with open(f"/proc/{target.pid}/comm", encoding="ascii") as fh:
-                if fh.read().strip() == "sleep":
-                    break
-            time.sleep(0.01)
+                return fh.read().strip()
+
+        wait_for(lambda: comm() == "sleep", "setpriv to become the user and exec sleep",
+                 timeout=5, interval=0.01)
+
         def opens(caps: str) -> bool:
             argv = ["setpriv", "--reuid=1", "--regid=1", "--clear-groups"]
             if caps:

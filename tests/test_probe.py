@@ -24,8 +24,11 @@ from gpunet_exporter.probe import results, runner
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.statefile import write_json
 
-import sysfs_tree as st
-from conftest import REPO, Samples, free_port, make_collector, parse, samples_of, series, value
+from support import sysfs_tree as st
+from support.exporter import free_port
+from support.metrics import Samples, make_collector, parse, samples_of, series, value
+from support.paths import REPO
+from support.wait import hold, wait_for
 
 GLOO = {"backend": "gloo", "nprocs": 2, "sizes": [4096, 65536], "warmup": 1, "iterations": 5,
         "interval_seconds": 1, "timeout_seconds": 60}
@@ -286,13 +289,11 @@ class Probe:
         return samples_of(list(self.c.collect()))
 
     def wait(self, name: str, timeout: float = 60, **labels: str) -> Samples:
-        deadline = time.monotonic() + timeout
-        while True:
+        def scrape() -> Samples | None:
             s = self.scrape()
-            if value(s, name, **labels):
-                return s
-            assert time.monotonic() < deadline, f"no {name}{labels} within {timeout}s"
-            time.sleep(0.2)
+            return s if value(s, name, **labels) else None
+
+        return wait_for(scrape, f"{name}{labels} non-zero", timeout=timeout, interval=0.2)
 
 
 @pytest.fixture
@@ -330,11 +331,8 @@ def test_collector_runs_the_real_runner(collector: Probe) -> None:
     # The runner stays up and keeps going: a later round, same process.
     pid = collector.supervisor.pid
     assert pid is not None
-    deadline = time.monotonic() + 30
-    while value(collector.scrape(), "gpunet_probe_last_round_timestamp_seconds",
-                scope="intra") == first:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_for(lambda: value(collector.scrape(), "gpunet_probe_last_round_timestamp_seconds",
+                           scope="intra") != first, "a later round", timeout=30, interval=0.2)
     assert collector.supervisor.pid == pid
     # Its session is the exporter's own: the gpu collector leaves its workers out.
     assert pid in nvml.own_sessions()
@@ -393,7 +391,8 @@ runner.add_run_arguments = changed
 from gpunet_exporter.collectors.probe import ProbeCollector
 from gpunet_exporter.config import Field, validate
 sys.path.insert(0, sys.argv[1])
-from conftest import make_collector
+from support.metrics import make_collector
+from support.wait import wait_for
 c = make_collector(ProbeCollector, "/sys", {"state_dir": sys.argv[2]})
 p = argparse.ArgumentParser()
 runner.add_run_arguments(p)
@@ -459,19 +458,16 @@ time.sleep(1000)
     "command": [sys.executable, "-c", HANG], "timeout_seconds": 1}], indirect=True)
 def test_hung_round_is_killed_with_its_process_group(collector: Probe) -> None:
     collector.scrape()  # starts the supervisor, whose first tick starts the stand-in
-    deadline = time.monotonic() + 30
-    while (first := collector.supervisor.pid) is None:
-        assert time.monotonic() < deadline, "the stand-in runner did not start"
-        time.sleep(0.05)
+    first = wait_for(lambda: collector.supervisor.pid, "the stand-in runner started",
+                     timeout=30)
     # The status names the net group's round: the timeout counts there.
     s = collector.wait("gpunet_probe_failures_total", scope="net", reason="timeout")
     assert value(s, "gpunet_probe_success", scope="net") is None  # no round ever finished
     # The whole group went: no process of the stand-in's session (its forked child) is left.
     assert collector.supervisor.pid != first
-    deadline = time.monotonic() + 10  # SIGKILL is delivered at once, the end takes a moment
-    while left := alive_in_session(first):
-        assert time.monotonic() < deadline, f"left behind: {left}"
-        time.sleep(0.1)
+    # SIGKILL is delivered at once, the end takes a moment.
+    wait_for(lambda: alive_in_session(first), "the hung runner's session gone", timeout=10,
+             until_empty=True)
     assert first not in nvml.own_sessions()  # killed: forgotten
 
 
@@ -495,7 +491,8 @@ def test_runner_between_rounds_is_not_a_hang(collector: Probe) -> None:
     """A runner that finished its round and waits for the next one is left alone until the
     next round is overdue (interval + timeout after the last one started)."""
     collector.wait("gpunet_probe_success", scope="intra")
-    time.sleep(2.0)  # past the timeout, within interval + timeout
+    # No event marks "not a hang yet": the absence is only seen as time goes by.
+    hold(2.0, "past the 1 s timeout, within the 4 s of interval + timeout")
     s = collector.scrape()
     assert value(s, "gpunet_probe_failures_total", scope="intra", reason="timeout") == 0
     assert value(s, "gpunet_probe_runner_running") == 1
@@ -633,17 +630,19 @@ def test_end_to_end_exporter_with_gloo_probe(run_exporter: Any, sysfs: Path,
     cfg.write_text("probe:\n" + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in GLOO.items())
                    + f"  state_dir: {json.dumps(str(tmp_path / 'state'))}\n")
     e = run_exporter(f"--path.sysfs={sysfs}", f"--config.file={cfg}", "--collector.probe")
-    deadline = time.monotonic() + 90
-    while True:
+    def scrape() -> Samples | None:
         s = parse(e.metrics())
-        if value(s, "gpunet_probe_success", scope="intra") == 1:
-            break
-        assert time.monotonic() < deadline, "no probe round through the installed exporter"
-        time.sleep(0.5)
+        return s if value(s, "gpunet_probe_success", scope="intra") == 1 else None
+
+    s = wait_for(scrape, "a probe round through the installed exporter", timeout=90,
+                 interval=0.5)
     assert value(s, "gpunet_scrape_collector_success", collector="probe") == 1
     # Stopping the exporter stops the runner and its ranks.
     e.stop()
-    time.sleep(0.5)
-    left = subprocess.run(["pgrep", "-f", f"--state-dir {tmp_path / 'state'}"],
-                          capture_output=True, text=True).stdout.split()
-    assert not left, f"runner processes left after the exporter stopped: {left}"
+
+    def left() -> list[str]:
+        return subprocess.run(["pgrep", "-f", f"--state-dir {tmp_path / 'state'}"],
+                              capture_output=True, text=True).stdout.split()
+
+    wait_for(left, "the runner's processes gone after the exporter stopped", timeout=5,
+             until_empty=True)

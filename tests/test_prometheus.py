@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,9 @@ from typing import Any
 import pytest
 import requests
 
-import sysfs_tree as st
-from conftest import free_port
+from support import sysfs_tree as st
+from support.exporter import free_port
+from support.wait import wait_for
 
 
 @pytest.fixture
@@ -53,32 +53,24 @@ def query(url: str, expr: str) -> list[dict[str, Any]]:
     return result
 
 
-def wait_for(url: str, expr: str, timeout: float = 60) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            result = query(url, expr)
-            if result:
-                return result
-        except requests.RequestException:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no data for {expr!r} within {timeout:g}s")
-        time.sleep(0.5)
+def query_until(url: str, expr: str, timeout: float = 60) -> list[dict[str, Any]]:
+    """The result of ``expr`` once it has data."""
+    return wait_for(lambda: query(url, expr), f"data for {expr!r}", timeout=timeout,
+                    interval=0.5, ignore=(requests.RequestException,))
 
 
 def test_prometheus_scrapes_every_port(prometheus: tuple[str, Any]) -> None:
     url, _ = prometheus
-    up = wait_for(url, 'up{job="gpunet"} == 1')
+    up = query_until(url, 'up{job="gpunet"} == 1')
     assert len(up) == 1
-    rates = wait_for(url, "gpunet_infiniband_port_rate_bytes_per_second")
+    rates = query_until(url, "gpunet_infiniband_port_rate_bytes_per_second")
     assert len(rates) == 10
     by_device = {r["metric"]["device"]: float(r["value"][1]) for r in rates}
     assert by_device["mlx5_5"] == 200e9 / 8 and by_device["mlx5_0"] == 400e9 / 8
     degraded = query(url, "gpunet_infiniband_port_rate_degraded == 1")
     assert [d["metric"]["device"] for d in degraded] == ["mlx5_5"]
     # Counters arrive as counters: rate() works on them (flat fixture: 0 bytes per second).
-    wait_for(url, "count(rate(gpunet_infiniband_port_transmitted_bytes_total[5s])) == 10", 30)
+    query_until(url, "count(rate(gpunet_infiniband_port_transmitted_bytes_total[5s])) == 10", 30)
     # Every collector succeeds, and the scrape was OpenMetrics-negotiated without errors.
     ok = query(url, "gpunet_scrape_collector_success")
     assert {r["metric"]["collector"]: r["value"][1] for r in ok} == {

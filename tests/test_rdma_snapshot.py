@@ -28,8 +28,8 @@ from gpunet_exporter.registry import Scraper
 from gpunet_exporter.sources import rdma
 from gpunet_exporter.sources.sysfs import Root
 
-import sysfs_tree as st
-from conftest import Samples, make_collector, samples_of
+from support import sysfs_tree as st
+from support.metrics import Samples, make_collector, samples_of
 
 DEVICES = [f"mlx5_{i}" for i in range(10)]
 SCRAPE_FAMILIES = ("gpunet_scrape_", "gpunet_exporter_build_info")

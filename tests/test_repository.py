@@ -12,7 +12,7 @@ import zipfile
 from fnmatch import fnmatch
 from pathlib import Path
 
-from conftest import REPO
+from support.paths import REPO
 
 SKIP_DIRS = {".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache",
              ".hypothesis", "build", "dist"}

@@ -36,7 +36,8 @@ from gpunet_exporter.health import configdoc
 from gpunet_exporter.options import build_parser, config_schema, resolve, start_collectors
 from gpunet_exporter.registry import discover
 
-from conftest import REPO, UPSTREAM, make_collector
+from support.metrics import make_collector
+from support.paths import REPO, UPSTREAM
 
 SYSFS = str(UPSTREAM / "node_exporter-sysfs-infiniband" / "tree" / "sys")
 CLASSES = discover()

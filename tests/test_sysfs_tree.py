@@ -1,4 +1,4 @@
-"""Tests for the fake sysfs builder (tests/sysfs_tree.py) and the committed example tree."""
+"""Tests for the fake sysfs builder (tests/support/sysfs_tree.py) and the committed example tree."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from gpunet_exporter.sources.qos import QOS_FILES, parse_mlnx_qos, parse_qos_sysfs
 
-import sysfs_tree as st
+from support import sysfs_tree as st
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 EXAMPLE = EXAMPLES / "dgx-h100"
@@ -67,9 +67,9 @@ def read(path: Path) -> str:
 
 
 @pytest.mark.parametrize("example, build, command", [
-    (EXAMPLE, st.build_dgx_h100, "python tests/sysfs_tree.py examples/dgx-h100"),
+    (EXAMPLE, st.build_dgx_h100, "python tests/support/sysfs_tree.py examples/dgx-h100"),
     (EXAMPLE_FAULTY, st.build_dgx_h100_faulty,
-     "python tests/sysfs_tree.py --faulty examples/dgx-h100-faulty"),
+     "python tests/support/sysfs_tree.py --faulty examples/dgx-h100-faulty"),
 ], ids=["healthy", "faulty"])
 def test_committed_example_matches_generator(
     tmp_path: Path, example: Path, build: Callable[[Path], Path], command: str

@@ -20,7 +20,7 @@ import pytest
 from gpunet_exporter.collectors.probe import ProbeCollector
 from gpunet_exporter.daemon.privileges import declared
 
-from conftest import REPO
+from support.paths import REPO
 
 SYSTEMD = REPO / "systemd"
 UNIT = SYSTEMD / "gpunet-exporter.service"

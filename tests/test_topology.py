@@ -35,8 +35,8 @@ from gpunet_exporter.sources.pcie import Endpoint, relation
 from gpunet_exporter.sources.proc import parse_kernel_release, parse_nvidia_version, parse_starttime
 from gpunet_exporter.sources.sysfs import Root
 
-import sysfs_tree as st
-from conftest import Samples, collect, make_collector, parse, samples_of, series, value
+from support import sysfs_tree as st
+from support.metrics import Samples, collect, make_collector, parse, samples_of, series, value
 
 P = "gpunet_topology_"
 NIC_NUMA = {f"mlx5_{i}": 0 if i < 4 else 1 for i in range(8)} | {"mlx5_8": 0, "mlx5_9": 1}
@@ -824,7 +824,7 @@ def test_nccl_audit_eacces_for_real_as_unprivileged_user() -> None:
         code = (
             "import os, sys\n"
             "sys.path.insert(0, sys.argv[3])\n"
-            "from conftest import make_collector, samples_of, value\n"
+            "from support.metrics import make_collector, samples_of, value\n"
             "from gpunet_exporter.collectors.topology import TopologyCollector\n"
             "if os.geteuid() == 0:  # imports done: root's pyenv is not readable for nobody\n"
             "    os.setgid(65534); os.setuid(65534)\n"

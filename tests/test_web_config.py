@@ -19,7 +19,8 @@ import requests
 
 from gpunet_exporter.web.webconfig import BasicAuth, WebConfig, wrap
 
-from conftest import UPSTREAM, exporter_binary, free_port
+from support.exporter import exporter_binary, free_port
+from support.paths import UPSTREAM
 
 SYSFS = f"--path.sysfs={UPSTREAM / 'node_exporter-sysfs-infiniband' / 'tree' / 'sys'}"
 PASSWORD = "s3cret pass"

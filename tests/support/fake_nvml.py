@@ -15,9 +15,10 @@ error handling meets the real classes. Scenario keys beyond the capture:
                                                       (a hung driver; tests/test_load.py)
 
 Tests call :func:`load`, :func:`push_event` and :func:`reload_driver`. An exporter started as
-a subprocess loads this module with ``--nvml.module fake_nvml`` (tests/ on PYTHONPATH), reads
-its scenario from the JSON file named by ``GPUNET_FAKE_NVML``, and takes XID events from lines
-``<gpu index> <xid>`` appended to the file named by ``GPUNET_FAKE_NVML_EVENTS``.
+a subprocess loads this module with ``--nvml.module support.fake_nvml`` (:data:`MODULE`, with
+tests/ on PYTHONPATH), reads its scenario from the JSON file named by ``GPUNET_FAKE_NVML``, and
+takes XID events from lines ``<gpu index> <xid>`` appended to the file named by
+``GPUNET_FAKE_NVML_EVENTS``; :func:`exporter_env` is that environment.
 """
 
 from __future__ import annotations
@@ -34,7 +35,11 @@ from typing import Any
 
 import pynvml as _real
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "nvml" / "nvml_probe_h200x2.json"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "nvml" / "nvml_probe_h200x2.json"
+# What --nvml.module (and a collector's nvml_module) names to load this stand-in, with tests/
+# on sys.path: the pytest run has it there, an exporter subprocess gets it from exporter_env().
+MODULE = "support.fake_nvml"
+TESTS = Path(__file__).resolve().parents[1]
 NVMLError = _real.NVMLError
 _PASSTHROUGH = ("NVML_", "NVMLError", "nvmlEventType", "nvmlMemory")
 
@@ -95,6 +100,15 @@ def load(scenario: dict[str, Any] | None = None) -> None:
         _s.registered.clear()
         _s.events_file = os.environ.get("GPUNET_FAKE_NVML_EVENTS", "")
         _s.events_offset = 0
+
+
+def exporter_env(scenario: Path, events: Path | None = None) -> dict[str, str]:
+    """The environment an exporter subprocess needs to load this module as :data:`MODULE`:
+    tests/ on PYTHONPATH, the scenario file and, when given, the XID event file."""
+    env = {"PYTHONPATH": str(TESTS), "GPUNET_FAKE_NVML": str(scenario)}
+    if events is not None:
+        env["GPUNET_FAKE_NVML_EVENTS"] = str(events)
+    return env
 
 
 def calls(fn: str, index: int = -1) -> int:

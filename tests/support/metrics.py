@@ -1,0 +1,61 @@
+"""Samples of a scrape, and collectors run in-process on a tree."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpunet_exporter.collector import Collector, CollectorContext, LogOnce, collector_logger
+from gpunet_exporter.config import Field, settings_from, validate
+from gpunet_exporter.sources.sysfs import Root
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def samples_of(families: Iterator[Metric] | list[Metric]) -> Samples:
+    out: Samples = {}
+    for fam in families:
+        for s in fam.samples:
+            key = (s.name, frozenset(s.labels.items()))
+            assert key not in out, f"duplicate series {key}"
+            out[key] = s.value
+    return out
+
+
+def parse(text: str) -> Samples:
+    return samples_of(list(text_string_to_metric_families(text)))
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+def series(samples: Samples, name: str) -> dict[frozenset[tuple[str, str]], float]:
+    return {lbl: v for (n, lbl), v in samples.items() if n == name}
+
+
+def make_collector(cls: type[Collector], sysfs: Path | str, config: Mapping[str, Any] | None = None,
+                   root: Root | None = None, procfs: Path | str = "/proc",
+                   nvml_module: str = "pynvml") -> Collector:
+    """The collector as options.start_collectors() builds it, with ``config`` as its section."""
+    section = validate(dict(config or {}), Field("map", fields=dict(cls.config_fields)), cls.name)
+    logger = collector_logger(cls.name)
+    ctx = CollectorContext(cls.name, root or Root(str(sysfs)), Root(str(procfs)), section, logger,
+                           LogOnce(logger), nvml_module=nvml_module,
+                           settings=settings_from(cls.settings_type, section))
+    return cls(ctx)
+
+
+def collect(cls: type[Collector], sysfs: Path | str, config: Mapping[str, Any] | None = None,
+            root: Root | None = None, procfs: Path | str = "/proc",
+            nvml_module: str = "pynvml") -> tuple[Samples, int]:
+    """Samples of one collection and the number of values the collector skipped."""
+    c = make_collector(cls, sysfs, config, root, procfs, nvml_module)
+    try:
+        return samples_of(list(c.collect())), c.ctx.unreadable
+    finally:
+        c.close()
