@@ -174,7 +174,7 @@ PROBLEM = MetricSpec(
 
 _PAIRS = "<probe.state_dir>/pairs.json, written by the fleet pair probe on both nodes of a pair"
 _PEER = ("peer",)
-_LAST_PLAN = (" Only the peers of the last plan, at most probe.fleet_max_peers "
+_LAST_PLAN = ("; only the peers of the last plan, at most probe.fleet_max_peers "
               "(gpunet_fleet_pairs_dropped counts the rest)")
 PAIR_BUSBW = MetricSpec(
     "gpunet_fleet_pair_bus_bandwidth_bytes_per_second", "gauge",
