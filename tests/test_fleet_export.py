@@ -208,3 +208,29 @@ def test_an_oversized_file_is_bad(tmp_path: Path) -> None:
     path.write_text(" " * (pairs.MAX_BYTES + 1))
     with pytest.raises(pairs.BadPairs, match="larger than"):
         pairs.read(str(path))
+
+
+JSON = hs.recursive(
+    hs.none() | hs.booleans() | hs.integers() | hs.floats() | hs.text(max_size=20),
+    lambda inner: hs.lists(inner, max_size=4) | hs.dictionaries(hs.text(max_size=8), inner,
+                                                                  max_size=4),
+    max_leaves=12)
+
+
+@given(hs.sampled_from(["version", "node", "leaf", "plan", "round_timestamp", "pairs"]),
+       hs.sampled_from(["peer", "peer_leaf", "ok", "latency_seconds",
+                        "bus_bandwidth_bytes_per_second", "transport", "gdr", "error"]),
+       JSON, hs.booleans())
+def test_near_valid_files_parse_or_raise_bad_pairs(top: str, key: str, junk: Any,
+                                                   in_pair: bool) -> None:
+    data = pairs_file(pair("n2"), pair("n3"))
+    if in_pair:
+        data["pairs"][1][key] = junk
+    else:
+        data[top] = junk
+    try:
+        got = pairs.parse(data)
+    except pairs.BadPairs:
+        return
+    assert isinstance(got, pairs.Pairs)
+    assert pairs.parse(pairs.to_json(got)) == got  # what parses, writes back the same
