@@ -13,6 +13,12 @@ The runner's command line carries only the settings that differ from the runner'
 and the configuration's defaults are the runner's (runner.run_defaults): each default is written
 once, in runner.add_run_arguments.
 
+Fleet probes (issue 18): whoever runs pair probes between nodes (a Slurm or Kubernetes job
+following a plan of exporter/probe/plan.py) writes this node's view of the last plan into
+``<state_dir>/pairs.json`` (exporter/probe/pairs.py); the collector exports it as the
+``gpunet_fleet_*`` metrics, one ``peer`` label value per peer of that plan and at most
+``fleet_max_peers`` of them.
+
 Scrapes read only the supervisor's last snapshot: every value is from the last round, whose
 time and success come with it. This module maps those results to metrics.
 """
@@ -28,7 +34,7 @@ from prometheus_client.core import Metric
 
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
 from gpunet_exporter.config import Settings, setting
-from gpunet_exporter.probe import results, runner, supervisor
+from gpunet_exporter.probe import pairs, results, runner, supervisor
 from gpunet_exporter.probe.results import Result
 from gpunet_exporter.sources import rdma
 
@@ -166,6 +172,45 @@ PROBLEM = MetricSpec(
     "NCCL INFO log of the probe")
 
 
+_PAIRS = "<probe.state_dir>/pairs.json, written by the fleet pair probe on both nodes of a pair"
+_PEER = ("peer",)
+_LAST_PLAN = ("; only the peers of the last plan, at most probe.fleet_max_peers "
+              "(gpunet_fleet_pairs_dropped counts the rest)")
+PAIR_BUSBW = MetricSpec(
+    "gpunet_fleet_pair_bus_bandwidth_bytes_per_second", "gauge",
+    "Bus bandwidth of the last pair probe between this node and peer; absent when the probe "
+    "measured none" + _LAST_PLAN, _PEER, "bytes per second", _PAIRS)
+PAIR_LATENCY = MetricSpec(
+    "gpunet_fleet_pair_latency_seconds", "gauge",
+    "Latency of the last pair probe between this node and peer (a small message); absent when "
+    "the probe measured none" + _LAST_PLAN, _PEER, "seconds", _PAIRS)
+PAIR_SUCCESS = MetricSpec(
+    "gpunet_fleet_pair_success", "gauge",
+    "1 if the last pair probe between this node and peer succeeded, else 0" + _LAST_PLAN, _PEER,
+    "boolean", _PAIRS)
+PAIR_INFO = MetricSpec(
+    "gpunet_fleet_pair_info", "gauge",
+    "Always 1 per peer of the last plan: the peer's leaf (empty when unknown), the network the "
+    "pair used (IB, RoCE, Socket ...; empty when unknown) and whether it used GPUDirect RDMA "
+    "(true, false, empty when unknown)" + _LAST_PLAN, ("peer", "peer_leaf", "transport", "gdr"),
+    "", _PAIRS)
+NODE_INFO = MetricSpec(
+    "gpunet_fleet_node_info", "gauge",
+    "Always 1 while a pairs file is read: this node's leaf (rack or leaf switch) as the pair "
+    "probe knows it, empty when unknown", ("leaf",), "", _PAIRS)
+ROUND_TS = MetricSpec(
+    "gpunet_fleet_round_timestamp_seconds", "gauge",
+    "Unix time of the last pair round this node took part in (alert when it grows old)", (),
+    "seconds", _PAIRS)
+PAIRS_DROPPED = MetricSpec(
+    "gpunet_fleet_pairs_dropped", "gauge",
+    "Peers of the last plan left out of the gpunet_fleet_pair_* metrics because there were more "
+    "than probe.fleet_max_peers (failed pairs are kept first)", (), "peers", _PAIRS)
+FLEET_METRICS = (PAIR_BUSBW, PAIR_LATENCY, PAIR_SUCCESS, PAIR_INFO, NODE_INFO, ROUND_TS,
+                 PAIRS_DROPPED)
+FLEET_SCOPE = "fleet"  # where an unreadable pairs.json counts in gpunet_probe_failures_total
+
+
 @dataclass(frozen=True)
 class ProbeSettings(Settings):
     """probe: the options of `gpunet-probe run` take their defaults from the runner."""
@@ -220,6 +265,10 @@ class ProbeSettings(Settings):
     skip_busy: bool = setting("skip sizes of 1 MiB and up while a GPU is busy: above "
                               "`busy_utilization`, or running a process that is not the "
                               "probe's", default=_default("skip_busy"))
+    fleet_max_peers: int = setting(
+        "most peers of `pairs.json` (fleet pair probes) exported with a `peer` label; the rest "
+        "are dropped, failed pairs kept first, and counted in `gpunet_fleet_pairs_dropped`",
+        default=64, minimum=1)
 
 
 class ProbeCollector(Collector):
@@ -229,7 +278,8 @@ class ProbeCollector(Collector):
     default_enabled = False  # it puts work on the GPUs: an operator turns it on
     metrics = (SUCCESS, LAST_ROUND, LAST_SUCCESS, DURATION, FAILURES, RUNNING, LATENCY, ALGBW,
                BUSBW, SKIPPED, STRAGGLER_WAIT, STRAGGLER_RATIO, STRAGGLER, LINK, LINK_RATIO,
-               HCA_RANKS, HCA_GDR, WORLD, INFO, TRANSPORT, GDR, SOCKET_FALLBACK, PROBLEM)
+               HCA_RANKS, HCA_GDR, WORLD, INFO, TRANSPORT, GDR, SOCKET_FALLBACK, PROBLEM,
+               *FLEET_METRICS)
     settings_type = ProbeSettings
     settings: ProbeSettings
 
@@ -283,7 +333,27 @@ class ProbeCollector(Collector):
                     rdma_active = self._rdma_active()
                 fallback = "Socket" in good.net_transports and rdma_active
             fams.add(SOCKET_FALLBACK, [scope], int(fallback))
+        if snap.pairs_seen:
+            fams.add(FAILURES, [FLEET_SCOPE, "bad_result"], snap.pair_failures)
+        if snap.pairs is not None:
+            self._export_pairs(fams, snap.pairs, self.settings.fleet_max_peers)
         yield from fams
+
+    @staticmethod
+    def _export_pairs(fams: Families, view: pairs.Pairs, max_peers: int) -> None:
+        fams.add(NODE_INFO, [view.leaf or ""], 1)
+        fams.add(ROUND_TS, [], view.round_timestamp)
+        # Failed pairs first (stable otherwise): the cap never hides a bad peer behind good ones.
+        kept = sorted(view.pairs, key=lambda p: p.ok)[:max_peers]
+        fams.add(PAIRS_DROPPED, [], len(view.pairs) - len(kept))
+        for p in kept:
+            fams.add(PAIR_SUCCESS, [p.peer], int(p.ok))
+            if p.latency_seconds is not None:
+                fams.add(PAIR_LATENCY, [p.peer], p.latency_seconds)
+            if p.bus_bandwidth_bytes_per_second is not None:
+                fams.add(PAIR_BUSBW, [p.peer], p.bus_bandwidth_bytes_per_second)
+            gdr = "" if p.gdr is None else str(p.gdr).lower()
+            fams.add(PAIR_INFO, [p.peer, p.peer_leaf or "", p.transport or "", gdr], 1)
 
     @staticmethod
     def _export_result(fams: Families, scope: str, good: Result) -> None:

@@ -15,7 +15,10 @@ watches it:
   RESTART_BACKOFF_MAX seconds that starts over after a successful round; an exit that no
   result file explains counts as a ``crash``, so do a runner that cannot be started at all;
 - failures that result files name count under their reason (``nccl_error``, ``init_error`` ...),
-  unreadable result files as ``bad_result``, rounds that skipped sizes as ``skipped_busy``.
+  unreadable result files as ``bad_result``, rounds that skipped sizes as ``skipped_busy``;
+- ``pairs.json`` (exporter/probe/pairs.py), the fleet probes' pair results, is read when its
+  mtime, inode or size changes; a bad one leaves no pairs (its old peers are not this node's
+  view any more) and counts one ``bad_result`` under ``pair_failures``.
 
 Every tick ends in a Snapshot, the Refresher's value: the scrape reads that and nothing else.
 ``close`` stops the ticks and kills the runner's process group.
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from gpunet_exporter.background import Refresher
-from gpunet_exporter.probe import results
+from gpunet_exporter.probe import pairs, results
 from gpunet_exporter.probe.results import Result
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.sources.commands import Child
@@ -65,6 +68,9 @@ class Snapshot:
 
     scopes: Mapping[str, ScopeView]
     running: bool | None  # the runner is alive; None when the exporter starts none
+    pairs: pairs.Pairs | None = None  # the last good pairs.json, None after a bad one
+    pair_failures: int = 0  # unreadable pairs.json files (bad_result)
+    pairs_seen: bool = False  # a pairs.json was ever found, good or bad
 
 
 @dataclass
@@ -112,6 +118,9 @@ class Supervisor:
         self.default_scope = default_scope
         self._log, self._logger = log, logger
         self._scopes = {s: _Scope() for s in results.SCOPES}
+        self._pairs: pairs.Pairs | None = None
+        self._pairs_key: tuple[int, int, int] | None = None  # mtime_ns, inode, size
+        self._pair_failures = 0
         self._child: Child | None = None
         self._started_wall = 0.0  # time.time() the current runner was started
         self._next_start = 0.0  # time.monotonic() before which no runner is started
@@ -174,9 +183,28 @@ class Supervisor:
         running = None if self.command is None else (
             child is not None and child.returncode is None)
         return Snapshot({s: ScopeView(st.last, st.good, dict(st.failures))
-                         for s, st in self._scopes.items()}, running)
+                         for s, st in self._scopes.items()}, running, self._pairs,
+                        self._pair_failures, self._pairs_key is not None)
+
+    def _poll_pairs(self) -> None:
+        path = pairs.pairs_path(self.state_dir)
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        key = (st.st_mtime_ns, st.st_ino, st.st_size)  # a rename changes the inode
+        if key == self._pairs_key:
+            return
+        self._pairs_key = key
+        try:
+            self._pairs = pairs.read(path)
+        except (OSError, pairs.BadPairs) as exc:
+            self._log(logging.WARNING, "probe: %s", exc)
+            self._pairs = None
+            self._pair_failures += 1
 
     def _poll_results(self) -> None:
+        self._poll_pairs()
         for scope, st in self._scopes.items():
             path = results.result_path(self.state_dir, scope)
             try:

@@ -1,0 +1,160 @@
+"""Pair results of fleet probes: ``<state_dir>/pairs.json``, this node's view of the last plan.
+
+Whoever runs a round of pair probes (a Slurm or Kubernetes job following a plan of
+exporter/probe/plan.py) writes the file on both nodes of each pair, atomically
+(gpunet_exporter.statefile.write_json), one entry per peer of this node in the last plan::
+
+    {"version": 1, "node": "n1", "leaf": "leaf-a" | null, "plan": "ring",
+     "round_timestamp": 1767225600.0,
+     "pairs": [{"peer": "n2", "peer_leaf": "leaf-b" | null, "ok": true,
+                "latency_seconds": 2.1e-05 | null,
+                "bus_bandwidth_bytes_per_second": 4.5e10 | null,
+                "transport": "IB" | "RoCE" | "Socket" | ... | null, "gdr": true | null,
+                "error": null | "one line"}]}
+
+A new file replaces the old one whole: the peers of an earlier plan are gone with it. The
+probe collector exports it (gpunet_fleet_* metrics). The reader is bounded and validating; it
+raises only BadPairs (or OSError), which the exporter counts as one failure. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpunet_exporter import statefile
+from gpunet_exporter.probe.results import _finite, _short
+
+VERSION = 1
+FILE = "pairs.json"
+MAX_BYTES = 1 << 20
+MAX_PAIRS = 4096  # per file; the exporter exports at most probe.fleet_max_peers of them
+MAX_NAME = 253  # a DNS name's length; label checks happen in the registry
+MAX_TEXT = 64  # plan kind, transport
+
+
+def pairs_path(state_dir: str) -> str:
+    return os.path.join(state_dir, FILE)
+
+
+@dataclass(frozen=True)
+class Pair:
+    peer: str
+    ok: bool
+    peer_leaf: str | None = None
+    latency_seconds: float | None = None
+    bus_bandwidth_bytes_per_second: float | None = None
+    transport: str | None = None
+    gdr: bool | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Pairs:
+    node: str
+    plan: str
+    round_timestamp: float
+    pairs: tuple[Pair, ...] = ()
+    leaf: str | None = None
+
+
+class BadPairs(ValueError):
+    """A pairs file that is not what the writer writes; the text says what is wrong."""
+
+
+def _name(d: Mapping[str, Any], key: str, where: str, *, optional: bool = False,
+          limit: int = MAX_NAME) -> str | None:
+    v = d.get(key)
+    if v is None and optional:
+        return None
+    if not isinstance(v, str) or not v or len(v) > limit:
+        raise BadPairs(f"{where}: {key!r} must be a non-empty string of at most {limit} "
+                       f"characters{' or null' if optional else ''}, got {_short(v)}")
+    return v
+
+
+def _number(d: Mapping[str, Any], key: str, where: str) -> float | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or v < 0:
+        raise BadPairs(f"{where}: {key!r} must be a non-negative number or null, got "
+                       f"{_short(v)}")
+    return float(v)
+
+
+def parse(data: Any, where: str = FILE) -> Pairs:
+    """Validate a decoded pairs file; raises BadPairs naming the first problem."""
+    if not isinstance(data, dict):
+        raise BadPairs(f"{where}: expected a JSON object")
+    if data.get("version") != VERSION:
+        raise BadPairs(f"{where}: version {_short(data.get('version'))}, expected {VERSION}")
+    node = _name(data, "node", where)
+    leaf = _name(data, "leaf", where, optional=True)
+    kind = _name(data, "plan", where, limit=MAX_TEXT)
+    ts = _number(data, "round_timestamp", where)
+    if ts is None:
+        raise BadPairs(f"{where}: 'round_timestamp' must be a Unix time")
+    raw = data.get("pairs")
+    if not isinstance(raw, list) or len(raw) > MAX_PAIRS:
+        raise BadPairs(f"{where}: 'pairs' must be a list (of at most {MAX_PAIRS})")
+    out: list[Pair] = []
+    seen: set[str] = set()
+    for i, p in enumerate(raw):
+        w = f"{where}: pairs[{i}]"
+        if not isinstance(p, dict):
+            raise BadPairs(f"{w}: expected an object")
+        peer = _name(p, "peer", w)
+        assert peer is not None
+        if peer in seen:
+            raise BadPairs(f"{w}: peer {_short(peer)} appears twice (one entry per peer)")
+        seen.add(peer)
+        ok, gdr, error = p.get("ok"), p.get("gdr"), p.get("error")
+        if not isinstance(ok, bool):
+            raise BadPairs(f"{w}: 'ok' must be true or false")
+        if gdr is not None and not isinstance(gdr, bool):
+            raise BadPairs(f"{w}: 'gdr' must be true, false or null")
+        if error is not None and not isinstance(error, str):
+            raise BadPairs(f"{w}: 'error' must be a string or null")
+        out.append(Pair(
+            peer=peer, ok=ok, peer_leaf=_name(p, "peer_leaf", w, optional=True),
+            latency_seconds=_number(p, "latency_seconds", w),
+            bus_bandwidth_bytes_per_second=_number(p, "bus_bandwidth_bytes_per_second", w),
+            transport=_name(p, "transport", w, optional=True, limit=MAX_TEXT), gdr=gdr,
+            error=None if error is None else error[:500]))
+    assert node is not None and kind is not None
+    return Pairs(node=node, plan=kind, round_timestamp=ts, pairs=tuple(out), leaf=leaf)
+
+
+def read(path: str) -> Pairs:
+    """Read and validate a pairs file; raises OSError or BadPairs."""
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        text = fh.read(MAX_BYTES + 1)
+    if len(text) > MAX_BYTES:
+        raise BadPairs(f"{path}: larger than {MAX_BYTES} bytes")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadPairs(f"{path}: not JSON: {exc.msg} at line {exc.lineno}") from None
+    except (ValueError, RecursionError) as exc:  # int digit limit, nesting
+        raise BadPairs(f"{path}: not a pairs file: {type(exc).__name__}") from None
+    return parse(data, path)
+
+
+def to_json(p: Pairs) -> dict[str, Any]:
+    """The file's content for ``p``."""
+    return {"version": VERSION, "node": p.node, "leaf": p.leaf, "plan": p.plan,
+            "round_timestamp": p.round_timestamp,
+            "pairs": [{"peer": x.peer, "peer_leaf": x.peer_leaf, "ok": x.ok,
+                       "latency_seconds": x.latency_seconds,
+                       "bus_bandwidth_bytes_per_second": x.bus_bandwidth_bytes_per_second,
+                       "transport": x.transport, "gdr": x.gdr, "error": x.error}
+                      for x in p.pairs]}
+
+
+def write(state_dir: str, p: Pairs) -> None:
+    """Replace ``<state_dir>/pairs.json`` with ``p``, atomically; raises OSError."""
+    statefile.write_json(pairs_path(state_dir), to_json(p))
