@@ -34,6 +34,25 @@ _ROCE_INTERFACE = 'gpunet_link_info{link_layer="Ethernet"}'
 FLEET_MEDIAN_BUSBW = "scope_size:gpunet_probe_allreduce_bus_bandwidth_bytes_per_second:median"
 ALERTS_FIRING = "instance_class:gpunet_alerts_firing:count"
 
+# The pair plan (issue 18): every node exports its own view of the last round's pairs, labelled
+# by the peer's node name. Nothing joins `peer` to `instance` (a scrape address): a node is judged
+# from its own pairs, and a peer from the pairs that name it, on the other nodes' series.
+_PAIR_BW = "gpunet_fleet_pair_bus_bandwidth_bytes_per_second"
+_PAIR_OK = "gpunet_fleet_pair_success"
+NODE_MEDIAN_BW = f"instance:{_PAIR_BW}:median"
+FLEET_MEDIAN_BW = f"job:{_PAIR_BW}:median"
+FLEET_MAD_BW = f"job:{_PAIR_BW}:mad"
+FLEET_NODES = "job:gpunet_fleet_nodes_reporting:count"
+PAIR_RATIO = f"instance_peer:{_PAIR_BW}:ratio_to_fleet_median"
+PAIR_HEALTHY = "instance_peer:gpunet_fleet_pair_healthy:bool"
+NODE_PAIRS = "instance:gpunet_fleet_pairs:count"
+NODE_PAIRS_HEALTHY = "instance:gpunet_fleet_pairs_healthy:count"
+PEER_PAIRS = "peer:gpunet_fleet_pairs:count"
+PEER_PAIRS_HEALTHY = "peer:gpunet_fleet_pairs_healthy:count"
+LEAF_INTRA_BW = f"leaf:{_PAIR_BW}:median_intra_leaf"
+LEAF_CROSS_BW = f"leaf:{_PAIR_BW}:median_cross_leaf"
+LEAF_CROSS_RATIO = f"leaf:{_PAIR_BW}:cross_to_intra_leaf_ratio"
+
 
 @dataclass(frozen=True)
 class Alert:
@@ -113,6 +132,28 @@ def _network_bound(t: T) -> str:
             f"    and on (instance, gpu) {busy}\n  )\n"
             f"  / on (instance, job)\n  count by (instance, job) ({busy})\n)"
             f" >= {_g(g['network_bound_gpu_share'])}")
+
+
+def _fleet_link_slow(t: T) -> str:
+    """A pair slow or failed while this node has a healthy pair, unless the fleet's view of the
+    peer (the pairs that name it, on every other node) makes the peer the suspect: then
+    GpunetFleetNodeSuspect names it and its pairs are not blamed as links."""
+    f = t["fleet"]
+    return (f"(\n  {PAIR_RATIO} < {_g(f['link_slow_ratio'])}\n  or on (instance, job, peer)\n"
+            f"  0 * ({_PAIR_OK} == 0)\n)\n"
+            f"and on (instance, job) {NODE_PAIRS_HEALTHY} >= 1\n"
+            f"unless on (job, peer) (\n  {PEER_PAIRS} >= {f['suspect_min_pairs']}\n"
+            f"  and on (job, peer) {PEER_PAIRS_HEALTHY} == 0\n)")
+
+
+def _fleet_outlier(t: T) -> str:
+    f = t["fleet"]
+    sigma = _g(f["outlier_mad_factor"] * 1.4826)
+    return (f"{NODE_MEDIAN_BW}\n  < on (job) group_left ()\n"
+            f"  ({FLEET_MEDIAN_BW} - {sigma} * {FLEET_MAD_BW})\n"
+            f"and on (instance, job)\n{NODE_MEDIAN_BW}\n"
+            f"  < on (job) group_left {_g(f['outlier_ratio'])} * {FLEET_MEDIAN_BW}\n"
+            f"and on (job) {FLEET_NODES} >= {f['outlier_min_nodes']}")
 
 
 _NODE = "on {{ $labels.instance }}"
@@ -420,6 +461,37 @@ ALERTS: tuple[Alert, ...] = (
           lambda t: "gpunet_probe_success == 0",
           "Probe rounds failing",
           f"Probe rounds {_SCOPE} fail (gpunet_probe_failures_total says why)."),
+    # --- the pair plan across the fleet (issue 18) ---------------------------------------------
+    Alert("GpunetFleetNodeSuspect", "collective", "warning", "5m",
+          lambda t: (f"{NODE_PAIRS} >= {t['fleet']['suspect_min_pairs']}\n"
+                     f"  and on (instance, job) {NODE_PAIRS_HEALTHY} == 0"),
+          "Node in every failing or slow pair of the pair plan",
+          "All {{ $value }} pairs of {{ $labels.instance }} failed or were slow in the last "
+          "pair round while the fleet's other pairs were not: the node, not its links, is the "
+          "common factor."),
+    Alert("GpunetFleetBandwidthOutlier", "collective", "warning", "5m", _fleet_outlier,
+          "Node's pair bandwidth a robust outlier of the fleet",
+          "The median bus bandwidth of the pairs of {{ $labels.instance }} is {{ $value | "
+          "humanize }}B/s, below the fleet's median node by more than the robust-sigma "
+          f"threshold (1.4826 x MAD, {FLEET_MAD_BW}) and the ratio threshold."),
+    Alert("GpunetFleetLinkSlow", "link", "warning", "5m", _fleet_link_slow,
+          "Pair slow between two otherwise healthy nodes",
+          "The pair {{ $labels.instance }} to {{ $labels.peer }} reaches {{ $value | "
+          "humanizePercentage }} of the fleet's median node bandwidth (0% when it failed), "
+          "while both ends have healthy pairs: the link between them (cable, ports, switch "
+          "path) is the suspect."),
+    Alert("GpunetFleetCrossLeafSlow", "topology", "warning", "5m",
+          lambda t: f"{LEAF_CROSS_RATIO} < {_g(t['fleet']['cross_leaf_ratio'])}",
+          "Cross-leaf pairs much slower than intra-leaf pairs",
+          "The cross-leaf pairs of leaf {{ $labels.leaf }} reach {{ $value | "
+          "humanizePercentage }} of the bandwidth of its intra-leaf pairs (medians): the spine "
+          "side (the leaf's uplinks, the spines, routing) is the suspect."),
+    Alert("GpunetFleetProbeStale", "collective", "warning", "0m",
+          lambda t: ("time() - gpunet_fleet_round_timestamp_seconds > "
+                     f"{_g(t['fleet']['stale_seconds'])}"),
+          "No recent pair round of the pair plan",
+          "The last pair round of {{ $labels.instance }} ended {{ $value | humanizeDuration }} "
+          "ago: the fleet alerts judge old results."),
     # --- exporter -----------------------------------------------------------------------------
     Alert("GpunetCollectorFailing", "exporter", "warning", "10m",
           lambda t: "gpunet_scrape_collector_success == 0",
@@ -460,10 +532,13 @@ def rule_groups(t: T) -> dict[str, Any]:
         "expr": ("quantile by (scope, size) (0.5, "
                  "gpunet_probe_allreduce_bus_bandwidth_bytes_per_second)"),
     }]
+    recording += _fleet_recording(t)
     health = [{
         "record": ALERTS_FIRING,
+        # Per node: an alert without an instance (GpunetFleetCrossLeafSlow, about a leaf) has
+        # no row in the matrix.
         "expr": (f'count by (instance) (ALERTS{{alertstate="firing", alertname=~"Gpunet.+", '
-                 f'class="{c}"}})\nor on (instance)\n'
+                 f'class="{c}", instance!=""}})\nor on (instance)\n'
                  f'0 * group by (instance) (up{{job="{job}"}})'),
         "labels": {"class": c},
     } for c in CLASSES]
@@ -472,6 +547,44 @@ def rule_groups(t: T) -> dict[str, Any]:
         {"name": "gpunet-alerts", "rules": alerts},
         {"name": "gpunet-health", "rules": health},
     ]}
+
+
+def _fleet_recording(t: T) -> list[dict[str, Any]]:
+    """The pair plan's recording rules: per-node and fleet statistics of the pair bandwidth
+    (successful pairs only), each pair's health, and the per-leaf intra and cross medians."""
+    f = t["fleet"]
+    ran = f"{_PAIR_BW} and on (instance, job, peer) {_PAIR_OK} == 1"
+    # Pairs whose peer is on this node's leaf: pair_info with peer_leaf copied into leaf, so it
+    # matches the node's own leaf label (PromQL cannot compare two labels directly).
+    with_leaf = (f"(\n    {ran}\n  )\n"
+                 "  * on (instance, job) group_left (leaf) gpunet_fleet_node_info")
+    same_leaf = 'label_replace(gpunet_fleet_pair_info, "leaf", "$1", "peer_leaf", "(.*)")'
+    return [
+        {"record": NODE_MEDIAN_BW, "expr": f"quantile by (instance, job) (0.5,\n  {ran}\n)"},
+        {"record": FLEET_MEDIAN_BW, "expr": f"quantile by (job) (0.5, {NODE_MEDIAN_BW})"},
+        {"record": FLEET_MAD_BW,
+         "expr": (f"quantile by (job) (0.5,\n  abs({NODE_MEDIAN_BW}\n"
+                  f"    - on (job) group_left {FLEET_MEDIAN_BW})\n)")},
+        {"record": FLEET_NODES, "expr": f"count by (job) ({NODE_MEDIAN_BW})"},
+        {"record": PAIR_RATIO,
+         "expr": f"(\n  {ran}\n)\n/ on (job) group_left {FLEET_MEDIAN_BW}"},
+        {"record": PAIR_HEALTHY,
+         "expr": (f"{PAIR_RATIO} >= bool {_g(f['link_slow_ratio'])}\n"
+                  f"or on (instance, job, peer)\n{_PAIR_OK} == bool 1")},
+        {"record": NODE_PAIRS, "expr": f"count by (instance, job) ({_PAIR_OK})"},
+        {"record": NODE_PAIRS_HEALTHY, "expr": f"sum by (instance, job) ({PAIR_HEALTHY})"},
+        {"record": PEER_PAIRS, "expr": f"count by (job, peer) ({_PAIR_OK})"},
+        {"record": PEER_PAIRS_HEALTHY, "expr": f"sum by (job, peer) ({PAIR_HEALTHY})"},
+        {"record": LEAF_INTRA_BW,
+         "expr": (f"quantile by (job, leaf) (0.5,\n  {with_leaf}\n"
+                  f"  and on (instance, job, peer, leaf) {same_leaf}\n)")},
+        {"record": LEAF_CROSS_BW,
+         "expr": (f"quantile by (job, leaf) (0.5,\n  {with_leaf}\n"
+                  f"  and on (instance, job, peer) gpunet_fleet_pair_info\n"
+                  f"  unless on (instance, job, peer, leaf) {same_leaf}\n)")},
+        {"record": LEAF_CROSS_RATIO,
+         "expr": f"{LEAF_CROSS_BW}\n/ on (job, leaf) {LEAF_INTRA_BW}"},
+    ]
 
 
 class _Dumper(yaml.SafeDumper):

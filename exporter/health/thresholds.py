@@ -137,6 +137,30 @@ SCHEMA_FIELDS: dict[str, Field] = {
         "stale_seconds": _num("age of the last successful round that counts as stale", 900,
                               minimum=1),
     }),
+    "fleet": Field("map", "pair plan across the fleet: which node, which link, which leaf",
+                   default={}, fields={
+        "link_slow_ratio": _ratio(
+            "fraction of the fleet's median node bandwidth under which a pair counts as slow "
+            "(a failed pair always counts as unhealthy)", 0.5),
+        "suspect_min_pairs": _int(
+            "pairs a node must have in the last round before all of them failing or slow makes "
+            "it the suspect", 2, minimum=2),
+        "outlier_mad_factor": _num(
+            "robust sigmas (1.4826 x MAD of the node medians) below the fleet median from which "
+            "a node's median pair bandwidth is an outlier", 3),
+        "outlier_ratio": _ratio(
+            "fraction of the fleet median under which a node's median pair bandwidth must also "
+            "lie to be an outlier (guards a fleet whose MAD is near 0)", 0.7),
+        "outlier_min_nodes": _int(
+            "nodes reporting a median pair bandwidth needed before outliers are judged", 4,
+            minimum=3),
+        "cross_leaf_ratio": _ratio(
+            "median bandwidth of a leaf's cross-leaf pairs, as a fraction of its intra-leaf "
+            "pairs, under which the spine side alerts", 0.6),
+        "stale_seconds": _num(
+            "age of a node's last pair round that counts as stale (3 rounds at the documented "
+            "1 h pair-plan period)", 10800, minimum=1),
+    }),
 }
 
 
