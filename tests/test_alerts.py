@@ -141,16 +141,6 @@ def test_unit_tests_bite_when_a_threshold_moves(tmp_path: Path) -> None:
 # `instance`.
 LEAF_ALERTS = {"GpunetFleetCrossLeafSlow"}
 
-# The pair plan's metrics (issue 18), which the probe collector is being taught to export in a
-# parallel branch; until docs/metrics.md lists them, the rules may use them. Remove this set once
-# they are documented.
-PENDING_METRICS = {
-    "gpunet_fleet_pair_bus_bandwidth_bytes_per_second", "gpunet_fleet_pair_latency_seconds",
-    "gpunet_fleet_pair_success", "gpunet_fleet_pair_info", "gpunet_fleet_node_info",
-    "gpunet_fleet_round_timestamp_seconds",
-}
-
-
 def test_alerts_are_well_formed() -> None:
     """Names, severities, classes, `for:`, a static summary, a templated description naming
     the node, and a runbook section for every alert."""
@@ -196,7 +186,7 @@ def test_rules_use_only_metrics_the_exporter_exposes() -> None:
     for r in rule_list():
         expr = re.sub(r'"[^"]*"', '""', r["expr"])  # label values and label_replace arguments
         used.update(re.findall(r"\b(gpunet_[a-z0-9_]+|[a-z_]+:[a-z_]+:[a-z0-9_]+)\b", expr))
-    unknown = {n for n in used if n not in known and n not in recorded | PENDING_METRICS}
+    unknown = {n for n in used if n not in known and n not in recorded}
     assert not unknown, f"rules use metrics the exporter does not expose: {sorted(unknown)}"
     assert len(used - recorded) > 40
 
