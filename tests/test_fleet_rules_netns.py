@@ -1,0 +1,250 @@
+"""Issue 18's "done when": the fleet rules, run in a real Prometheus over what real exporters
+export from real pair measurements, name the shaped node and the shaped link, and nothing on a
+healthy fleet.
+
+Four network namespaces (tests/support/netns.py); every pair of the complete graph (the ring
+0-1, 1-2, 2-3, 3-0 and one more round, 0-2, 1-3: three pairs per node) is measured with the
+probe's real cluster mode (gloo over TCP through the bridge), three times: unshaped, node 2's
+link shaped, the path 0-1 shaped. Three pairs per node keep the node medians robust: with the
+ring alone a node has two pairs, and the median of (slow, fast) is their mean.
+
+Each node's view of a scenario is written as its ``pairs.json`` (probe/pairs.py), exported by one
+installed ``gpunet-exporter`` per node (``runner: none``, its own state_dir; exporters run in the
+root namespace on loopback, since exporting needs no fleet network), scraped by one Prometheus
+(job ``gpunet``, instance = each exporter's address) evaluating the generated rules with every
+``for:`` at 0s. Alerts are read from /api/v1/alerts once the rules have evaluated the scenario.
+Numbers seen: docs/probe.md ("Fleet tests on one host")."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+
+from gpunet_exporter.health import rules, thresholds
+from gpunet_exporter.probe import pairs, plan
+
+from support import netns
+from support.exporter import Exporter, free_port
+from support.wait import wait_for
+
+pytestmark = pytest.mark.slow
+
+NODES = ("n0", "n1", "n2", "n3")
+# The ring's two rounds and the diagonals: the complete graph of four nodes, 3 pairs per node.
+PLAN: plan.Plan = [*plan.ring(NODES), [("n0", "n2"), ("n1", "n3")]]
+SHAPED_NODE = "n2"
+SHAPED_PAIR = ("n0", "n1")
+MAX_RATE_BITS = 400_000_000  # as tests/test_fleet_netns.py: far below the unshaped fleet
+FLEET_ALERTS = ("GpunetFleetNodeSuspect", "GpunetFleetBandwidthOutlier", "GpunetFleetLinkSlow",
+                "GpunetFleetCrossLeafSlow", "GpunetFleetProbeStale")
+
+Measured = dict[tuple[str, str], float]  # pair (plan order) -> bus bandwidth, largest size
+
+
+@dataclass
+class Fleet:
+    scenarios: dict[str, Measured] = field(default_factory=dict)
+    rate: str = ""
+
+
+def measure(f: netns.Fleet, state: Path) -> Measured:
+    idx = {n: i for i, n in enumerate(NODES)}
+    return {(a, b): netns.measure_pair(f[idx[a]], f[idx[b]], state).largest_busbw
+            for rnd in PLAN for a, b in rnd}
+
+
+def show(bw: Measured) -> str:
+    return ", ".join(f"{a}-{b}: {v / 1e6:.0f}" for (a, b), v in bw.items()) + " MB/s"
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> Fleet:
+    """The three scenarios' measurements, one fleet for the module."""
+    netns.require()
+    plan.check(PLAN)
+    state = tmp_path_factory.mktemp("fleet-rules")
+    out = Fleet()
+    with netns.fleet(len(NODES), "gpunet-rules") as f:
+        node = f[NODES.index(SHAPED_NODE)]
+        a, b = (f[NODES.index(n)] for n in SHAPED_PAIR)
+        out.scenarios["healthy"] = measure(f, state / "healthy")
+        bits = min(MAX_RATE_BITS, int(min(out.scenarios["healthy"].values()) * 8 / 10))
+        out.rate = f"{bits}bit"
+        netns.shape_node(node, rate=out.rate)
+        try:
+            out.scenarios["node"] = measure(f, state / "node")
+        finally:
+            netns.unshape(*f.nodes)
+        netns.shape_pair(a, b, rate=out.rate)
+        try:
+            out.scenarios["pair"] = measure(f, state / "pair")
+        finally:
+            netns.unshape(*f.nodes)
+    for name, bw in out.scenarios.items():
+        print(f"{name} ({out.rate}): {show(bw)}")  # the numbers in docs/probe.md (pytest -s)
+    return out
+
+
+def view(node: str, bw: Measured, ts: float) -> pairs.Pairs:
+    """``node``'s pairs.json for a scenario: each pair of the plan it is in, the other end as
+    the peer (both ends of a pair get it)."""
+    got = []
+    for peer in plan.peers(PLAN, node):
+        v = bw[(node, peer)] if (node, peer) in bw else bw[(peer, node)]
+        got.append(pairs.Pair(peer=peer, ok=True, bus_bandwidth_bytes_per_second=v,
+                              transport="Socket", gdr=False))
+    return pairs.Pairs(node=node, plan="custom", round_timestamp=ts, pairs=tuple(got))
+
+
+@dataclass
+class Stack:
+    prometheus: str
+    states: dict[str, Path]  # node -> its exporter's state_dir
+    instance: dict[str, str]  # instance (exporter address) -> node
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as fh:
+        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def api(url: str, path: str, **params: str) -> Any:
+    r = requests.get(f"{url}/api/v1/{path}", params=params, timeout=10)
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "success", f"{path} {params}: {body}"
+    return body["data"]
+
+
+def wait_until(what: str, check: Callable[[], Any], timeout: float = 30) -> Any:
+    return wait_for(check, what, timeout=timeout, interval=0.25,
+                    ignore=(requests.RequestException,))
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    assert shutil.which("prometheus"), "prometheus is required (tests/run.sh installs it)"
+    tmp = tmp_path_factory.mktemp("fleet-prom")
+    exporters: list[Exporter] = []
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        states, instance = {}, {}
+        for node in NODES:
+            state = tmp / node
+            state.mkdir()
+            (tmp / f"{node}.yml").write_text(yaml.safe_dump(
+                {"probe": {"runner": "none", "state_dir": str(state)}}))
+            e = Exporter(["--collector.disable-defaults", "--collector.probe",
+                          f"--config.file={tmp / f'{node}.yml'}", "--no-hotplug"])
+            exporters.append(e)
+            states[node] = state
+            instance[f"127.0.0.1:{e.port}"] = node
+        overrides = tmp / "thresholds.yml"
+        overrides.write_text(yaml.safe_dump({"for": dict.fromkeys(rules.ALERT_NAMES, "0s")}))
+        (tmp / "rules.yml").write_text(
+            rules.render(thresholds.load(str(overrides), rules.ALERT_NAMES)))
+        port = free_port()
+        (tmp / "prometheus.yml").write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s",
+                       "evaluation_interval": "1s"},
+            "rule_files": [str(tmp / "rules.yml")],
+            "scrape_configs": [{"job_name": "gpunet",
+                                "static_configs": [{"targets": list(instance)}]}],
+        }))
+        procs.append(start(["prometheus", f"--config.file={tmp / 'prometheus.yml'}",
+                            f"--storage.tsdb.path={tmp / 'prom-data'}",
+                            f"--web.listen-address=127.0.0.1:{port}"], tmp / "prometheus.log"))
+        url = f"http://127.0.0.1:{port}"
+        wait_until("every exporter scraped", lambda: len(api(
+            url, "query", query='up{job="gpunet"} == 1')["result"]) == len(NODES))
+        yield Stack(url, states, instance)
+    finally:
+        for p in procs:
+            stop(p)
+        for e in exporters:
+            e.stop()
+
+
+def evaluate(stack: Stack, bw: Measured) -> set[tuple[str, str, str]]:
+    """Export ``bw`` on every node, wait until the recording rules hold this round's node medians
+    and the alert group has evaluated since; the firing fleet alerts as (alert, node, peer)."""
+    ts = float(int(time.time()))
+    for node, state in stack.states.items():
+        pairs.write(str(state), view(node, bw, ts))
+    want = {node: statistics.median(p.bus_bandwidth_bytes_per_second or 0.0
+                                    for p in view(node, bw, ts).pairs) for node in NODES}
+
+    def medians() -> float | None:
+        rows = api(stack.prometheus, "query", query=rules.NODE_MEDIAN_BW)["result"]
+        got = {stack.instance[r["metric"]["instance"]]: float(r["value"][1]) for r in rows}
+        ok = got.keys() == want.keys() and all(
+            math.isclose(got[n], want[n], rel_tol=1e-9) for n in want)
+        return time.time() if ok else None
+
+    seen = wait_until("the recording rules on this round's pairs", medians)
+
+    def alert_group_evaluated() -> bool:
+        groups = api(stack.prometheus, "rules")["groups"]
+        g = next(g for g in groups if g["name"] == "gpunet-alerts")
+        # A whole interval later: its evaluation time is surely past the recorded samples'.
+        return bool(_unix(g["lastEvaluation"]) > seen + 1)
+
+    wait_until("the alert rules evaluated after that", alert_group_evaluated)
+    firing = set()
+    for a in api(stack.prometheus, "alerts")["alerts"]:
+        name = a["labels"]["alertname"]
+        if a["state"] == "firing" and name in FLEET_ALERTS:
+            inst = a["labels"].get("instance", "")
+            firing.add((name, stack.instance.get(inst, inst), a["labels"].get("peer", "")))
+    print(f"firing: {sorted(firing)}")  # the numbers in docs/probe.md (pytest -s)
+    return firing
+
+
+def _unix(rfc3339: str) -> float:
+    """Prometheus' RFC 3339 time (nanoseconds, Z) as Unix seconds."""
+    head, _, frac = rfc3339.rstrip("Z").partition(".")
+    base = datetime.fromisoformat(head + "+00:00").timestamp()
+    return base + (float(f"0.{frac}") if frac else 0.0)
+
+
+def test_healthy_fleet_names_nothing(measured: Fleet, stack: Stack) -> None:
+    bw = measured.scenarios["healthy"]
+    assert evaluate(stack, bw) == set(), show(bw)
+
+
+def test_shaped_node_is_named_and_no_link(measured: Fleet, stack: Stack) -> None:
+    bw = measured.scenarios["node"]
+    firing = evaluate(stack, bw)
+    assert ("GpunetFleetNodeSuspect", SHAPED_NODE, "") in firing, f"{firing}; {show(bw)}"
+    allowed = {("GpunetFleetNodeSuspect", SHAPED_NODE, ""),
+               ("GpunetFleetBandwidthOutlier", SHAPED_NODE, "")}
+    assert firing <= allowed, f"{firing - allowed}; {show(bw)}"
+
+
+def test_shaped_path_blames_the_link_not_a_node(measured: Fleet, stack: Stack) -> None:
+    bw = measured.scenarios["pair"]
+    firing = evaluate(stack, bw)
+    a, b = SHAPED_PAIR
+    ends = {("GpunetFleetLinkSlow", a, b), ("GpunetFleetLinkSlow", b, a)}
+    assert firing & ends, f"{firing}; {show(bw)}"
+    assert firing <= ends, f"{firing - ends}; {show(bw)}"
