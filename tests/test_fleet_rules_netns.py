@@ -246,5 +246,4 @@ def test_shaped_path_blames_the_link_not_a_node(measured: Fleet, stack: Stack) -
     firing = evaluate(stack, bw)
     a, b = SHAPED_PAIR
     ends = {("GpunetFleetLinkSlow", a, b), ("GpunetFleetLinkSlow", b, a)}
-    assert firing & ends, f"{firing}; {show(bw)}"
-    assert firing <= ends, f"{firing - ends}; {show(bw)}"
+    assert firing == ends, f"{firing}; {show(bw)}"  # once from each end, peer the other end
