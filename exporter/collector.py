@@ -106,13 +106,16 @@ class ScrapeScope:
     """What the collectors of one scrape share: values built once, by the first collector that
     asks for one, and handed to the others of the same scrape (CollectorContext.shared()).
 
-    The Scraper makes one per scrape and runs each collection inside it (:func:`scrape_scope`).
-    Thread-safe: collectors run in threads of their own, and one asking for a value another is
-    building waits for it instead of building it again. A build that raises is not kept: the
-    next one to ask tries again.
+    The Scraper makes one per scrape and runs each collection inside it (:func:`scrape_scope`);
+    ``deadline`` (time.monotonic()) is when this scrape's collections should have returned, what
+    each collection sees as CollectorContext.deadline (None: no scrape's). Thread-safe:
+    collectors run in threads of their own, and one asking for a value another is building waits
+    for it instead of building it again. A build that raises is not kept: the next one to ask
+    tries again.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: float | None = None) -> None:
+        self.deadline = deadline
         self._lock = threading.Lock()
         self._slots: dict[Hashable, _Slot] = {}
 

@@ -226,33 +226,30 @@ class Runner:
         self._lock = threading.Lock()
         self._inflight: Future[Result] | None = None
         self._started = 0.0
-        self._queue: queue.SimpleQueue[
-            tuple[Future[Result], float | None, ScrapeScope | None]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Future[Result], ScrapeScope | None]] = (
+            queue.SimpleQueue())
         threading.Thread(target=self._loop, name=f"collect-{self.name}", daemon=True).start()
 
-    def start(self, deadline: float | None = None, scope: ScrapeScope | None = None
-              ) -> tuple[Future[Result], float]:
-        """The collection in flight, or a new one whose CollectorContext.deadline is
-        ``deadline`` (time.monotonic()) and whose shared values are ``scope``'s; a scrape that
-        finds one still in flight joins it (and that one keeps the deadline and scope of the
-        scrape it began in)."""
+    def start(self, scope: ScrapeScope | None = None) -> tuple[Future[Result], float]:
+        """The collection in flight, or a new one for the scrape of ``scope`` (its shared values
+        and its deadline); a scrape that finds one still in flight joins it (and that one keeps
+        the scope of the scrape it began in)."""
         with self._lock:
             if self._inflight is None or self._inflight.done():
                 fut: Future[Result] = Future()
                 self._started = time.perf_counter()
                 self._inflight = fut
-                self._queue.put((fut, deadline, scope))
+                self._queue.put((fut, scope))
             return self._inflight, self._started
 
     def _loop(self) -> None:
         while True:
             self._run(*self._queue.get())
 
-    def _run(self, fut: Future[Result], deadline: float | None = None,
-             scope: ScrapeScope | None = None) -> None:
+    def _run(self, fut: Future[Result], scope: ScrapeScope | None = None) -> None:
         ctx = self.collector.ctx
         ctx.unreadable = 0
-        ctx.deadline = deadline
+        ctx.deadline = scope.deadline if scope is not None else None
         t0 = time.perf_counter()
         try:
             with scrape_scope(scope):
@@ -282,11 +279,13 @@ class Scraper:
             timeout = _REQUEST_TIMEOUT.get()
         limit = self.timeout if timeout is None else min(self.timeout, timeout)
         deadline = time.perf_counter() + limit
-        collect_by = time.monotonic() + limit - min(WAIT_RESERVE * limit, WAIT_RESERVE_MAX)
-        scope = ScrapeScope()  # what this scrape's collectors share (one listing of RDMA devices)
+        # What this scrape's collectors share (one listing of RDMA devices), and when they should
+        # have returned.
+        scope = ScrapeScope(
+            time.monotonic() + limit - min(WAIT_RESERVE * limit, WAIT_RESERVE_MAX))
         started = []
         for runner in self.runners:
-            fut, t_start = runner.start(collect_by, scope)
+            fut, t_start = runner.start(scope)
             started.append((runner, fut, t_start))
             # Collectors are mostly Python between short syscalls: run side by side they only
             # trade the GIL back and forth. So each gets the interpreter to itself for up to

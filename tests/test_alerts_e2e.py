@@ -36,7 +36,7 @@ import pytest
 import requests
 import yaml
 
-from gpunet_exporter.health import rules, thresholds
+from gpunet_exporter.health import rules
 
 from support import sysfs_tree as st
 from support.bundle_node import (
@@ -51,6 +51,7 @@ from support.bundle_node import (
 )
 from support.exporter import Exporter, free_port
 from support.paths import REPO
+from support.prometheus import query, start, start_prometheus, stop
 from support.wait import wait_for
 
 
@@ -96,33 +97,11 @@ class Bundle:
     sentinels: int = 0  # alerts posted by flushed() so far
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as fh:
-        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def wait_until(what: str, check: Callable[[], Any], timeout: float = 90) -> Any:
     """wait_for with the bundle's pace: a check every 0.5 s (Prometheus evaluates every 1 s), a
     server not answering yet counted as "not yet"."""
     return wait_for(check, what, timeout=timeout, interval=0.5,
                     ignore=(requests.RequestException,))
-
-
-def query(url: str, expr: str) -> list[dict[str, Any]]:
-    r = requests.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
-    body = r.json()
-    assert r.status_code == 200 and body["status"] == "success", f"{expr}: {body}"
-    result: list[dict[str, Any]] = body["data"]["result"]
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -159,12 +138,6 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bundle]:
 
         threading.Thread(target=retransmit, daemon=True).start()
 
-        # Rules: the generator's, every `for:` 0s through a thresholds file.
-        overrides = tmp / "thresholds.yml"
-        overrides.write_text(yaml.safe_dump({"for": dict.fromkeys(rules.ALERT_NAMES, "0s")}))
-        (tmp / "rules.yml").write_text(
-            rules.render(thresholds.load(str(overrides), rules.ALERT_NAMES)))
-
         # Alertmanager: the shipped example, receivers on the webhook, waits shortened.
         am = yaml.safe_load((REPO / "alerts" / "alertmanager.yml").read_text())
         am["route"].update(group_wait="1s", group_interval="1s", repeat_interval="1h")
@@ -178,20 +151,9 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bundle]:
                             f"--web.listen-address=127.0.0.1:{am_port}",
                             "--cluster.listen-address="], tmp / "alertmanager.log"))
 
-        prom_port = free_port()
-        (tmp / "prometheus.yml").write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s",
-                       "evaluation_interval": "1s"},
-            "rule_files": [str(tmp / "rules.yml")],
-            "alerting": {"alertmanagers": [
-                {"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
-            "scrape_configs": [{"job_name": "gpunet", "static_configs": targets}],
-        }))
-        procs.append(start(["prometheus", f"--config.file={tmp / 'prometheus.yml'}",
-                            f"--storage.tsdb.path={tmp / 'prom-data'}",
-                            f"--web.listen-address=127.0.0.1:{prom_port}"],
-                           tmp / "prometheus.log"))
-        prom = f"http://127.0.0.1:{prom_port}"
+        # Prometheus: the generator's rules, every `for:` 0s.
+        prom_proc, prom = start_prometheus(tmp, targets, f"127.0.0.1:{am_port}")
+        procs.append(prom_proc)
         wait_until("both targets up", lambda: len(query(prom, 'up{job="gpunet"} == 1')) == 2)
         yield Bundle(prom, f"http://127.0.0.1:{am_port}", hook, qos_netdev, nodes)
     finally:

@@ -32,11 +32,12 @@ import pytest
 import requests
 import yaml
 
-from gpunet_exporter.health import rules, thresholds
+from gpunet_exporter.health import rules
 from gpunet_exporter.probe import pairs, plan
 
 from support import netns
-from support.exporter import Exporter, free_port
+from support.exporter import Exporter
+from support.prometheus import api, start_prometheus, stop
 from support.wait import wait_for
 
 pytestmark = pytest.mark.slow
@@ -115,27 +116,6 @@ class Stack:
     instance: dict[str, str]  # instance (exporter address) -> node
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as fh:
-        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def api(url: str, path: str, **params: str) -> Any:
-    r = requests.get(f"{url}/api/v1/{path}", params=params, timeout=10)
-    body = r.json()
-    assert r.status_code == 200 and body["status"] == "success", f"{path} {params}: {body}"
-    return body["data"]
-
-
 def wait_until(what: str, check: Callable[[], Any], timeout: float = 30) -> Any:
     return wait_for(check, what, timeout=timeout, interval=0.25,
                     ignore=(requests.RequestException,))
@@ -159,22 +139,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             exporters.append(e)
             states[node] = state
             instance[f"127.0.0.1:{e.port}"] = node
-        overrides = tmp / "thresholds.yml"
-        overrides.write_text(yaml.safe_dump({"for": dict.fromkeys(rules.ALERT_NAMES, "0s")}))
-        (tmp / "rules.yml").write_text(
-            rules.render(thresholds.load(str(overrides), rules.ALERT_NAMES)))
-        port = free_port()
-        (tmp / "prometheus.yml").write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s",
-                       "evaluation_interval": "1s"},
-            "rule_files": [str(tmp / "rules.yml")],
-            "scrape_configs": [{"job_name": "gpunet",
-                                "static_configs": [{"targets": list(instance)}]}],
-        }))
-        procs.append(start(["prometheus", f"--config.file={tmp / 'prometheus.yml'}",
-                            f"--storage.tsdb.path={tmp / 'prom-data'}",
-                            f"--web.listen-address=127.0.0.1:{port}"], tmp / "prometheus.log"))
-        url = f"http://127.0.0.1:{port}"
+        proc, url = start_prometheus(tmp, [{"targets": list(instance)}])
+        procs.append(proc)
         wait_until("every exporter scraped", lambda: len(api(
             url, "query", query='up{job="gpunet"} == 1')["result"]) == len(NODES))
         yield Stack(url, states, instance)

@@ -1,1 +1,1 @@
-"""The NCCL probe: runner, NCCL log parser, result files."""
+"""The probe program and its use by the exporter: runner, supervisor, pair plans, result files."""

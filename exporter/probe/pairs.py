@@ -19,14 +19,14 @@ raises only BadPairs (or OSError), which the exporter counts as one failure. No 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from gpunet_exporter import statefile
-from gpunet_exporter.probe.results import _finite, _short
+from gpunet_exporter.config import short
+from gpunet_exporter.probe.results import finite, load_json
 
 VERSION = 1
 FILE = "pairs.json"
@@ -72,7 +72,7 @@ def _name(d: Mapping[str, Any], key: str, where: str, *, optional: bool = False,
         return None
     if not isinstance(v, str) or not v or len(v) > limit:
         raise BadPairs(f"{where}: {key!r} must be a non-empty string of at most {limit} "
-                       f"characters{' or null' if optional else ''}, got {_short(v)}")
+                       f"characters{' or null' if optional else ''}, got {short(v)}")
     return v
 
 
@@ -80,9 +80,9 @@ def _number(d: Mapping[str, Any], key: str, where: str) -> float | None:
     v = d.get(key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or v < 0:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not finite(v) or v < 0:
         raise BadPairs(f"{where}: {key!r} must be a non-negative number or null, got "
-                       f"{_short(v)}")
+                       f"{short(v)}")
     return float(v)
 
 
@@ -91,7 +91,7 @@ def parse(data: Any, where: str = FILE) -> Pairs:
     if not isinstance(data, dict):
         raise BadPairs(f"{where}: expected a JSON object")
     if data.get("version") != VERSION:
-        raise BadPairs(f"{where}: version {_short(data.get('version'))}, expected {VERSION}")
+        raise BadPairs(f"{where}: version {short(data.get('version'))}, expected {VERSION}")
     node = _name(data, "node", where)
     leaf = _name(data, "leaf", where, optional=True)
     kind = _name(data, "plan", where, limit=MAX_TEXT)
@@ -110,7 +110,7 @@ def parse(data: Any, where: str = FILE) -> Pairs:
         peer = _name(p, "peer", w)
         assert peer is not None
         if peer in seen:
-            raise BadPairs(f"{w}: peer {_short(peer)} appears twice (one entry per peer)")
+            raise BadPairs(f"{w}: peer {short(peer)} appears twice (one entry per peer)")
         seen.add(peer)
         ok, gdr, error = p.get("ok"), p.get("gdr"), p.get("error")
         if not isinstance(ok, bool):
@@ -131,17 +131,7 @@ def parse(data: Any, where: str = FILE) -> Pairs:
 
 def read(path: str) -> Pairs:
     """Read and validate a pairs file; raises OSError or BadPairs."""
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        text = fh.read(MAX_BYTES + 1)
-    if len(text) > MAX_BYTES:
-        raise BadPairs(f"{path}: larger than {MAX_BYTES} bytes")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadPairs(f"{path}: not JSON: {exc.msg} at line {exc.lineno}") from None
-    except (ValueError, RecursionError) as exc:  # int digit limit, nesting
-        raise BadPairs(f"{path}: not a pairs file: {type(exc).__name__}") from None
-    return parse(data, path)
+    return parse(load_json(path, BadPairs, "a pairs file", MAX_BYTES), path)
 
 
 def to_json(p: Pairs) -> dict[str, Any]:

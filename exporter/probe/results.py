@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpunet_exporter.config import short
+
 VERSION = 2
 SCOPES = ("intra", "net", "inter")
 NODE_SCOPES = ("intra", "net")  # what a node's own runner measures; inter is cluster mode
@@ -94,23 +96,18 @@ def _num(d: Mapping[str, Any], key: str, where: str, *, allow_none: bool = False
     v = d.get(key)
     if v is None and allow_none:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or v < 0:
-        raise BadResult(f"{where}: {key!r} must be a non-negative number, got {_short(v)}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not finite(v) or v < 0:
+        raise BadResult(f"{where}: {key!r} must be a non-negative number, got {short(v)}")
     return v
 
 
-def _finite(v: float) -> bool:
+def finite(v: float) -> bool:
     """Finite, and for an int within the float range (math.isfinite raises OverflowError for
     an int beyond it, and so would every float() the exporter does with it later)."""
     try:
         return math.isfinite(v)
     except OverflowError:
         return False
-
-
-def _short(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _strs(d: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
@@ -125,16 +122,16 @@ def parse(data: Any, where: str = "result") -> Result:
     if not isinstance(data, dict):
         raise BadResult(f"{where}: expected a JSON object")
     if data.get("version") != VERSION:
-        raise BadResult(f"{where}: version {_short(data.get('version'))}, expected {VERSION}")
+        raise BadResult(f"{where}: version {short(data.get('version'))}, expected {VERSION}")
     scope = data.get("scope")
     if scope not in SCOPES:
-        raise BadResult(f"{where}: scope {_short(scope)}, expected one of {', '.join(SCOPES)}")
+        raise BadResult(f"{where}: scope {short(scope)}, expected one of {', '.join(SCOPES)}")
     success = data.get("success")
     if not isinstance(success, bool):
         raise BadResult(f"{where}: 'success' must be true or false")
     failure = data.get("failure") or ""
     if not success and failure not in FAILURE_REASONS:
-        raise BadResult(f"{where}: failure {_short(failure)}, expected one of "
+        raise BadResult(f"{where}: failure {short(failure)}, expected one of "
                         f"{', '.join(FAILURE_REASONS)}")
     sizes = []
     raw_sizes = data.get("sizes", [])
@@ -225,16 +222,23 @@ def _hcas(data: Any, where: str) -> tuple[Hca, ...]:
     return tuple(out)
 
 
+def load_json(path: str, bad: type[ValueError], what: str, limit: int = 1 << 20) -> Any:
+    """The decoded JSON of a file the probe writes (a result, pairs.json), reading at most
+    ``limit`` bytes; raises OSError, or ``bad`` naming ``path`` and what is wrong."""
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        text = fh.read(limit + 1)
+    if len(text) > limit:
+        raise bad(f"{path}: larger than {limit} bytes")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise bad(f"{path}: not JSON: {exc.msg} at line {exc.lineno}") from None
+    except ValueError as exc:  # an integer beyond int()'s digit limit (4300)
+        raise bad(f"{path}: not {what}: {exc}") from None
+    except RecursionError:
+        raise bad(f"{path}: not {what}: JSON nested too deeply") from None
+
+
 def read(path: str) -> Result:
     """Read and validate a result file; raises OSError or BadResult."""
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        text = fh.read(1 << 20)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadResult(f"{path}: not JSON: {exc.msg} at line {exc.lineno}") from None
-    except ValueError as exc:  # an integer beyond int()'s digit limit (4300)
-        raise BadResult(f"{path}: not a result file: {exc}") from None
-    except RecursionError:
-        raise BadResult(f"{path}: not a result file: JSON nested too deeply") from None
-    return parse(data, path)
+    return parse(load_json(path, BadResult, "a result file"), path)
