@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpunet_exporter.probe import fleet, pairs, plan
+from gpunet_exporter.probe import fleet, pairs, plan, results
 
 from support import fleet as launch
 from support.exporter import free_port
@@ -213,3 +213,46 @@ def test_four_nodes_on_loopback_write_the_ring_on_both_ends(tmp_path: Path) -> N
     assert all(s["ok"] for s in summary), summary
     assert not [line for _, out in done[1:] for line in out.splitlines()
                 if line.startswith("{")]  # only rank 0 prints the summary
+
+
+# -- one end's view of its pair -------------------------------------------------------------
+
+TURN = fleet.Turn(round=0, peer="b", peer_leaf="r2", serve=True, master="10.0.0.1", port=29600)
+SIZES = [8 << 10, 64 << 20]
+
+
+def _result(sizes: tuple[results.SizeResult, ...], **kw: object) -> results.Result:
+    base: dict[str, object] = {"scope": "inter", "time": 2.0, "started": 1.0, "success": True,
+                               "backend": "nccl", "world_size": 2, "sizes": sizes,
+                               "net": "IB", "net_transports": ("IB",), "gdr": True}
+    return results.Result(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_a_measured_pair_has_the_small_sizes_latency_and_the_large_sizes_bandwidth() -> None:
+    got = fleet.judge(TURN, _result((
+        results.SizeResult(8 << 10, median_seconds=2e-5, busbw_bytes_per_second=4e8),
+        results.SizeResult(64 << 20, median_seconds=2e-3, busbw_bytes_per_second=4.5e10))),
+        SIZES, gpus=1, backend="nccl")
+    assert (got.ok, got.latency_seconds, got.bus_bandwidth_bytes_per_second) == (True, 2e-5, 4.5e10)
+    assert (got.transport, got.gdr, got.peer_leaf) == ("IB", True, "r2")
+
+
+def test_a_busy_gpu_leaves_the_pair_without_bandwidth_not_slow() -> None:
+    """Seen on an H100 (docs/probe.md): the runner skipped 1 MiB and up on a GPU busy with the
+    other pair, and the 8 KiB bus bandwidth, 1.7 MB/s, passed for the pair's."""
+    got = fleet.judge(TURN, _result((
+        results.SizeResult(8 << 10, median_seconds=4.8e-3, busbw_bytes_per_second=1.7e6),
+        results.SizeResult(64 << 20, skipped=True)), skipped_busy=True),
+        SIZES, gpus=1, backend="nccl")
+    assert got.ok and got.latency_seconds == 4.8e-3 and got.bus_bandwidth_bytes_per_second is None
+
+
+@pytest.mark.parametrize("kw, want", [
+    ({"success": False, "failure": "timeout", "error": "init took more than 8 s"},
+     "timeout: init took more than 8 s"),
+    ({"world_size": 4}, "no size measured in a world of 4"),
+])
+def test_a_failed_or_foreign_result_is_a_failed_pair(kw: dict[str, object], want: str) -> None:
+    got = fleet.judge(TURN, _result((results.SizeResult(8 << 10, median_seconds=1e-5),), **kw),
+                      SIZES, gpus=1, backend="nccl")
+    assert (got.ok, got.error, got.bus_bandwidth_bytes_per_second) == (False, want, None)

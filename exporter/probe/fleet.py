@@ -281,17 +281,26 @@ def run_pair(args: argparse.Namespace, turn: Turn, env: Mapping[str, str]) -> pa
         res = results.read(path)
     except (OSError, results.BadResult) as exc:
         return _failed(turn, f"no result (ranks exited {codes}): {exc}")
+    return judge(turn, res, args.sizes, args.gpus_per_node, args.backend)
+
+
+def judge(turn: Turn, res: results.Result, sizes: Sequence[int], gpus: int, backend: str
+          ) -> pairs.Pair:
+    """This end's view of the pair from the result its local rank 0 wrote."""
     if not res.success:
         return _failed(turn, f"{res.failure}: {res.error}"[:500], res)
     measured = [s for s in res.sizes if not s.skipped and s.median_seconds > 0]
-    if not measured or res.world_size != 2 * args.gpus_per_node:
+    if not measured or res.world_size != 2 * gpus:
         return _failed(turn, f"no size measured in a world of {res.world_size}", res)
     small = min(measured, key=lambda s: s.bytes)
     large = max(measured, key=lambda s: s.bytes)
+    # A busy GPU (the runner's NVML check) skips the large sizes: the bandwidth of a small one
+    # would pass for a slow pair, so the pair then has a latency and no bandwidth.
+    full = large.bytes == max(sizes)
     return pairs.Pair(peer=turn.peer, ok=True, peer_leaf=turn.peer_leaf,
                       latency_seconds=small.median_seconds,
-                      bus_bandwidth_bytes_per_second=large.busbw_bytes_per_second,
-                      transport=_transport(res, args.backend), gdr=res.gdr)
+                      bus_bandwidth_bytes_per_second=large.busbw_bytes_per_second if full
+                      else None, transport=_transport(res, backend), gdr=res.gdr)
 
 
 def _transport(res: results.Result | None, backend: str) -> str | None:
