@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -256,3 +257,35 @@ def test_a_failed_or_foreign_result_is_a_failed_pair(kw: dict[str, object], want
     got = fleet.judge(TURN, _result((results.SizeResult(8 << 10, median_seconds=1e-5),), **kw),
                       SIZES, gpus=1, backend="nccl")
     assert (got.ok, got.error, got.bus_bandwidth_bytes_per_second) == (False, want, None)
+
+
+# -- --leaves-from ---------------------------------------------------------------------------
+
+def test_leaves_from_a_mounted_configmap_directory(tmp_path: Path) -> None:
+    """The layout the kubelet makes of a ConfigMap volume: keys are symlinks into ..data."""
+    data = tmp_path / "..2026_11_24" / "x"
+    data.parent.mkdir()
+    data.mkdir()
+    (data / "gpu-node-7").write_text("leaf-3\n")
+    (tmp_path / "..data").symlink_to(data)
+    (tmp_path / "gpu-node-7").symlink_to(Path("..data") / "gpu-node-7")
+    assert fleet.leaf_from(str(tmp_path), "gpu-node-7") == "leaf-3"
+    assert fleet.leaf_from(str(tmp_path), "gpu-node-8") is None
+
+
+def test_leaves_from_a_yaml_mapping(tmp_path: Path) -> None:
+    f = tmp_path / "leaves.yml"
+    f.write_text("n1: r1\nn2: r2\n")
+    assert (fleet.leaf_from(str(f), "n2"), fleet.leaf_from(str(f), "n9")) == ("r2", None)
+
+
+@pytest.mark.parametrize("text, want", [
+    ("- n1\n- n2\n", "expected a mapping of node names to leaves"),
+    ("n1: [r1]\n", "the leaf of 'n1' must be a string"),
+    ("n1: r1\n  bad: [\n", "leaves.yml: "),
+])
+def test_a_bad_leaves_file_is_one_clear_error(tmp_path: Path, text: str, want: str) -> None:
+    f = tmp_path / "leaves.yml"
+    f.write_text(text)
+    with pytest.raises(fleet.FleetError, match=re.escape(want)):
+        fleet.leaf_from(str(f), "n1")

@@ -295,6 +295,8 @@ def test_the_idle_node_policy(job_name: str, job: dict[str, Any]) -> None:
     requests = container(job)["resources"].get("requests", {})
     assert isinstance(limits["nvidia.com/gpu"], int) and limits["nvidia.com/gpu"] >= 1
     assert requests.get("nvidia.com/gpu", limits["nvidia.com/gpu"]) == limits["nvidia.com/gpu"]
+    # and a pair uses them all: every GPU (and the NIC next to it) carries the pair's traffic
+    assert fleet_args(job, job_name).gpus_per_node == limits["nvidia.com/gpu"]
     pc = one(docs, "PriorityClass", job["template"]["spec"]["priorityClassName"])
     assert pc["preemptionPolicy"] == "Never" and pc["value"] < 0
     assert not pc.get("globalDefault")
@@ -401,6 +403,7 @@ def test_the_kustomization_knobs_reach_every_place(tmp_path: Path) -> None:
                .replace("parallelism: 4", "parallelism: 16").replace('value: "4"', 'value: "16"')
                .replace('"17 * * * *"', '"41 * * * *"').replace("nvidia.com/gpu: 8",
                                                                  "nvidia.com/gpu: 4")
+               .replace('value: "8"', 'value: "4"')
                .replace("newName: ghcr.io/OWNER/gpunet-exporter", "newName: registry.example/gx")
                .replace("newTag: VERSION", 'newTag: "1.2.3"'))
     assert changed.count("16") == 3
@@ -415,6 +418,7 @@ def test_the_kustomization_knobs_reach_every_place(tmp_path: Path) -> None:
     assert cron["spec"]["schedule"] == "41 * * * *"
     c = container(job)
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert fleet_args(job, f"{cron['metadata']['name']}-{SCHEDULED_MINUTES}").gpus_per_node == 4
     assert c["image"] == "registry.example/gx:1.2.3"
     assert {e["name"] for e in c["env"]} == {e["name"] for e in container(
         one(documents(), "CronJob")["spec"]["jobTemplate"]["spec"])["env"]}

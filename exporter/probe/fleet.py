@@ -47,6 +47,9 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Protocol
 
+import yaml
+
+from gpunet_exporter.config import ConfigError, read_regular, short
 from gpunet_exporter.flags import Parser
 from gpunet_exporter.probe import pairs, plan, results, runner
 from gpunet_exporter.sources.commands import Child
@@ -121,6 +124,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--leaf", default=None,
                    help="this node's rack or leaf switch (default $GPUNET_LEAF; leaf plans "
                         "need it on every node)")
+    p.add_argument("--leaves-from", default=None, metavar="PATH",
+                   help="where this node's leaf is looked up when --leaf and $GPUNET_LEAF are "
+                        "not set: a directory with one file per node name holding its leaf (a "
+                        "mounted Kubernetes ConfigMap), or a YAML file mapping node names to "
+                        "leaves")
     p.add_argument("--address", default=None,
                    help="the address peers reach this node at (default: this node's address "
                         "on the route to MASTER_ADDR)")
@@ -172,6 +180,32 @@ def node_name(args: argparse.Namespace, env: Mapping[str, str]) -> str:
         raise FleetError(f"node name {name!r}: letters, digits, '.', '_' and '-' only, at most "
                          f"253, starting with a letter or digit (set --node-name or GPUNET_NODE)")
     return name
+
+
+MAX_LEAVES_BYTES = 4 << 20  # a YAML map of 10,000 nodes is well under 1 MiB
+
+
+def leaf_from(path: str, node: str) -> str | None:
+    """``node``'s leaf from ``--leaves-from``: the file ``<path>/<node>`` of a directory, or the
+    entry of a YAML mapping; None when the node is not listed. FleetError for a file that
+    cannot be read or is not such a mapping."""
+    try:
+        if os.path.isdir(path):
+            entry = os.path.join(path, node)
+            if not os.path.lexists(entry):
+                return None
+            text = read_regular(entry, 4096).decode("utf-8").strip()
+            return text or None
+        data = yaml.safe_load(read_regular(path, MAX_LEAVES_BYTES))
+    except (ConfigError, OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise FleetError(f"--leaves-from {path}: {str(exc).splitlines()[0]}") from exc
+    if not isinstance(data, dict):
+        raise FleetError(f"--leaves-from {path}: expected a mapping of node names to leaves")
+    leaf = data.get(node)
+    if leaf is not None and not isinstance(leaf, str):
+        raise FleetError(f"--leaves-from {path}: the leaf of {node!r} must be a string, got "
+                         f"{short(leaf)}")
+    return leaf or None
 
 
 def route_address(host: str, port: int) -> str:
@@ -484,10 +518,13 @@ def main(argv: Sequence[str]) -> int:
         port = parse_uint(env.get("MASTER_PORT", "")) or 0
         if not master or not port:
             raise FleetError("MASTER_ADDR and MASTER_PORT must be set (the rendezvous)")
+        node = node_name(args, env)
         leaf = args.leaf if args.leaf is not None else env.get(LEAF_ENV) or None
+        if leaf is None and args.leaves_from:
+            leaf = leaf_from(args.leaves_from, node)
         if leaf is not None and not _NAME.match(leaf):
             raise FleetError(f"leaf {leaf!r}: letters, digits, '.', '_' and '-' only")
-        me = Member(node_name(args, env), args.address or route_address(master, port), leaf)
+        me = Member(node, args.address or route_address(master, port), leaf)
     except (FleetError, OSError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return EXIT_BAD_ARGS
