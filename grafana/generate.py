@@ -4,11 +4,12 @@
     python grafana/generate.py            # rewrite grafana/gpunet-*.json
     python grafana/generate.py --check    # exit 1 naming each stale file
 
-Three dashboards (docs/dashboards.md): the fleet overview, one node, and the NCCL probes
-(collectives). Every panel and query uses the ``datasource`` variable, every query filters by
-``instance``, every counter is read through ``rate``/``increase`` over ``$__rate_interval``, and
-every panel has a unit; tests/test_grafana.py checks all of that and that the committed JSON is
-what this file generates.
+Four dashboards (docs/dashboards.md): the fleet overview, one node, the NCCL probes
+(collectives), and the pair plan of fleet probes (pairs). Every panel and query uses the
+``datasource`` variable, every query filters by ``instance`` (a series without one, per job or
+per leaf, by ``job``), every counter is read through ``rate``/``increase`` over
+``$__rate_interval``, and every panel has a unit; tests/test_grafana.py checks all of that and
+that the committed JSON is what this file generates.
 
 Helpers for tests, importable by path (standard library only):
 ``dashboards()`` (file name -> dashboard), ``queries(dashboard)`` ((panel title, expr) of every
@@ -251,7 +252,8 @@ def table(title: str, description: str, targets: list[Json], unit: str, *,
           rename: dict[str, str] | None = None, order: list[str] | None = None,
           mappings: list[Json] | None = None, thresholds: Json | None = None,
           overrides: list[Json] | None = None, transformations: list[Json] | None = None,
-          sort_by: str | None = None, cell: str = "auto", decimals: int | None = None) -> Json:
+          sort_by: str | None = None, sort_desc: bool = True, cell: str = "auto",
+          decimals: int | None = None) -> Json:
     """Instant queries as a table; several queries are merged on their labels."""
     steps_: list[Json] = []
     if len(targets) > 1:
@@ -261,7 +263,7 @@ def table(title: str, description: str, targets: list[Json], unit: str, *,
     options: Json = {"showHeader": True, "cellHeight": "sm",
                      "footer": {"show": False, "reducer": ["sum"], "fields": ""}}
     if sort_by:
-        options["sortBy"] = [{"displayName": sort_by, "desc": True}]
+        options["sortBy"] = [{"displayName": sort_by, "desc": sort_desc}]
     return panel("table", title, description, targets, unit, mappings=mappings,
                  thresholds=thresholds, decimals=decimals,
                  custom={"align": "auto", "cellOptions": {"type": cell}, "filterable": True,
@@ -1254,6 +1256,268 @@ def collectives() -> Json:
                         include_all=True, all_value=".+", sort=3)])
 
 
+# --- pairs (the pair plan of fleet probes) ---
+
+# Recording rules of alerts/gpunet.rules.yml (exporter/health/rules.py) the pair dashboard reads.
+_PAIR_BW = "gpunet_fleet_pair_bus_bandwidth_bytes_per_second"
+NODE_MEDIAN_BW = f"instance:{_PAIR_BW}:median"
+FLEET_MEDIAN_BW = f"job:{_PAIR_BW}:median"
+FLEET_MAD_BW = f"job:{_PAIR_BW}:mad"
+PAIR_RATIO = f"instance_peer:{_PAIR_BW}:ratio_to_fleet_median"
+NODE_PAIRS = "instance:gpunet_fleet_pairs:count"
+NODE_PAIRS_HEALTHY = "instance:gpunet_fleet_pairs_healthy:count"
+LEAF_INTRA_BW = f"leaf:{_PAIR_BW}:median_intra_leaf"
+LEAF_CROSS_BW = f"leaf:{_PAIR_BW}:median_cross_leaf"
+LEAF_CROSS_RATIO = f"leaf:{_PAIR_BW}:cross_to_intra_leaf_ratio"
+# The default thresholds of exporter/health/thresholds.py ("fleet"), which this stdlib-only file
+# cannot import: fleet.link_slow_ratio, fleet.cross_leaf_ratio, fleet.stale_seconds.
+LINK_SLOW_RATIO = 0.5
+CROSS_LEAF_RATIO = 0.6
+ROUND_STALE_SECONDS = 10800
+PAIR_RATIO_STEPS = steps(("red", None), ("orange", LINK_SLOW_RATIO), ("green", 0.8))
+FAILED_PAIR = mapping((-1, "FAILED", "red"))
+ROUND_AGE_STEPS = steps(("green", None), ("yellow", 7200), ("red", ROUND_STALE_SECONDS))
+
+
+def jsel(metric: str, *matchers: str) -> str:
+    """A selector of a series without an instance label (per job or per leaf), limited to the
+    selected jobs."""
+    return metric + "{" + ", ".join([JOB, *matchers]) + "}"
+
+
+def firing(alerts: str, *, per_instance: bool = True) -> str:
+    """ALERTS of the named alerts (a regex) that fire; per_instance=False for alerts that carry
+    no instance (GpunetFleetCrossLeafSlow names a leaf)."""
+    matchers = ('alertstate="firing"', f'alertname=~"{alerts}"')
+    return sel("ALERTS", JOB, *matchers) if per_instance else jsel("ALERTS", *matchers)
+
+
+def pair_state() -> str:
+    """Each pair's bus bandwidth over the fleet's median node, or -1 when the pair failed."""
+    return (f"({sel(PAIR_RATIO)} or on (instance, job, peer) "
+            f"({sel('gpunet_fleet_pair_success')} == 0) - 1)")
+
+
+def pairs_dashboard() -> Json:
+    lay = Layout()
+    node_alerts = "GpunetFleet(NodeSuspect|BandwidthOutlier)"
+    with_info = (" * on (instance, job, peer) group_left (peer_leaf, transport, gdr) "
+                 + sel("gpunet_fleet_pair_info"))
+    lay.row("Now")
+    lay.add(stat("Nodes with pair results", "Selected nodes whose exporter exports a pair round "
+                 "(a readable pairs.json in probe.state_dir). Nodes outside the last plan keep "
+                 "their older file.",
+                 [target(count_or_zero(sel("gpunet_fleet_round_timestamp_seconds")))],
+                 "short"), 4, 4)
+    lay.add(stat("Failed pairs", "Pairs of the last round that gave no result (success 0), "
+                 "counted from each end. The matrix below shows them as FAILED.",
+                 [target(count_or_zero(sel("gpunet_fleet_pair_success") + " == 0"))], "short",
+                 thresholds=OK_RED), 4, 4)
+    lay.add(stat("Slow pairs", "Pairs that ran but reached less than fleet.link_slow_ratio "
+                 "(50%) of the fleet's median node, counted from each end.",
+                 [target(count_or_zero(f"{sel(PAIR_RATIO)} < {LINK_SLOW_RATIO}"))], "short",
+                 thresholds=OK_RED), 4, 4)
+    lay.add(stat("Suspect nodes", "Nodes on which GpunetFleetNodeSuspect or "
+                 "GpunetFleetBandwidthOutlier fires: the node, not its links, is the common "
+                 "factor of its slow or failed pairs. The Suspects row names them.",
+                 [target(count_or_zero(f"count by (instance) ({firing(node_alerts)})"))],
+                 "short", thresholds=OK_RED), 4, 4)
+    lay.add(stat("Slow links", "GpunetFleetLinkSlow alerts firing: a pair slow or failed "
+                 "between two nodes that are fine with their other peers. A link usually fires "
+                 "from both ends, so counts twice.",
+                 [target(count_or_zero(firing("GpunetFleetLinkSlow")))], "short",
+                 thresholds=OK_RED), 4, 4)
+    lay.add(stat("Slow leaves", "Leaves on which GpunetFleetCrossLeafSlow fires: their "
+                 "cross-leaf pairs reach less than fleet.cross_leaf_ratio (60%) of their "
+                 "intra-leaf pairs (the spine side is the suspect). Per leaf, not per node: "
+                 "the node selection does not apply.",
+                 [target(count_or_zero(firing("GpunetFleetCrossLeafSlow",
+                                              per_instance=False)))], "short",
+                 thresholds=OK_RED), 4, 4)
+    lay.add(stat("Fleet median pair bus bandwidth", "The median over nodes of each node's "
+                 "median pair bus bandwidth (recording rule " + FLEET_MEDIAN_BW + "), over "
+                 "every node of the job, whatever the node selection.",
+                 [target(jsel(FLEET_MEDIAN_BW), "{{job}}")], "Bps"), 8, 4)
+    lay.add(stat("Fleet spread (MAD / median)", "Median absolute deviation of the node medians "
+                 "over their median: how far a typical node lies from the median node. A few "
+                 "percent is a uniform fleet; GpunetFleetBandwidthOutlier needs a node below "
+                 "the median by 3 robust sigmas (1.4826 x MAD) and below 70% of it.",
+                 [target(f"{jsel(FLEET_MAD_BW)} / {jsel(FLEET_MEDIAN_BW)}", "{{job}}")],
+                 "percentunit", thresholds=steps(("green", None), ("orange", 0.1))), 8, 4)
+    lay.add(stat("Oldest pair round", "Longest time since a selected node's last pair round. "
+                 "The documented period is 1 h; past fleet.stale_seconds (3 h) "
+                 "GpunetFleetProbeStale fires and the other fleet alerts judge old results.",
+                 [target("max(time() - " + sel("gpunet_fleet_round_timestamp_seconds") + ")")],
+                 "s", thresholds=ROUND_AGE_STEPS), 4, 4)
+    lay.add(stat("Pairs dropped", "Peers of the last plan left out of the pair metrics because "
+                 "a node had more than probe.fleet_max_peers (64); failed pairs are kept first. "
+                 "Above 0: the plan gives nodes more peers than the exporter exports.",
+                 [target(sum_or_zero(sel("gpunet_fleet_pairs_dropped")))], "short",
+                 thresholds=OK_ORANGE), 4, 4)
+
+    lay.row("Pair matrix")
+    cells = override("instance\\peer", ("displayName", "node \\ peer"), ("links", NODE_LINK),
+                     ("custom.cellOptions", {"type": "auto"}))
+    lay.add(table(
+        "Pair bus bandwidth / fleet median, node x peer",
+        "One row per node (instance), one column per peer (the node name the plan uses), "
+        "from the last round: each pair's bus bandwidth over the fleet's median node "
+        "(recording rule " + PAIR_RATIO + "). Green from 80%, orange below, red below "
+        "fleet.link_slow_ratio (50%); FAILED: the pair gave no result. A node whose row and "
+        "column are red is the suspect; one red cell, mirrored across the diagonal, a link. "
+        "Empty: no pair between them in the plan. Relabel instance to the node's name in "
+        "Prometheus and rows and columns line up.",
+        [target(pair_state(), table=True)], "percentunit",
+        transformations=[{"id": "groupingToMatrix", "options": {
+            "columnField": "peer", "rowField": "instance", "valueField": "Value"}}],
+        mappings=FAILED_PAIR, thresholds=PAIR_RATIO_STEPS, cell="color-background",
+        overrides=[cells], decimals=0), 24, 12)
+    ratio_col = override("of fleet median", ("mappings", FAILED_PAIR),
+                         ("custom.cellOptions", {"type": "color-text"}))
+    lay.add(table(
+        "Pairs of the last round", "Every pair of the selected nodes, from each end: the peer, "
+        "its leaf, the network (transport) and GPUDirect RDMA the pair used, its bus bandwidth "
+        "and latency, and its share of the fleet's median node (FAILED: no result). Sorted "
+        "worst first. Socket, or gdr false on a GPUDirect fabric, explains a slow pair.",
+        [target(sel(_PAIR_BW) + with_info, table=True),
+         target(pair_state() + with_info, table=True),
+         target(sel("gpunet_fleet_pair_latency_seconds") + with_info, table=True),
+         target(sel("gpunet_fleet_pair_success") + with_info, table=True)], "Bps",
+        rename={"Value #A": "bus bandwidth", "Value #B": "of fleet median",
+                "Value #C": "latency", "Value #D": "ok"},
+        order=["instance", "peer", "peer_leaf", "transport", "gdr", "bus bandwidth",
+               "of fleet median", "latency", "ok"],
+        thresholds=PAIR_RATIO_STEPS, sort_by="of fleet median", sort_desc=False,
+        overrides=[ratio_col, override("of fleet median", ("unit", "percentunit")),
+                   override("latency", ("unit", "s")),
+                   override("ok", ("unit", "none"), ("mappings", GOOD_WHEN_1),
+                            ("custom.cellOptions", {"type": "color-text"}))]), 24, 10)
+
+    lay.row("Suspects")
+    node_rows = f"max by (instance, alertname) ({firing(node_alerts)})"
+
+    def per_alert(expr: str) -> str:
+        return f"{node_rows} * on (instance) group_left () max by (instance) ({expr})"
+
+    lay.add(table(
+        "Suspect nodes", "Nodes on which GpunetFleetNodeSuspect (every pair failed or slow) or "
+        "GpunetFleetBandwidthOutlier (median pair a robust outlier) fires, with the node's "
+        "pairs, how many of them are healthy and its median pair bus bandwidth (empty when "
+        "none ran). Empty is healthy. Follow the node's own link, transport and topology "
+        "alerts; after the repair, run the repair plan (docs/runbooks.md, Pair plan).",
+        [target(node_rows, table=True),
+         target(per_alert(sel(NODE_PAIRS)), table=True),
+         target(per_alert(sel(NODE_PAIRS_HEALTHY)), table=True),
+         target(per_alert(sel(NODE_MEDIAN_BW)), table=True)], "short",
+        rename={"Value #B": "pairs", "Value #C": "healthy pairs",
+                "Value #D": "median pair bus bandwidth"},
+        order=["instance", "alertname", "pairs", "healthy pairs",
+               "median pair bus bandwidth"], decimals=0,
+        overrides=[override("Value #A", ("custom.hidden", True)),
+                   override("median pair bus bandwidth", ("unit", "Bps"),
+                            ("decimals", None))]), 12, 8)
+    leaf_rows = f"max by (job, leaf) ({firing('GpunetFleetCrossLeafSlow', per_instance=False)})"
+
+    def per_leaf(metric: str) -> str:
+        return f"{leaf_rows} * on (job, leaf) {jsel(metric)}"
+
+    lay.add(table(
+        "Slow leaves", "Leaves on which GpunetFleetCrossLeafSlow fires: the median of their "
+        "cross-leaf pairs against the median of their intra-leaf pairs. Below 60% (red): the "
+        "leaf's uplinks, the spines or the routing. While it fires, Alertmanager mutes "
+        "GpunetFleetLinkSlow of the pairs that cross from or to the leaf. Per leaf: the "
+        "node selection does not apply. Empty is healthy.",
+        [target(per_leaf(LEAF_CROSS_RATIO), table=True),
+         target(per_leaf(LEAF_INTRA_BW), table=True),
+         target(per_leaf(LEAF_CROSS_BW), table=True)], "percentunit",
+        rename={"Value #A": "cross / intra", "Value #B": "intra-leaf median",
+                "Value #C": "cross-leaf median"},
+        order=["leaf", "cross / intra", "intra-leaf median", "cross-leaf median"],
+        thresholds=steps(("red", None), ("green", CROSS_LEAF_RATIO)),
+        overrides=[override("cross / intra", ("custom.cellOptions", {"type": "color-text"})),
+                   override("intra-leaf median", ("unit", "Bps")),
+                   override("cross-leaf median", ("unit", "Bps"))]), 12, 8)
+    link_labels = "instance, peer, leaf, peer_leaf, cross_leaf"
+    lay.add(table(
+        "Slow links", "GpunetFleetLinkSlow alerts firing: the pair from node (instance) to "
+        "peer, both leaves, whether it crosses leaves, and its share of the fleet's median "
+        "node (FAILED: no result). A link usually appears twice, once from each end. "
+        "cross_leaf true while its leaf is slow (Slow leaves): muted in Alertmanager, look at "
+        "the spine side first. Empty is healthy.",
+        [target(f"max by ({link_labels}) ({firing('GpunetFleetLinkSlow')}) * on (instance, "
+                f"peer) max by (instance, peer) ({pair_state()})", table=True)],
+        "percentunit", rename={"Value": "of fleet median"},
+        order=["instance", "peer", "leaf", "peer_leaf", "cross_leaf", "of fleet median"],
+        mappings=FAILED_PAIR, thresholds=PAIR_RATIO_STEPS, sort_by="of fleet median",
+        sort_desc=False,
+        overrides=[override("of fleet median", ("custom.cellOptions",
+                                                {"type": "color-text"}))]), 24, 7)
+
+    lay.row("Fleet trend")
+    lay.add(timeseries(
+        "Fleet median pair bus bandwidth and MAD", "The fleet's median node (median over nodes "
+        "of each node's median pair), its median absolute deviation, and the slow-pair line "
+        "(fleet.link_slow_ratio, 50% of the median) per job, round after round. A falling "
+        "median with a steady MAD is the whole fabric; a growing MAD, nodes drifting apart.",
+        [target(jsel(FLEET_MEDIAN_BW), "median {{job}}"),
+         target(jsel(FLEET_MAD_BW), "MAD {{job}}"),
+         target(f"{LINK_SLOW_RATIO} * {jsel(FLEET_MEDIAN_BW)}", "slow-pair line {{job}}")],
+        "Bps", overrides=[override("/^slow-pair line/", ("custom.lineStyle",
+                                                          {"fill": "dash", "dash": [10, 10]}),
+                                   regex=True)]), 12, 8)
+    lay.add(timeseries(
+        "Node median pair bus bandwidth (bottom 10)", "The ten selected nodes whose median pair "
+        "is slowest. A node far below the others is an outlier (GpunetFleetBandwidthOutlier).",
+        [target(f"bottomk(10, {sel(NODE_MEDIAN_BW)})", "{{instance}}")], "Bps"), 12, 8)
+    lay.add(timeseries(
+        "Intra-leaf and cross-leaf medians per leaf", "Per leaf, the median bus bandwidth of the "
+        "pairs whose peer is on the same leaf (solid) and on another leaf (dashed), seen from "
+        "the leaf's nodes. Per leaf: the node selection does not apply.",
+        [target(jsel(LEAF_INTRA_BW), "{{leaf}} intra"),
+         target(jsel(LEAF_CROSS_BW), "{{leaf}} cross")], "Bps",
+        overrides=[override("/ cross$/", ("custom.lineStyle", {"fill": "dash", "dash": [10, 10]}),
+                            regex=True)]), 12, 8)
+    lay.add(timeseries(
+        "Cross-leaf / intra-leaf per leaf", "Per leaf, the cross-leaf median over the "
+        "intra-leaf median. Below fleet.cross_leaf_ratio (60%, red line) for 5 minutes fires "
+        "GpunetFleetCrossLeafSlow: the spine side of that leaf is the suspect.",
+        [target(jsel(LEAF_CROSS_RATIO), "{{leaf}}")], "percentunit",
+        thresholds=steps(("red", None), ("green", CROSS_LEAF_RATIO)), show_thresholds=True),
+        12, 8)
+
+    lay.row("Rounds")
+    lay.add(timeseries(
+        "Time since the last pair round", "Per node, time() minus the time of its last pair "
+        "round (gpunet_fleet_round_timestamp_seconds). It saws up to the plan's period (1 h "
+        "documented) and drops at each round; past 3 h (red line) GpunetFleetProbeStale "
+        "fires.",
+        [target("time() - " + sel("gpunet_fleet_round_timestamp_seconds"), "{{instance}}")],
+        "s", thresholds=ROUND_AGE_STEPS, show_thresholds=True), 12, 8)
+    lay.add(state_timeline(
+        "Nodes with a failed pair", "Per node, whether a pair of its last round failed "
+        "(FAILED, red) or all of them gave a result (ok).",
+        [target(f"min by (instance) ({sel('gpunet_fleet_pair_success')})", "{{instance}}")],
+        mappings=mapping((1, "ok", "green"), (0, "FAILED", "red")), kind="status-history"),
+        12, 8)
+    lay.add(timeseries(
+        "Healthy pairs per node (bottom 10)", "Share of a node's pairs that ran and reached "
+        "the slow-pair line (" + NODE_PAIRS_HEALTHY + " over " + NODE_PAIRS + "). 0 with at "
+        "least 2 pairs is GpunetFleetNodeSuspect.",
+        [target(f"bottomk(10, {sel(NODE_PAIRS_HEALTHY)} / {sel(NODE_PAIRS)})",
+                "{{instance}}")], "percentunit", max_value=1), 12, 8)
+    lay.add(timeseries(
+        "Pair latency (top 10)", "The ten slowest pairs by small-message latency, from each "
+        "end. A pair far above the rest with normal bandwidth: a long or congested path.",
+        [target(f"topk(10, {sel('gpunet_fleet_pair_latency_seconds')})",
+                "{{instance}} to {{peer}}")], "s"), 12, 8)
+
+    return dashboard(
+        "gpunet-pairs", "gpunet / Fleet pairs (pair plan)",
+        "The pair plan of fleet probes: node x peer bus bandwidth, failed pairs, the nodes, "
+        "links and leaves the fleet alerts blame, the fleet median and the rounds' age.", lay,
+        [job_variable(), instance_variable(multi=True)])
+
+
 # ---------------------------------------------------------------------------------------------
 # API for tests and the command line
 
@@ -1261,7 +1525,7 @@ def collectives() -> Json:
 def dashboards() -> dict[str, Json]:
     """File name (in grafana/) -> dashboard."""
     return {"gpunet-fleet.json": fleet(), "gpunet-node.json": node(),
-            "gpunet-collectives.json": collectives()}
+            "gpunet-collectives.json": collectives(), "gpunet-pairs.json": pairs_dashboard()}
 
 
 def iter_panels(dashboard: Json) -> Iterator[Json]:

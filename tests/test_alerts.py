@@ -330,7 +330,7 @@ def test_amtool_checks_the_example() -> None:
     out = subprocess.run([tool("amtool"), "check-config", str(AM_CONFIG)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "5 inhibit rules" in out.stdout
+    assert "8 inhibit rules" in out.stdout
 
 
 @pytest.mark.parametrize(("labels", "receiver"), [
@@ -346,35 +346,100 @@ def test_routing_tree(labels: list[str], receiver: str) -> None:
     assert out.stdout.strip() == receiver, out.stdout + out.stderr
 
 
-def test_inhibition_rules_name_real_alerts() -> None:
-    """Every alert-name matcher of the inhibition rules matches alerts that exist, and each
-    alternative of a regex names one (a renamed alert would otherwise silently stop being
-    inhibited)."""
-    am = yaml.safe_load(AM_CONFIG.read_text())
-    names = set(rules.ALERT_NAMES)
+SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
+# Labels every alert has from its series or the rule file: an `equal` of them needs no check.
+COMMON_LABELS = {"instance", "job"}
+
+
+def metric_labels() -> dict[str, set[str]]:
+    """Metric name -> its labels, from the table of docs/metrics.md."""
+    text = (REPO / "docs" / "metrics.md").read_text()
+    return {name: set(re.findall(r"`(\w+)`", labels)) for name, labels in re.findall(
+        r"^\| `(gpunet_[a-z0-9_]+)` \| \w+ \| [^|]* \| ([^|]*) \|", text, re.M)}
+
+
+def carries(expr: str, label: str, labels: dict[str, set[str]]) -> bool:
+    """Whether an alert of ``expr`` can carry ``label``: a metric it reads has it, or the
+    expression names it (a join's group_left, a label_replace, a by clause)."""
+    return bool(re.search(rf"\b{label}\b", expr)) or any(
+        label in labels.get(m, set()) for m in re.findall(r"gpunet_[a-z0-9_]+", expr))
+
+
+def inhibition_problems(am: dict[str, Any], exprs: dict[str, str]) -> list[str]:
+    """What is wrong with the inhibition rules of Alertmanager config ``am`` against the alerts
+    ``exprs`` (name -> expression): an alert-name matcher, or an alternative of its regex, that
+    names no alert (a renamed alert would silently stop being inhibited); a label matcher or an
+    `equal` label that an alert the rule selects does not carry (its expression does not name
+    it: the rule could never apply); a target more severe than a source."""
+    problems: list[str] = []
+    names = set(exprs)
+    labels = metric_labels()
     severities = {a.name: a.severity for a in rules.ALERTS}
-    for rule in am["inhibit_rules"]:
+    for i, rule in enumerate(am["inhibit_rules"]):
+        selected: dict[str, set[str]] = {}
         for key in ("source_matchers", "target_matchers"):
+            others = []
             for m in rule[key]:
                 label, op, value = re.fullmatch(r'(\w+)(=~|=)"(.*)"', m).groups()  # type: ignore[union-attr]
-                assert label == "alertname"
+                if label != "alertname":
+                    others.append(label)
+                    continue
                 pattern = re.compile(value if op == "=~" else re.escape(value))
-                matched = {n for n in names if pattern.fullmatch(n)}
-                assert matched, f"{m} matches no alert"
+                selected[key] = {n for n in names if pattern.fullmatch(n)}
+                if not selected[key]:
+                    problems.append(f"rule {i}: {m} matches no alert")
                 if op == "=~":
-                    for alt in _alternatives(value):
-                        assert any(re.fullmatch(alt, n) for n in names), f"{alt} in {m}"
+                    problems += [f"rule {i}: {alt} in {m} names no alert"
+                                 for alt in _alternatives(value)
+                                 if not any(re.fullmatch(alt, n) for n in names)]
+            for label in others:
+                problems += [f"rule {i}: {n} does not carry {label} ({key})"
+                             for n in sorted(selected.get(key, set()))
+                             if not carries(exprs[n], label, labels)]
+        for label in set(rule.get("equal", [])) - COMMON_LABELS:
+            for key in ("source_matchers", "target_matchers"):
+                problems += [f"rule {i}: {n} does not carry {label} (equal)"
+                             for n in sorted(selected.get(key, set()))
+                             if not carries(exprs[n], label, labels)]
         # Inhibition only ever silences alerts that are at most as severe as their cause.
-        sources = [n for n in names if any(re.fullmatch(_regex(m), n)
-                                           for m in rule["source_matchers"])]
-        assert all(severities[s] == "critical" for s in sources)
+        problems += [f"rule {i}: {t} ({severities[t]}) is more severe than {s}"
+                     for s in selected.get("source_matchers", set())
+                     for t in selected.get("target_matchers", set())
+                     if SEVERITY_RANK[severities[t]] < SEVERITY_RANK[severities[s]]]
+    return problems
 
 
-def _regex(matcher: str) -> str:
-    op_value = re.fullmatch(r'alertname(=~|=)"(.*)"', matcher)
-    assert op_value
-    op, value = op_value.groups()
-    return value if op == "=~" else re.escape(value)
+def _alert_exprs() -> dict[str, str]:
+    return {r["alert"]: r["expr"] for r in rule_list() if "alert" in r}
+
+
+def test_inhibition_rules_name_real_alerts() -> None:
+    am = yaml.safe_load(AM_CONFIG.read_text())
+    assert inhibition_problems(am, _alert_exprs()) == []
+
+
+def test_inhibition_checker_catches_what_it_should() -> None:
+    """The checker above fed broken inputs: a misspelt alert, a label the source does not carry
+    (GpunetFleetCrossLeafSlow without its peer_leaf copy), a target label the target lacks, and
+    a warning that would silence a critical alert."""
+    exprs = _alert_exprs()
+    am = yaml.safe_load(AM_CONFIG.read_text())
+    am["inhibit_rules"][0]["source_matchers"] = ['alertname="GpunetPortDwn"']
+    assert "rule 0: alertname=\"GpunetPortDwn\" matches no alert" in inhibition_problems(am, exprs)
+    am = yaml.safe_load(AM_CONFIG.read_text())
+    broken = dict(exprs, GpunetFleetCrossLeafSlow=exprs["GpunetFleetCrossLeafSlow"].replace(
+        "peer_leaf", "other_leaf"))
+    assert any("GpunetFleetCrossLeafSlow does not carry peer_leaf (equal)" in p
+               for p in inhibition_problems(am, broken))
+    broken = dict(exprs, GpunetFleetLinkSlow=exprs["GpunetFleetLinkSlow"].replace(
+        "cross_leaf", "x"))
+    assert any("GpunetFleetLinkSlow does not carry cross_leaf (target_matchers)" in p
+               for p in inhibition_problems(am, broken))
+    am["inhibit_rules"].append({"source_matchers": ['alertname="GpunetFleetLinkSlow"'],
+                                "target_matchers": ['alertname="GpunetPortDown"'],
+                                "equal": ["instance"]})
+    assert any("GpunetPortDown (critical) is more severe than GpunetFleetLinkSlow" in p
+               for p in inhibition_problems(am, exprs))
 
 
 def _alternatives(regex: str) -> list[str]:

@@ -7,7 +7,6 @@ deliberately broken input, so that a check that silently accepts everything fail
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import re
 import shutil
@@ -15,32 +14,24 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import yaml
 
+from support.dashboards import load_generator
 from support.paths import REPO
 
 GRAFANA = REPO / "grafana"
 
 
-def _load_generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpunet_grafana_generate",
-                                                  GRAFANA / "generate.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_generator()
+gen = load_generator()
 Json = dict[str, Any]
 DASHBOARDS: dict[str, Json] = gen.dashboards()
 
 EXPECTED_UIDS = {"gpunet-fleet.json": "gpunet-fleet", "gpunet-node.json": "gpunet-node",
-                 "gpunet-collectives.json": "gpunet-collectives"}
+                 "gpunet-collectives.json": "gpunet-collectives",
+                 "gpunet-pairs.json": "gpunet-pairs"}
 DS_REF = {"type": "prometheus", "uid": "${datasource}"}
 PANEL_TYPES = {"row", "timeseries", "stat", "table", "state-timeline", "status-history",
                "bargauge", "gauge"}
@@ -53,7 +44,18 @@ BUILTIN_VARIABLES = {"__rate_interval", "__interval", "__interval_ms", "__range"
 # Names a query may use that are not in docs/metrics.md: Prometheus' own series, and recording
 # rules of alerts/gpunet.rules.yml (level:metric:operations).
 PROMETHEUS_SERIES = {"up", "ALERTS"}
-RECORDING_RULES = {"instance_class:gpunet_alerts_firing:count"}
+_PAIR_BW = "gpunet_fleet_pair_bus_bandwidth_bytes_per_second"
+RECORDING_RULES = {
+    "instance_class:gpunet_alerts_firing:count",
+    # the pair plan's (gpunet-pairs)
+    f"instance:{_PAIR_BW}:median", f"job:{_PAIR_BW}:median", f"job:{_PAIR_BW}:mad",
+    f"instance_peer:{_PAIR_BW}:ratio_to_fleet_median", "instance:gpunet_fleet_pairs:count",
+    "instance:gpunet_fleet_pairs_healthy:count", f"leaf:{_PAIR_BW}:median_intra_leaf",
+    f"leaf:{_PAIR_BW}:median_cross_leaf", f"leaf:{_PAIR_BW}:cross_to_intra_leaf_ratio",
+}
+# Alerts whose rule aggregates the instance away (GpunetFleetCrossLeafSlow is per job and leaf):
+# a query of their ALERTS filters by job, as one of a recording rule without instance does.
+ALERTS_WITHOUT_INSTANCE = {"GpunetFleetCrossLeafSlow"}
 RECORDING_RULE_NAME = re.compile(r"^[a-z_]+:[a-z_]+:[a-z_0-9]+$")
 
 
@@ -310,12 +312,33 @@ def rate_problems(expr: str) -> list[str]:
 
 
 INSTANCE_MATCHER = re.compile(r'(?:^|,)\s*instance\s*=~?\s*"\$(?:instance|\{instance\})"')
+JOB_MATCHER = re.compile(r'(?:^|,)\s*job\s*=~?\s*"\$(?:job|\{job\})"')
+
+
+def without_instance(name: str, matchers: str) -> bool:
+    """Whether the series of a selector carry no instance label: a recording rule whose level
+    does not include instance (job:, leaf:), or ALERTS of an alert in ALERTS_WITHOUT_INSTANCE."""
+    if ":" in name:
+        return "instance" not in name.split(":", 1)[0].split("_")
+    if name == "ALERTS":
+        m = re.search(r'alertname\s*=~?\s*"([^"]*)"', matchers)
+        return bool(m) and m.group(1) in ALERTS_WITHOUT_INSTANCE  # named, not a pattern
+    return False
 
 
 def instance_problems(expr: str) -> list[str]:
-    """Every vector selector filters by the instance variable."""
-    return [f"{name or '{...}'} not filtered by instance: {expr}"
-            for name, matchers in selectors(expr) if not INSTANCE_MATCHER.search(matchers)]
+    """Every vector selector filters by the instance variable, or by the job variable where
+    its series carry no instance."""
+    problems = []
+    for name, matchers in selectors(expr):
+        if INSTANCE_MATCHER.search(matchers):
+            continue
+        if without_instance(name, matchers):
+            if not JOB_MATCHER.search(matchers):
+                problems.append(f"{name} (no instance label) not filtered by job: {expr}")
+            continue
+        problems.append(f"{name or '{...}'} not filtered by instance: {expr}")
+    return problems
 
 
 def query_problems(dash: Json, documented: set[str]) -> list[str]:
@@ -348,7 +371,7 @@ def test_committed_dashboards_are_fresh() -> None:
 
 
 def test_generation_is_deterministic() -> None:
-    again = _load_generator().dashboards()
+    again = load_generator().dashboards()
     for name, dash in DASHBOARDS.items():
         text = gen.render(dash)
         assert text == gen.render(again[name])
@@ -394,7 +417,7 @@ def test_generate_writes_the_files(tmp_path: Path) -> None:
 
 def test_uids_titles_and_tags() -> None:
     assert {name: d["uid"] for name, d in DASHBOARDS.items()} == EXPECTED_UIDS
-    assert len({d["title"] for d in DASHBOARDS.values()}) == 3
+    assert len({d["title"] for d in DASHBOARDS.values()}) == len(EXPECTED_UIDS)
     assert all(d["tags"] == ["gpunet"] for d in DASHBOARDS.values())
 
 
@@ -411,7 +434,7 @@ def test_variables() -> None:
     multi = {name: next(v for v in d["templating"]["list"] if v["name"] == "instance")["multi"]
              for name, d in DASHBOARDS.items()}
     assert multi == {"gpunet-fleet.json": True, "gpunet-node.json": False,
-                     "gpunet-collectives.json": True}
+                     "gpunet-collectives.json": True, "gpunet-pairs.json": True}
 
 
 def test_queries_use_rate_interval_instance_and_documented_metrics() -> None:
@@ -433,6 +456,24 @@ def test_fleet_health_matrix_uses_the_recording_rule() -> None:
     assert metric_names(expr) == {"instance_class:gpunet_alerts_firing:count"}
     organize = matrix[0]["transformations"][-1]["options"]["indexByName"]
     assert [c for c in organize if c in gen.ALERT_CLASSES] == list(gen.ALERT_CLASSES)
+
+
+def test_pair_matrix_is_node_by_peer() -> None:
+    """The pair dashboard's matrix: one instant query of the pair ratio (failed pairs as -1,
+    shown FAILED), pivoted to rows of instance and columns of peer."""
+    pairs = DASHBOARDS["gpunet-pairs.json"]
+    matrix = [p for p in gen.iter_panels(pairs) if any(
+        t["id"] == "groupingToMatrix" for t in p.get("transformations", []))]
+    assert len(matrix) == 1
+    (t,) = matrix[0]["targets"]
+    assert t["instant"] and t["format"] == "table"
+    assert metric_names(t["expr"]) == {f"instance_peer:{_PAIR_BW}:ratio_to_fleet_median",
+                                       "gpunet_fleet_pair_success"}
+    (grouping,) = [x["options"] for x in matrix[0]["transformations"]
+                   if x["id"] == "groupingToMatrix"]
+    assert (grouping["rowField"], grouping["columnField"]) == ("instance", "peer")
+    mapped = matrix[0]["fieldConfig"]["defaults"]["mappings"][0]["options"]
+    assert mapped["-1"]["text"] == "FAILED"
 
 
 def test_recording_rules_exist_in_alerts() -> None:
@@ -515,6 +556,21 @@ def test_rate_checker() -> None:
     assert rate_problems("increase(m_total[$__range])")
     assert rate_problems("max_over_time(m[1h])")  # any other range is flagged too
     assert rate_problems("rate(m_total)")
+
+
+def test_instance_checker_for_series_without_instance() -> None:
+    """Per-job and per-leaf series (recording rules whose level has no instance, ALERTS of a
+    per-leaf alert) filter by job instead; everything else still needs instance."""
+    assert instance_problems('job:a:median{job=~"$job"} / leaf:b:ratio{job=~"${job}"}') == []
+    assert instance_problems(
+        'ALERTS{job=~"$job", alertname=~"GpunetFleetCrossLeafSlow"}') == []
+    assert instance_problems("job:a:median") == [
+        "job:a:median (no instance label) not filtered by job: job:a:median"]
+    assert instance_problems('instance:a:median{job=~"$job"}')  # has an instance: must filter
+    assert instance_problems('instance_peer:a:ratio{job=~"$job"}')
+    assert instance_problems('ALERTS{job=~"$job", alertname=~"GpunetFleetLinkSlow"}')
+    assert instance_problems('ALERTS{job=~"$job", alertname=~"GpunetFleet.+"}')
+    assert instance_problems('gpunet_fleet_pair_success{job=~"$job"}')
 
 
 def test_instance_checker() -> None:

@@ -49,6 +49,9 @@ NODE_PAIRS = "instance:gpunet_fleet_pairs:count"
 NODE_PAIRS_HEALTHY = "instance:gpunet_fleet_pairs_healthy:count"
 PEER_PAIRS = "peer:gpunet_fleet_pairs:count"
 PEER_PAIRS_HEALTHY = "peer:gpunet_fleet_pairs_healthy:count"
+# Per pair: this node's leaf, the peer's leaf and whether they differ (cross_leaf "true"/"false";
+# absent when either leaf is unknown), so GpunetFleetLinkSlow can carry them for Alertmanager.
+PAIR_LEAVES = "instance_peer:gpunet_fleet_pair_info:leaves"
 LEAF_INTRA_BW = f"leaf:{_PAIR_BW}:median_intra_leaf"
 LEAF_CROSS_BW = f"leaf:{_PAIR_BW}:median_cross_leaf"
 LEAF_CROSS_RATIO = f"leaf:{_PAIR_BW}:cross_to_intra_leaf_ratio"
@@ -137,13 +140,16 @@ def _network_bound(t: T) -> str:
 def _fleet_link_slow(t: T) -> str:
     """A pair slow or failed while this node has a healthy pair, unless the fleet's view of the
     peer (the pairs that name it, on every other node) makes the peer the suspect: then
-    GpunetFleetNodeSuspect names it and its pairs are not blamed as links."""
+    GpunetFleetNodeSuspect names it and its pairs are not blamed as links. The alert carries
+    the pair's leaf, peer_leaf and cross_leaf (PAIR_LEAVES) for Alertmanager's inhibition."""
     f = t["fleet"]
-    return (f"(\n  {PAIR_RATIO} < {_g(f['link_slow_ratio'])}\n  or on (instance, job, peer)\n"
-            f"  0 * ({_PAIR_OK} == 0)\n)\n"
-            f"and on (instance, job) {NODE_PAIRS_HEALTHY} >= 1\n"
-            f"unless on (job, peer) (\n  {PEER_PAIRS} >= {f['suspect_min_pairs']}\n"
-            f"  and on (job, peer) {PEER_PAIRS_HEALTHY} == 0\n)")
+    return (f"(\n  (\n    {PAIR_RATIO} < {_g(f['link_slow_ratio'])}\n"
+            f"    or on (instance, job, peer)\n    0 * ({_PAIR_OK} == 0)\n  )\n"
+            f"  and on (instance, job) {NODE_PAIRS_HEALTHY} >= 1\n"
+            f"  unless on (job, peer) (\n    {PEER_PAIRS} >= {f['suspect_min_pairs']}\n"
+            f"    and on (job, peer) {PEER_PAIRS_HEALTHY} == 0\n  )\n)\n"
+            # The leaves, for Alertmanager: GpunetFleetCrossLeafSlow inhibits cross-leaf pairs.
+            f"* on (instance, job, peer) group_left (leaf, peer_leaf, cross_leaf) {PAIR_LEAVES}")
 
 
 def _fleet_outlier(t: T) -> str:
@@ -481,7 +487,11 @@ ALERTS: tuple[Alert, ...] = (
           "while both ends have healthy pairs: the link between them (cable, ports, switch "
           "path) is the suspect."),
     Alert("GpunetFleetCrossLeafSlow", "topology", "warning", "5m",
-          lambda t: f"{LEAF_CROSS_RATIO} < {_g(t['fleet']['cross_leaf_ratio'])}",
+          # peer_leaf repeats leaf: Alertmanager's `equal` compares labels of one name, and a
+          # cross-leaf GpunetFleetLinkSlow names this leaf as its leaf or as its peer_leaf.
+          lambda t: (f'label_replace(\n  {LEAF_CROSS_RATIO} < '
+                     f'{_g(t["fleet"]["cross_leaf_ratio"])},\n'
+                     '  "peer_leaf", "$1", "leaf", "(.*)"\n)'),
           "Cross-leaf pairs much slower than intra-leaf pairs",
           "The cross-leaf pairs of leaf {{ $labels.leaf }} reach {{ $value | "
           "humanizePercentage }} of the bandwidth of its intra-leaf pairs (medians): the spine "
@@ -575,6 +585,7 @@ def _fleet_recording(t: T) -> list[dict[str, Any]]:
         {"record": NODE_PAIRS_HEALTHY, "expr": f"sum by (instance, job) ({PAIR_HEALTHY})"},
         {"record": PEER_PAIRS, "expr": f"count by (job, peer) ({_PAIR_OK})"},
         {"record": PEER_PAIRS_HEALTHY, "expr": f"sum by (job, peer) ({PAIR_HEALTHY})"},
+        {"record": PAIR_LEAVES, "expr": _pair_leaves()},
         {"record": LEAF_INTRA_BW,
          "expr": (f"quantile by (job, leaf) (0.5,\n  {with_leaf}\n"
                   f"  and on (instance, job, peer, leaf) {same_leaf}\n)")},
@@ -585,6 +596,25 @@ def _fleet_recording(t: T) -> list[dict[str, Any]]:
         {"record": LEAF_CROSS_RATIO,
          "expr": f"{LEAF_CROSS_BW}\n/ on (job, leaf) {LEAF_INTRA_BW}"},
     ]
+
+
+def _pair_leaves() -> str:
+    """One series (value 1) per pair of gpunet_fleet_pair_info with labels instance, job, peer,
+    leaf (this node's), peer_leaf and cross_leaf: "false" when the two leaves are the same,
+    "true" when they differ, absent when either is unknown (empty)."""
+    def both(pad: str) -> str:
+        return (f"group by (instance, job, peer, peer_leaf, leaf) (\n{pad}  "
+                "gpunet_fleet_pair_info * on (instance, job) group_left (leaf) "
+                f"gpunet_fleet_node_info\n{pad})")
+
+    same = ('label_replace(gpunet_fleet_pair_info{peer_leaf!=""}, "leaf", "$1", "peer_leaf", '
+            '"(.*)")')
+    return (f'label_replace(\n  {both("  ")}\n  and on (instance, job, peer, leaf)\n'
+            f'  {same},\n  "cross_leaf", "false", "", ""\n)\n'
+            "or on (instance, job, peer)\n"
+            f'label_replace(\n  label_replace(\n    {both("    ")},\n'
+            '    "cross_leaf", "true", "peer_leaf", ".+"\n  ),\n'
+            '  "cross_leaf", "", "leaf", ""\n)')
 
 
 class _Dumper(yaml.SafeDumper):
