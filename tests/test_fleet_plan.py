@@ -49,6 +49,28 @@ def test_ring_covers_every_node_in_two_pairs(nodes: list[str]) -> None:
         assert p == []
 
 
+@given(NAMES, hs.integers(2, 4))
+def test_ring_with_hops_pairs_each_node_with_the_next_k(nodes: list[str], hops: int) -> None:
+    p = plan.ring(nodes, hops)
+    assert_rounds_disjoint(p)
+    n = len(nodes)
+    want = {frozenset((nodes[i], nodes[(i + d) % n])) for d in range(1, hops + 1)
+            for i in range(n) if nodes[i] != nodes[(i + d) % n]}
+    assert {frozenset(pair) for pair in pairs_of(p)} == want
+    assert len(pairs_of(p)) == len(want)  # each pair once
+    if n > 2 * hops:
+        assert per_node(p) == dict.fromkeys(nodes, 2 * hops)
+        assert len(p) <= 4 * hops - 1  # greedy: at most 2 x (pairs per node) - 1 rounds
+
+
+def test_ring_with_two_hops_gives_four_pairs_in_five_rounds() -> None:
+    nodes = [f"n{i}" for i in range(10)]
+    p = plan.ring(nodes, 2)
+    assert per_node(p) == dict.fromkeys(nodes, 4) and len(p) == 5
+    with pytest.raises(PlanError, match="hops must be at least 1"):
+        plan.ring(nodes, 0)
+
+
 @given(NAMES, hs.integers(0, 2**32))
 def test_random_is_a_matching_and_deterministic(nodes: list[str], seed: int) -> None:
     p = plan.random_pairs(nodes, seed)

@@ -358,7 +358,7 @@ def test_the_repair_job_is_the_hourly_pod_on_named_nodes() -> None:
         t = copy.deepcopy(dict(spec["template"]))
         t["spec"]["affinity"].pop("nodeAffinity", None)
         c = t["spec"]["containers"][0]
-        c["args"] = [a for a in c["args"] if not a.startswith(("--kind", "--suspects"))]
+        c["args"] = [a for a in c["args"] if not a.startswith(("--kind", "--suspects", "--hops"))]
         c["env"] = [e for e in c["env"] if e["name"] != "GPUNET_FLEET_NODES"]
         return t
 

@@ -3,8 +3,8 @@
     gpunet-probe run --state-dir DIR [--backend nccl|gloo] [--sizes 8KiB,1MiB,64MiB] ...
     gpunet-probe explain-log [--json] FILE...
     gpunet-probe fleet --state-dir DIR [--kind ring|random|leaf|repair] ... (one per node)
-    gpunet-probe plan --nodes a,b,c --kind ring|random|repair|leaf [--seed N] [--suspects a,b]
-        [--good c,d] [--leaves a=l1,b=l2,...]
+    gpunet-probe plan --nodes a,b,c --kind ring|random|repair|leaf [--hops K] [--seed N]
+        [--suspects a,b] [--good c,d] [--leaves a=l1,b=l2,...]
 
 ``run`` is what the exporter's probe collector starts (intra-node), and what torchrun or srun
 start on every node for cluster mode. ``python -m gpunet_exporter.probe.cli`` is the same program.
@@ -74,6 +74,9 @@ def add_plan_arguments(p: Parser) -> None:
     p.add_argument("--nodes", required=True, help="node names, comma-separated, in order")
     p.add_argument("--kind", required=True, choices=plan.KINDS, help="the pairing method")
     p.add_argument("--seed", type=int, default=0, help="random: the shuffle's seed")
+    p.add_argument("--hops", type=int, default=1,
+                   help="ring: pair each node with the next HOPS nodes (2 x HOPS pairs per "
+                        "node; 2 gives the 4 a robust node median wants) (1)")
     p.add_argument("--suspects", default="", help="repair: the suspect nodes")
     p.add_argument("--good", default=None,
                    help="repair: the known-good nodes (default: every node not a suspect)")
@@ -85,7 +88,7 @@ def add_plan_arguments(p: Parser) -> None:
 def print_plan(p: Parser, args: Any) -> int:
     try:
         leaves = _leaves(args.leaves)
-        made = plan.make(args.kind, _names(args.nodes), seed=args.seed,
+        made = plan.make(args.kind, _names(args.nodes), seed=args.seed, hops=args.hops,
                          suspects=_names(args.suspects),
                          good=None if args.good is None else _names(args.good),
                          leaves=leaves or None)

@@ -113,6 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", required=True,
                    help="the exporter's probe.state_dir: pairs.json is written there")
     p.add_argument("--kind", choices=KINDS, default="ring", help="the pairing plan (ring)")
+    p.add_argument("--hops", type=int, default=1,
+                   help="ring: pair each node with the next HOPS nodes, 2 x HOPS pairs per node "
+                        "(2: four pairs, what the fleet rules judge a node by most robustly) (1)")
     p.add_argument("--seed", type=int, default=None,
                    help="random: the shuffle's seed (default: rank 0's clock, so runs differ)")
     p.add_argument("--suspects", default="", help="repair: the suspect nodes, comma-separated")
@@ -159,6 +162,8 @@ def _check(args: argparse.Namespace) -> None:
                          f"{args.pair_timeout}")
     if not 1 <= args.port <= 65535:
         raise FleetError(f"--port must be a TCP port, got {args.port}")
+    if not 1 <= args.hops <= 16:
+        raise FleetError(f"--hops must be from 1 to 16, got {args.hops}")
     if args.kind == "repair" and not _names(args.suspects):
         raise FleetError("a repair plan needs --suspects")
     extra = list(args.run_args)
@@ -236,7 +241,8 @@ def schedules(members: Sequence[Member], args: argparse.Namespace, seed: int
     nodes = sorted(seen, key=_natural)
     leaves = {m.node: m.leaf for m in members if m.leaf}
     try:
-        made = plan.make(args.kind, nodes, seed=seed, suspects=_names(args.suspects),
+        made = plan.make(args.kind, nodes, seed=seed, hops=args.hops,
+                         suspects=_names(args.suspects),
                          good=None if args.good is None else _names(args.good),
                          leaves=leaves or None)
     except plan.PlanError as exc:

@@ -7,7 +7,8 @@ deterministic: the same arguments give the same plan. Node names are taken in th
 
 - ``ring``: each node with its successor, the last with the first: with three nodes or more
   every node is in exactly two pairs (two rounds for an even count, three for an odd one; two
-  nodes make one pair, one node none).
+  nodes make one pair, one node none). With ``hops`` k, also with the nodes 2 .. k places on:
+  2k pairs per node (k = 2: four, enough for a robust median per node), scheduled greedily.
 - ``random_pairs``: a perfect matching of the nodes shuffled with ``seed``. With an odd count
   the node left over is paired a second time, with the first node of the shuffle, in a round of
   its own: pairs stay pairs (a pair probe has two ends), and one node pays for two.
@@ -63,10 +64,41 @@ def _nonempty(rounds: Sequence[Round]) -> Plan:
     return [list(r) for r in rounds if r]
 
 
-def ring(nodes: Sequence[str]) -> Plan:
-    """Each node paired with its successor (the last with the first)."""
+def schedule(pairs: Sequence[Pair]) -> Plan:
+    """Pairs into rounds, greedily: each pair in the first round where neither of its nodes is
+    busy yet (at most 2 x the most pairs of one node - 1 rounds)."""
+    rounds: list[Round] = []
+    used: list[set[str]] = []
+    for a, b in pairs:
+        for rnd, busy in zip(rounds, used, strict=True):
+            if a not in busy and b not in busy:
+                rnd.append((a, b))
+                busy.update((a, b))
+                break
+        else:
+            rounds.append([(a, b)])
+            used.append({a, b})
+    return rounds
+
+
+def ring(nodes: Sequence[str], hops: int = 1) -> Plan:
+    """Each node paired with its successor (the last with the first); with ``hops`` above 1,
+    also with the nodes 2 .. ``hops`` places on: 2 x ``hops`` pairs per node once there are
+    more than 2 x ``hops`` nodes (fewer nodes: every pair once)."""
+    if hops < 1:
+        raise PlanError(f"hops must be at least 1, got {hops}")
     ns = _check_nodes(nodes)
     n = len(ns)
+    if hops > 1:
+        seen: set[frozenset[str]] = set()
+        edges: list[Pair] = []
+        for d in range(1, hops + 1):
+            for i in range(n):
+                a, b = ns[i], ns[(i + d) % n]
+                if a != b and frozenset((a, b)) not in seen:
+                    seen.add(frozenset((a, b)))
+                    edges.append((a, b))
+        return schedule(edges)
     if n < 2:
         return []
     if n == 2:
@@ -164,10 +196,10 @@ def leaf_aware(nodes: Sequence[str], leaves: Mapping[str, str]) -> Plan:
 
 def make(kind: str, nodes: Sequence[str], *, seed: int = 0,
          suspects: Sequence[str] = (), good: Sequence[str] | None = None,
-         leaves: Mapping[str, str] | None = None) -> Plan:
+         leaves: Mapping[str, str] | None = None, hops: int = 1) -> Plan:
     """The plan of ``kind`` (one of KINDS)."""
     if kind == "ring":
-        return ring(nodes)
+        return ring(nodes, hops)
     if kind == "random":
         return random_pairs(nodes, seed)
     if kind == "repair":
