@@ -81,7 +81,6 @@ class Store(Protocol):
     def get(self, key: str) -> bytes: ...
     def add(self, key: str, value: int) -> int: ...
     def wait(self, keys: list[str], timeout: timedelta) -> None: ...
-    def check(self, keys: list[str]) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -369,20 +368,20 @@ def _take(store: Store, key: str, timeout: float) -> Any:
 
 
 class Barriers:
-    """Barriers of the fleet's ranks in the store. A rank that misses one (its node died) is
-    not waited for again: one dead node costs one barrier's timeout, not one per round."""
+    """Barriers of the fleet's ranks in the store, O(1) requests per rank. After a barrier that
+    timed out, the next ones wait only for as many ranks as had arrived at it: one dead node
+    costs one barrier's timeout, not one per round."""
 
-    def __init__(self, store: Store, rank: int, world: int) -> None:
-        self.store, self.rank, self.world = store, rank, world
-        self.gone: set[int] = set()
+    def __init__(self, store: Store, world: int) -> None:
+        self.store = store
+        self.expected = world
 
     def wait(self, name: str, timeout: float) -> bool:
-        """Wait until every rank not gone arrived at ``name``; False when ``timeout`` ran out
-        (the ranks missing then are gone from here on). StoreBroken when the store is."""
+        """Wait until the expected ranks arrived at ``name``; False when ``timeout`` ran out
+        (then fewer are expected from here on). StoreBroken when the store is gone."""
         key = PREFIX + name
         try:
-            self.store.set(f"{key}/{self.rank}", b"1")
-            if self.store.add(key, 1) >= self.world - len(self.gone):
+            if self.store.add(key, 1) >= self.expected:
                 self.store.set(key + "/done", b"1")
             self.store.wait([key + "/done"], timedelta(seconds=timeout))
         except (RuntimeError, TimeoutError) as exc:  # torch's DistStoreError is a RuntimeError
@@ -391,8 +390,7 @@ class Barriers:
         else:
             return True
         try:
-            self.gone |= {r for r in range(self.world)
-                          if not self.store.check([f"{key}/{r}"])}
+            self.expected = max(1, min(self.expected, self.store.add(key, 0)))
         except RuntimeError as exc:
             raise StoreBroken(f"the rendezvous store is gone: {exc}") from exc
         return False
@@ -423,7 +421,7 @@ def run(args: argparse.Namespace, store: Store, rank: int, world: int, me: Membe
         return EXIT_BAD_ARGS
     by_round = {t.round: t for t in (_turn(x) for x in _take(store, f"turns/{me.node}", wait))}
     mine: list[pairs.Pair] = []
-    barriers = Barriers(store, rank, world)
+    barriers = Barriers(store, world)
     broken = False
     for r in range(int(head["rounds"])):
         t = by_round.get(r)
@@ -433,8 +431,8 @@ def run(args: argparse.Namespace, store: Store, rank: int, world: int, me: Membe
             continue  # no barriers without the store: the pairs' own rendezvous still pair up
         try:
             if not barriers.wait(f"round/{r}", args.pair_timeout + 20):
-                print(f"{PROG}: {me.node}: not every node finished round {r} (ranks "
-                      f"{sorted(barriers.gone)} are not waited for again); going on",
+                print(f"{PROG}: {me.node}: not every node finished round {r}; going on, "
+                      f"waiting for the {barriers.expected} of {world} that did",
                       file=sys.stderr)
         except StoreBroken as exc:
             print(f"{PROG}: {me.node}: {exc}; running this node's pairs alone", file=sys.stderr)
