@@ -2,6 +2,7 @@
 
     python3 bench/device_checks.py gpu [--scrapes 300] [--out DIR]
     python3 bench/device_checks.py probe [--rounds 3] [--out DIR]     (one GPU is enough)
+    python3 bench/device_checks.py fleet [--nodes 4] [--out DIR]      (one GPU is enough)
 
 gpu: installs this checkout into a temporary directory, starts the exporter with the gpu and
 topology collectors on the machine's real /sys and NVML, puts load on GPU 0 with PyTorch (so
@@ -19,6 +20,11 @@ must fall back to sockets, which the probe reports; scrapes are timed during and
 nobody in a fair round. (3) cluster mode across two simulated nodes (two torchrun invocations,
 one rank each, NCCL_HOSTID per node), exported as scope="inter", the late rank's node naming
 it. (4) bench/probe_bench.py: accuracy against a tight loop and the cost of a round.
+
+fleet: `gpunet-probe fleet` with NCCL across simulated nodes that share the GPU (srun's
+environment, one NCCL_HOSTID per node): a ring over --nodes nodes, then a repair pass that must
+merge into the files; every node's pairs.json must hold its ring peers, measured, with the
+transport NCCL reported (Socket without an HCA), and one node's exporter must serve them.
 
 Needs: python3 with nvidia-ml-py, prometheus_client, PyYAML and (for the load) torch, which the
 device image has. On machines with several GPUs keep NCCL_NVLS_ENABLE=0 and friends set; this
@@ -586,6 +592,103 @@ def probe(args: argparse.Namespace) -> int:
     return finish(out, checks, args.out, "probe_check.json")
 
 
+def _fleet_run(site: Path, tmp: Path, nodes: list[str], extra: list[str]
+               ) -> tuple[list[int], list[str], float]:
+    port, pair_port = free_port(), free_port()
+    procs = []
+    started = time.monotonic()
+    for rank, node in enumerate(nodes):
+        env = {**os.environ, "PYTHONPATH": str(site), "NCCL_HOSTID": f"sim-{node}",
+               "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(len(nodes)),
+               "SLURM_LOCALID": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "gpunet_exporter.probe.cli", "fleet", "--state-dir",
+             str(tmp / f"fleet-{node}"), "--node-name", node, "--port", str(pair_port),
+             "--pair-timeout", "120", *extra], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=500)[0] for p in procs]
+    return [p.returncode for p in procs], outs, time.monotonic() - started
+
+
+def fleet(args: argparse.Namespace) -> int:
+    checks = Checks()
+    out: dict[str, Any] = {"nvidia_smi": sh("nvidia-smi", "-L")}
+    print(out["nvidia_smi"])
+    nodes = [f"sim{i}" for i in range(args.nodes)]
+    with tempfile.TemporaryDirectory() as tmp_:
+        tmp = Path(tmp_)
+        site = install(tmp)
+        # The simulated nodes share one GPU: a pair's load is not "other work" for the next
+        # pair's busy check, which would skip the large sizes (seen on the first run).
+        rcs, outs, wall = _fleet_run(site, tmp, nodes, ["--kind", "ring", "--", "--no-skip-busy"])
+        summary = [json.loads(line) for line in outs[0].splitlines() if line.startswith("{")]
+        files = {}
+        for n in nodes:
+            try:
+                files[n] = json.loads((tmp / f"fleet-{n}" / "pairs.json").read_text())
+            except (OSError, ValueError):
+                files[n] = {}
+        out["ring"] = {"returncodes": rcs, "wall_seconds": round(wall, 1), "summary": summary,
+                       "logs": [o[-2000:] for o in outs] if any(rcs) else []}
+        print("\n== ring over", len(nodes), "simulated nodes on one GPU, NCCL")
+        print(json.dumps(out["ring"], indent=1))
+        checks.eq("fleet ring: every node exited 0", rcs, [0] * len(nodes))
+        ring_peers = {n: sorted({nodes[(i - 1) % len(nodes)], nodes[(i + 1) % len(nodes)]})
+                      for i, n in enumerate(nodes)}
+        checks.eq("fleet ring: each node's file names its ring neighbours",
+                  {n: sorted(p["peer"] for p in f.get("pairs", [])) for n, f in files.items()},
+                  ring_peers)
+        pairs_all = [p for f in files.values() for p in f.get("pairs", [])]
+        checks.eq("fleet ring: every pair ok and measured",
+                  all(p["ok"] and (p["bus_bandwidth_bytes_per_second"] or 0) > 0
+                      for p in pairs_all) and bool(pairs_all), True)
+        checks.eq("fleet ring: NCCL's transport recorded (Socket: no HCA here)",
+                  sorted({p["transport"] for p in pairs_all}), ["Socket"])
+        # the second pass: sim1 re-paired with a good node, merged into the files
+        rcs2, outs2, wall2 = _fleet_run(site, tmp, nodes, ["--kind", "repair", "--suspects",
+                                                          nodes[1], "--", "--no-skip-busy"])
+        after = json.loads((tmp / f"fleet-{nodes[1]}" / "pairs.json").read_text())
+        out["repair"] = {"returncodes": rcs2, "wall_seconds": round(wall2, 1),
+                         "sim1_peers": [p["peer"] for p in after["pairs"]], "plan": after["plan"],
+                         "logs": [o[-2000:] for o in outs2] if any(rcs2) else []}
+        print(json.dumps(out["repair"], indent=1))
+        checks.eq("fleet repair: exit 0", rcs2, [0] * len(nodes))
+        checks.eq("fleet repair: merged into the ring's file", len(after["pairs"]) >= 2
+                  and after["plan"] == "repair", True)
+        cfg = tmp / "fleet.yml"
+        cfg.write_text(f"probe:\n  runner: none\n  state_dir: "
+                       f"{json.dumps(str(tmp / f'fleet-{nodes[0]}'))}\n")
+        eport = free_port()
+        exp = subprocess.Popen(
+            [sys.executable, "-m", "gpunet_exporter", f"--web.listen-address=127.0.0.1:{eport}",
+             "--collector.disable-defaults", "--collector.probe", f"--config.file={cfg}"],
+            env={**os.environ, "PYTHONPATH": str(site)}, stderr=subprocess.PIPE, text=True)
+        s: dict[Any, float] = {}
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    s = scrape(f"http://127.0.0.1:{eport}/metrics")
+                    if _labels(s, "gpunet_fleet_pair_success", "peer"):
+                        break
+                except OSError:
+                    pass
+                time.sleep(0.3)
+        finally:
+            exp.terminate()
+            exp.communicate(timeout=20)
+        out["exported"] = {
+            "peers": _labels(s, "gpunet_fleet_pair_success", "peer"),
+            "transport": _labels(s, "gpunet_fleet_pair_info", "transport"),
+            "bandwidth": {peer: pick(s, "gpunet_fleet_pair_bus_bandwidth_bytes_per_second",
+                                     peer=peer)
+                          for peer in _labels(s, "gpunet_fleet_pair_success", "peer")}}
+        print(json.dumps(out["exported"], indent=1))
+        checks.eq("fleet: node 0's exporter serves its peers", out["exported"]["peers"],
+                  ring_peers[nodes[0]])
+    return finish(out, checks, args.out, "fleet_check.json")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -596,8 +699,11 @@ def main() -> int:
     pr = sub.add_parser("probe", help="net scope on one GPU, straggler, cluster mode, accuracy")
     pr.add_argument("--rounds", type=int, default=3, help="rounds to watch through the exporter")
     pr.add_argument("--out", help="directory for probe_check.json")
+    fl = sub.add_parser("fleet", help="gpunet-probe fleet with NCCL, simulated nodes on a GPU")
+    fl.add_argument("--nodes", type=int, default=4)
+    fl.add_argument("--out", help="directory for fleet_check.json")
     args = p.parse_args()
-    return gpu(args) if args.cmd == "gpu" else probe(args)
+    return {"gpu": gpu, "probe": probe, "fleet": fleet}[args.cmd](args)
 
 
 if __name__ == "__main__":

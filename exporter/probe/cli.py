@@ -2,12 +2,14 @@
 
     gpunet-probe run --state-dir DIR [--backend nccl|gloo] [--sizes 8KiB,1MiB,64MiB] ...
     gpunet-probe explain-log [--json] FILE...
+    gpunet-probe fleet --state-dir DIR [--kind ring|random|leaf|repair] ... (one per node)
     gpunet-probe plan --nodes a,b,c --kind ring|random|repair|leaf [--seed N] [--suspects a,b]
         [--good c,d] [--leaves a=l1,b=l2,...]
 
 ``run`` is what the exporter's probe collector starts (intra-node), and what torchrun or srun
 start on every node for cluster mode. ``python -m gpunet_exporter.probe.cli`` is the same program.
-``plan`` prints a pairing plan for fleet probes as JSON (exporter/probe/plan.py). Exit codes of
+``plan`` prints a pairing plan for fleet probes as JSON (exporter/probe/plan.py); ``fleet``
+runs one across nodes (exporter/probe/fleet.py). Exit codes of
 run: 0 after --rounds, 2 bad arguments, 3 no GPU, 4 a round failed (the exporter
 starts it again).
 """
@@ -31,17 +33,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gpunet_exporter.nccl import explain
 
         return explain.main(args_list[1:])
+    if args_list[:1] == ["fleet"]:
+        from gpunet_exporter.probe import fleet
+
+        return fleet.main(args_list[1:])
     if args_list[:1] == ["worker"]:  # one rank, started by `run`: not a command for people
         work = Parser(prog=f"{PROG} worker")
         runner.add_run_arguments(work)
         return runner.worker(work.parse_args(args_list[1:]))
     p = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,explain-log,plan}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,explain-log,plan,fleet}")
     run = sub.add_parser("run", help="probe rounds, results to --state-dir")
     runner.add_run_arguments(run)
     sub.add_parser("explain-log", help="what NCCL INFO logs say about network, transports, GDR")
     pl = sub.add_parser("plan", help="a pairing plan for fleet probes, as JSON")
     add_plan_arguments(pl)
+    sub.add_parser("fleet", help="run a pairing plan across nodes (one per node, under srun "
+                                 "or torchrun); pairs.json on each")
     args = p.parse_args(args_list)
     if args.cmd == "plan":
         return print_plan(pl, args)

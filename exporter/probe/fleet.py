@@ -1,0 +1,510 @@
+"""``gpunet-probe fleet``: run a pairing plan across nodes and write each node's ``pairs.json``.
+
+Started once per node by the engine the fleet already runs, never by a coordinator of ours:
+
+- Slurm: ``srun --ntasks-per-node=1 gpunet-probe fleet ...`` with MASTER_ADDR and MASTER_PORT
+  exported (slurm/gpunet-fleet.sbatch); the rank is SLURM_PROCID of SLURM_NTASKS.
+- torchrun with the c10d rendezvous (Kubernetes, kubernetes/fleet-probe.yaml):
+  ``torchrun --nnodes=N --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT
+  -m gpunet_exporter.probe.cli fleet ...``.
+
+Either way the processes meet in torch.distributed's own rendezvous (``env://``: the TCPStore that
+rank 0, or torchrun's agent, serves). No process group spans the fleet: the store alone carries
+the little there is to share, in O(N) requests, so a few thousand nodes cost the store little.
+
+1. Every node puts its name, address and leaf in the store; rank 0 reads them all, makes the
+   plan (exporter/probe/plan.py; nodes in natural name order, so a ring follows rack order when
+   names do) and puts each node's own schedule in the store: per round, the peer, which end
+   serves the pair's rendezvous, and where.
+2. Per round, each node in a pair starts ``gpunet-probe run`` for its end (``--gpus-per-node``
+   ranks of a world of two nodes, RANK/WORLD_SIZE/MASTER_ADDR of the pair: the probe's own
+   cluster mode, results in ``<state_dir>/fleet/<peer>/inter.json``), killed after
+   ``--pair-timeout``. Then every node waits at the round's barrier, so a round's pairs run at
+   once and the next round starts clean. A node that never arrives costs only its own pairs:
+   the barrier gives up after the pair timeout and the rounds go on.
+3. Each node puts its view in the store and reads its peers' views: a pair is ok only when both
+   ends say so. Each node writes ``<state_dir>/pairs.json`` atomically (exporter/probe/pairs.py);
+   a repair plan merges its pairs into the file there, other plans replace it, a node with no
+   pair leaves it alone. Rank 0 prints one JSON line per pair.
+
+Exit 0 when the plan ran (failed pairs are results, recorded ok=false), 2 for bad arguments or
+node names, 4 when the rendezvous failed (a node writes what it measured itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import socket
+import sys
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any, Protocol
+
+from gpunet_exporter.flags import Parser
+from gpunet_exporter.probe import pairs, plan, results, runner
+from gpunet_exporter.sources.commands import Child
+from gpunet_exporter.sources.sysfs import parse_uint
+
+PROG = "gpunet-probe fleet"
+KINDS = ("ring", "random", "leaf", "repair")
+NODE_ENV = ("GPUNET_NODE", "SLURMD_NODENAME")
+LEAF_ENV = "GPUNET_LEAF"
+PREFIX = "gpunet-fleet/"
+FLEET_SUBDIR = "fleet"
+# A node name becomes a label value and a directory name: a DNS name's characters.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+# Environment of torchrun's agent that must not reach a pair's ranks: with it, the pair's
+# rendezvous would look for the agent's store instead of serving its own.
+_AGENT_ENV = ("TORCHELASTIC_", "GROUP_", "ROLE_", "LOCAL_WORLD_SIZE", "TORCH_NCCL_ASYNC")
+EXIT_BAD_ARGS = 2
+EXIT_RENDEZVOUS = 4
+
+
+class FleetError(Exception):
+    """Bad arguments or node names; the text says what, in one line."""
+
+
+class Store(Protocol):
+    """The part of torch.distributed's Store the fleet uses (tests pass a HashStore)."""
+
+    def set(self, key: str, value: str | bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def add(self, key: str, value: int) -> int: ...
+    def wait(self, keys: list[str], timeout: timedelta) -> None: ...
+    def check(self, keys: list[str]) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Member:
+    node: str
+    address: str
+    leaf: str | None
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One node's part in one round: its peer, and whether it serves the pair's rendezvous."""
+    round: int
+    peer: str
+    peer_leaf: str | None
+    serve: bool
+    master: str  # the address of the end that serves
+    port: int
+
+
+# -- arguments -----------------------------------------------------------------------------
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = runner.run_defaults()
+    p.add_argument("--state-dir", required=True,
+                   help="the exporter's probe.state_dir: pairs.json is written there")
+    p.add_argument("--kind", choices=KINDS, default="ring", help="the pairing plan (ring)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random: the shuffle's seed (default: rank 0's clock, so runs differ)")
+    p.add_argument("--suspects", default="", help="repair: the suspect nodes, comma-separated")
+    p.add_argument("--good", default=None,
+                   help="repair: the known-good nodes (default: every node not a suspect)")
+    p.add_argument("--node-name", dest="node", default=None,
+                   help="this node's name (default $GPUNET_NODE, $SLURMD_NODENAME, the short "
+                        "hostname)")
+    p.add_argument("--leaf", default=None,
+                   help="this node's rack or leaf switch (default $GPUNET_LEAF; leaf plans "
+                        "need it on every node)")
+    p.add_argument("--address", default=None,
+                   help="the address peers reach this node at (default: this node's address "
+                        "on the route to MASTER_ADDR)")
+    p.add_argument("--port", type=int, default=29600,
+                   help="the port a pair's serving end listens on (29600)")
+    p.add_argument("--gpus-per-node", type=int, default=1,
+                   help="ranks per node in each pair: GPUs (nccl) or processes (gloo) (1)")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default=d["backend"],
+                   help="nccl on GPUs (default), gloo on CPUs")
+    p.add_argument("--sizes", type=runner.parse_sizes, default=d["sizes"],
+                   help="all-reduce message sizes (default 8KiB,1MiB,64MiB): the latency is "
+                        "the smallest's, the bus bandwidth the largest's")
+    p.add_argument("--warmup", type=int, default=d["warmup"], help="untimed all-reduces per size")
+    p.add_argument("--iterations", type=int, default=d["iterations"],
+                   help="timed all-reduces per size")
+    p.add_argument("--pair-timeout", type=float, default=120.0,
+                   help="seconds a pair may take, rendezvous included, before it is killed and "
+                        "recorded failed (120)")
+    p.add_argument("run_args", nargs=argparse.REMAINDER,
+                   help="after --: more `gpunet-probe run` options for every pair")
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.gpus_per_node < 1:
+        raise FleetError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
+    if not 0 < args.pair_timeout <= 86400:
+        raise FleetError(f"--pair-timeout must be above 0 and at most 86400, got "
+                         f"{args.pair_timeout}")
+    if not 1 <= args.port <= 65535:
+        raise FleetError(f"--port must be a TCP port, got {args.port}")
+    if args.kind == "repair" and not _names(args.suspects):
+        raise FleetError("a repair plan needs --suspects")
+    extra = list(args.run_args)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    elif extra:
+        raise FleetError(f"unknown arguments {' '.join(extra)!r} (run options go after --)")
+    args.run_args = extra
+    taken = {"--state-dir", "--rounds", "--scope", "--timeout", "--nprocs", "--interval"}
+    clash = [a for a in extra if a.split("=")[0] in taken]
+    if clash:
+        raise FleetError(f"{clash[0]} is set by the fleet itself, not after --")
+
+
+def node_name(args: argparse.Namespace, env: Mapping[str, str]) -> str:
+    name = args.node or next((env[k] for k in NODE_ENV if env.get(k)), "") \
+        or socket.gethostname().split(".")[0]
+    if not _NAME.match(name):
+        raise FleetError(f"node name {name!r}: letters, digits, '.', '_' and '-' only, at most "
+                         f"253, starting with a letter or digit (set --node-name or GPUNET_NODE)")
+    return name
+
+
+def route_address(host: str, port: int) -> str:
+    """This host's source address towards ``host``: what a peer on that network reaches."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    family, kind, proto, _, addr = info[0]
+    with socket.socket(family, kind, proto) as s:
+        s.connect(addr)  # UDP: no packet is sent, the kernel only picks the route
+        return str(s.getsockname()[0])
+
+
+# -- the plan, made once by rank 0 ---------------------------------------------------------
+
+def _natural(name: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def schedules(members: Sequence[Member], args: argparse.Namespace, seed: int
+              ) -> tuple[plan.Plan, dict[str, list[Turn]]]:
+    """The plan for ``members`` and each node's turns in it; FleetError for a plan that cannot
+    be made (two nodes of one name, a leaf plan without leaves)."""
+    seen: dict[str, Member] = {}
+    for m in members:
+        if m.node in seen:
+            raise FleetError(f"node name {m.node!r} is used by two nodes ({seen[m.node].address}"
+                             f" and {m.address}): set --node-name or GPUNET_NODE")
+        seen[m.node] = m
+    nodes = sorted(seen, key=_natural)
+    leaves = {m.node: m.leaf for m in members if m.leaf}
+    try:
+        made = plan.make(args.kind, nodes, seed=seed, suspects=_names(args.suspects),
+                         good=None if args.good is None else _names(args.good),
+                         leaves=leaves or None)
+    except plan.PlanError as exc:
+        raise FleetError(str(exc)) from exc
+    turns: dict[str, list[Turn]] = {n: [] for n in nodes}
+    for r, rnd in enumerate(made):
+        serving: dict[str, int] = {}  # pairs of this round served at one address (one host)
+        for a, b in rnd:
+            master = seen[a].address
+            port = args.port + serving.get(master, 0)
+            serving[master] = serving.get(master, 0) + 1
+            turns[a].append(Turn(r, b, seen[b].leaf, True, master, port))
+            turns[b].append(Turn(r, a, seen[a].leaf, False, master, port))
+    return made, turns
+
+
+def _turn_json(t: Turn) -> dict[str, Any]:
+    return {"round": t.round, "peer": t.peer, "peer_leaf": t.peer_leaf, "serve": t.serve,
+            "master": t.master, "port": t.port}
+
+
+def _turn(d: Mapping[str, Any]) -> Turn:
+    return Turn(int(d["round"]), str(d["peer"]), d.get("peer_leaf"), bool(d["serve"]),
+                str(d["master"]), int(d["port"]))
+
+
+# -- one pair, one end ---------------------------------------------------------------------
+
+def pair_dir(state_dir: str, peer: str) -> str:
+    return os.path.join(state_dir, FLEET_SUBDIR, peer)
+
+
+def child_env(env: Mapping[str, str], turn: Turn, local: int, gpus: int) -> dict[str, str]:
+    out = {k: v for k, v in env.items() if not k.startswith(_AGENT_ENV)}
+    out.update({"RANK": str((0 if turn.serve else 1) * gpus + local),
+                "WORLD_SIZE": str(2 * gpus), "LOCAL_RANK": str(local),
+                "LOCAL_WORLD_SIZE": str(gpus), "MASTER_ADDR": turn.master,
+                "MASTER_PORT": str(turn.port)})
+    return out
+
+
+def run_pair(args: argparse.Namespace, turn: Turn, env: Mapping[str, str]) -> pairs.Pair:
+    """This node's end of one pair: its ranks started, waited for up to the pair timeout, and
+    what its local rank 0 wrote, as this node's view of the pair."""
+    where = pair_dir(args.state_dir, turn.peer)
+    os.makedirs(where, exist_ok=True)
+    path = results.result_path(where, "inter")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # an earlier run's result must not pass for this one's
+    argv = [sys.executable, "-m", "gpunet_exporter.probe.cli", "run", "--state-dir", where,
+            "--scope", "inter", "--rounds", "1", "--timeout", f"{args.pair_timeout:g}",
+            "--backend", args.backend, "--sizes", ",".join(str(s) for s in args.sizes),
+            "--warmup", str(args.warmup), "--iterations", str(args.iterations),
+            *args.run_args]
+    started = time.monotonic()
+    children: list[Child] = []
+    with open(os.path.join(where, "probe.log"), "wb") as log:
+        try:
+            for local in range(args.gpus_per_node):
+                children.append(Child(argv, stdout=log, stderr=log,
+                                      env=child_env(env, turn, local, args.gpus_per_node)))
+        except OSError as exc:
+            for c in children:
+                c.kill()
+            return _failed(turn, f"cannot start gpunet-probe run: {exc}")
+        codes: list[int | None] = []
+        for c in children:
+            left = args.pair_timeout + 15 - (time.monotonic() - started)
+            rc = c.wait(max(left, 0.0))
+            if rc is None:
+                c.kill()
+            codes.append(rc)
+    if any(rc is None for rc in codes):
+        return _failed(turn, f"timed out after {args.pair_timeout:g} s (killed)")
+    try:
+        res = results.read(path)
+    except (OSError, results.BadResult) as exc:
+        return _failed(turn, f"no result (ranks exited {codes}): {exc}")
+    return judge(turn, res, args.sizes, args.gpus_per_node, args.backend)
+
+
+def judge(turn: Turn, res: results.Result, sizes: Sequence[int], gpus: int, backend: str
+          ) -> pairs.Pair:
+    """This end's view of the pair from the result its local rank 0 wrote."""
+    if not res.success:
+        return _failed(turn, f"{res.failure}: {res.error}"[:500], res)
+    measured = [s for s in res.sizes if not s.skipped and s.median_seconds > 0]
+    if not measured or res.world_size != 2 * gpus:
+        return _failed(turn, f"no size measured in a world of {res.world_size}", res)
+    small = min(measured, key=lambda s: s.bytes)
+    large = max(measured, key=lambda s: s.bytes)
+    # A busy GPU (the runner's NVML check) skips the large sizes: the bandwidth of a small one
+    # would pass for a slow pair, so the pair then has a latency and no bandwidth.
+    full = large.bytes == max(sizes)
+    return pairs.Pair(peer=turn.peer, ok=True, peer_leaf=turn.peer_leaf,
+                      latency_seconds=small.median_seconds,
+                      bus_bandwidth_bytes_per_second=large.busbw_bytes_per_second if full
+                      else None, transport=_transport(res, backend), gdr=res.gdr)
+
+
+def _transport(res: results.Result | None, backend: str) -> str | None:
+    if res is not None and res.net_transports:
+        return res.net_transports[0]
+    if res is not None and res.net:
+        return res.net
+    return "Socket" if backend == "gloo" else None  # gloo's all-reduce runs over TCP
+
+
+def _failed(turn: Turn, error: str, res: results.Result | None = None) -> pairs.Pair:
+    return pairs.Pair(peer=turn.peer, ok=False, peer_leaf=turn.peer_leaf,
+                      transport=None if res is None else _transport(res, res.backend),
+                      gdr=None if res is None else res.gdr, error=error)
+
+
+# -- the store -----------------------------------------------------------------------------
+
+def _put(store: Store, key: str, value: Any) -> None:
+    store.set(PREFIX + key, json.dumps(value))
+
+
+def _take(store: Store, key: str, timeout: float) -> Any:
+    store.wait([PREFIX + key], timedelta(seconds=timeout))
+    return json.loads(store.get(PREFIX + key))
+
+
+class Barriers:
+    """Barriers of the fleet's ranks in the store. A rank that misses one (its node died) is
+    not waited for again: one dead node costs one barrier's timeout, not one per round."""
+
+    def __init__(self, store: Store, rank: int, world: int) -> None:
+        self.store, self.rank, self.world = store, rank, world
+        self.gone: set[int] = set()
+
+    def wait(self, name: str, timeout: float) -> bool:
+        """Wait until every rank not gone arrived at ``name``; False when ``timeout`` ran out
+        (the ranks missing then are gone from here on). StoreBroken when the store is."""
+        key = PREFIX + name
+        try:
+            self.store.set(f"{key}/{self.rank}", b"1")
+            if self.store.add(key, 1) >= self.world - len(self.gone):
+                self.store.set(key + "/done", b"1")
+            self.store.wait([key + "/done"], timedelta(seconds=timeout))
+        except (RuntimeError, TimeoutError) as exc:  # torch's DistStoreError is a RuntimeError
+            if not isinstance(exc, TimeoutError) and "timeout" not in str(exc).lower():
+                raise StoreBroken(f"the rendezvous store is gone: {exc}") from exc
+        else:
+            return True
+        try:
+            self.gone |= {r for r in range(self.world)
+                          if not self.store.check([f"{key}/{r}"])}
+        except RuntimeError as exc:
+            raise StoreBroken(f"the rendezvous store is gone: {exc}") from exc
+        return False
+
+
+class StoreBroken(Exception):
+    """The rendezvous store stopped answering (its host is gone)."""
+
+
+def run(args: argparse.Namespace, store: Store, rank: int, world: int, me: Member,
+        env: Mapping[str, str], seed: int, out: Any = sys.stdout) -> int:
+    """The whole fleet run of one node, through ``store``. Returns the exit status."""
+    wait = args.pair_timeout + 60
+    _put(store, f"member/{rank}", {"node": me.node, "address": me.address, "leaf": me.leaf})
+    members: list[Member] = []
+    if rank == 0:
+        members = [Member(**_take(store, f"member/{r}", wait)) for r in range(world)]
+        try:
+            made, turns = schedules(members, args, seed)
+            for node, ts in turns.items():
+                _put(store, f"turns/{node}", [_turn_json(t) for t in ts])
+            _put(store, "plan", {"rounds": len(made), "error": None})
+        except FleetError as exc:
+            _put(store, "plan", {"rounds": 0, "error": str(exc)})
+    head = _take(store, "plan", wait)
+    if head["error"]:
+        print(f"{PROG}: {head['error']}", file=sys.stderr)
+        return EXIT_BAD_ARGS
+    by_round = {t.round: t for t in (_turn(x) for x in _take(store, f"turns/{me.node}", wait))}
+    mine: list[pairs.Pair] = []
+    barriers = Barriers(store, rank, world)
+    broken = False
+    for r in range(int(head["rounds"])):
+        t = by_round.get(r)
+        if t is not None:
+            mine.append(run_pair(args, t, env))
+        if broken:
+            continue  # no barriers without the store: the pairs' own rendezvous still pair up
+        try:
+            if not barriers.wait(f"round/{r}", args.pair_timeout + 20):
+                print(f"{PROG}: {me.node}: not every node finished round {r} (ranks "
+                      f"{sorted(barriers.gone)} are not waited for again); going on",
+                      file=sys.stderr)
+        except StoreBroken as exc:
+            print(f"{PROG}: {me.node}: {exc}; running this node's pairs alone", file=sys.stderr)
+            broken = True
+    if broken:
+        write(args, me, mine)  # this node's own view: no peer to agree with
+        return EXIT_RENDEZVOUS
+    _put(store, f"view/{me.node}", [_pair_json(p) for p in mine])
+    write(args, me, [_agree(p, store, me.node, wait) for p in mine])
+    if not barriers.wait("done", args.pair_timeout + 20):
+        print(f"{PROG}: {me.node}: not every node finished", file=sys.stderr)
+    if rank == 0:  # the others are done with the store, which rank 0 may be serving
+        _summary(store, members, out)
+    return 0
+
+
+def _pair_json(p: pairs.Pair) -> dict[str, Any]:
+    return {"peer": p.peer, "ok": p.ok, "latency_seconds": p.latency_seconds,
+            "bus_bandwidth_bytes_per_second": p.bus_bandwidth_bytes_per_second,
+            "transport": p.transport, "gdr": p.gdr, "error": p.error}
+
+
+def _view(store: Store, node: str, timeout: float) -> list[dict[str, Any]] | None:
+    try:
+        got = _take(store, f"view/{node}", timeout)
+    except (RuntimeError, TimeoutError, ValueError):
+        return None
+    return got if isinstance(got, list) else None
+
+
+def _agree(p: pairs.Pair, store: Store, node: str, timeout: float) -> pairs.Pair:
+    """``p`` is ok only when the peer's end of the pair says so too."""
+    if not p.ok:
+        return p
+    theirs = _view(store, p.peer, timeout) or []  # silent peer: its end finished with ours
+    other = next((q for q in theirs if q.get("peer") == node), None)
+    if other is not None and other.get("ok") is False:
+        return replace(p, ok=False, error=f"the peer's end failed: {other.get('error')}"[:500])
+    return p
+
+
+def write(args: argparse.Namespace, me: Member, mine: Sequence[pairs.Pair]) -> None:
+    """This node's pairs.json: a repair plan's pairs merged into the file there, any other
+    plan's pairs replacing it; nothing when this node had no pair."""
+    if not mine:
+        return
+    got = list(mine)
+    if args.kind == "repair":
+        try:
+            old = pairs.read(pairs.pairs_path(args.state_dir))
+        except (OSError, pairs.BadPairs):
+            old = None
+        if old is not None:
+            new = {p.peer for p in got}
+            got = [p for p in old.pairs if p.peer not in new] + got
+    pairs.write(args.state_dir, pairs.Pairs(node=me.node, plan=args.kind,
+                                            round_timestamp=time.time(),
+                                            pairs=tuple(got[:pairs.MAX_PAIRS]), leaf=me.leaf))
+
+
+def _summary(store: Store, members: Sequence[Member], out: Any) -> None:
+    """Rank 0: one JSON line per pair of the plan, as its serving end saw it."""
+    nodes = sorted((m.node for m in members), key=_natural)
+    for n in nodes:
+        view = {p.get("peer"): p for p in (_view(store, n, 1.0) or [])}
+        for t in (_turn(x) for x in _take(store, f"turns/{n}", 1.0)):
+            if t.serve:
+                v = view.get(t.peer) or {"ok": False, "error": "no report from this node"}
+                print(json.dumps({"round": t.round, "node": n, **v, "peer": t.peer}), file=out,
+                      flush=True)
+
+
+# -- entry point ---------------------------------------------------------------------------
+
+def main(argv: Sequence[str]) -> int:
+    p = Parser(prog=PROG, description="run a pairing plan across nodes; pairs.json on each")
+    add_arguments(p)
+    args = p.parse_args(list(argv))
+    env = dict(os.environ)
+    try:
+        _check(args)
+        cluster = runner.cluster_from_env(env)
+        if cluster is None:
+            raise FleetError("start one per node with srun (MASTER_ADDR, MASTER_PORT set) or "
+                             "torchrun: RANK and WORLD_SIZE are not set")
+        master = env.get("MASTER_ADDR", "")
+        port = parse_uint(env.get("MASTER_PORT", "")) or 0
+        if not master or not port:
+            raise FleetError("MASTER_ADDR and MASTER_PORT must be set (the rendezvous)")
+        leaf = args.leaf if args.leaf is not None else env.get(LEAF_ENV) or None
+        if leaf is not None and not _NAME.match(leaf):
+            raise FleetError(f"leaf {leaf!r}: letters, digits, '.', '_' and '-' only")
+        me = Member(node_name(args, env), args.address or route_address(master, port), leaf)
+    except (FleetError, OSError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return EXIT_BAD_ARGS
+    try:
+        warnings.filterwarnings("ignore", message=".*NumPy.*")
+        from torch.distributed.rendezvous import rendezvous
+
+        store, rank, world = next(rendezvous(
+            "env://", cluster.rank, cluster.world_size,
+            timeout=timedelta(seconds=args.pair_timeout + 60)))
+    except Exception as exc:  # torch raises many kinds; one line either way
+        print(f"{PROG}: {me.node}: rendezvous at {master}:{port} failed: {exc}",
+              file=sys.stderr)
+        return EXIT_RENDEZVOUS
+    seed = args.seed if args.seed is not None else int(time.time())
+    try:
+        return run(args, store, rank, world, me, env, seed)
+    except (RuntimeError, TimeoutError, StoreBroken) as exc:
+        print(f"{PROG}: {me.node}: the rendezvous store failed: {exc}", file=sys.stderr)
+        return EXIT_RENDEZVOUS
