@@ -86,6 +86,7 @@ def test_default_srun_line_is_the_documented_one(run_script: Any) -> None:
     [srun] = r.of("srun")
     assert srun["argv"] == DEFAULT_SRUN
     assert (srun["MASTER_ADDR"], srun["MASTER_PORT"]) == ("gpu07", "29500")
+    assert (srun["NCCL_MNNVL_ENABLE"], srun["NCCL_NVLS_ENABLE"]) == ("0", "0")  # the network
     assert not r.of("sbatch")  # no period: no next round
     line = " ".join(["srun", *srun["argv"]])
     doc = " ".join(DOC.read_text().replace("\\\n", " ").split())  # continued lines joined
@@ -107,6 +108,8 @@ def test_settings_reach_the_command_line(run_script: Any) -> None:
         "/srv/probe", "--kind", "random", "--backend", "gloo", "--gpus-per-node", "8",
         "--sizes", "1MiB,16MiB", "--seed", "3", "--pair-timeout", "30", "--warmup", "1"]
     assert srun["MASTER_PORT"] == "31000"
+    r = run_script(env={**env, "NCCL_NVLS_ENABLE": "1"})  # the operator's NCCL_* are kept
+    assert r.of("srun")[0]["NCCL_NVLS_ENABLE"] == "1"
     r = run_script(env={**env, "GPUNET_FLEET_GPUS_PER_NODE": "4"})
     assert r.of("srun")[0]["argv"][14:16] == ["--gpus-per-node", "4"]
 
@@ -158,7 +161,7 @@ def test_idle_mode_submits_on_the_idle_nodes_only(run_script: Any) -> None:
     # gpu01 listed twice (two partitions) is one node; idle* (not responding), idle~ (powered
     # down), drain, resv, alloc and mix are left out.
     assert sbatch["argv"] == ["--nodelist=gpu01,gpu05,gpu09", "--nodes=3",
-                              "--deadline=now+15minutes", "--partition=gpu", "--qos=probe",
+                              "--deadline=now+30minutes", "--partition=gpu", "--qos=probe",
                               str(SCRIPT)]
     assert not r.of("srun")
 

@@ -25,7 +25,8 @@ Layout of ``cluster(n)``:
   'hostname n<i> && mount --bind <node>/state /var/lib/gpunet-exporter && exec slurmd -D ...'``
   (a shell in the harness only; the product runs none). slurmd finds its NodeName from the
   hostname; per-node paths use ``%n``. ``/var/lib/gpunet-exporter`` must exist on the host as a
-  mount point: it is created when missing and removed again (when empty) at teardown;
+  mount point: it is created when missing and removed again at teardown (when empty, and when
+  no namespace of a parallel run mounts on it: removing it would detach that mount);
 - no port is chosen on the host: every daemon listens inside its own namespace, where the
   standard ports (6817, 6818) are free by construction, and parallel runs have separate bridges;
 - ``cgroup.conf`` names ``CgroupPlugin=cgroup/v1``: slurmd 22.05 initialises its cgroup plugin
@@ -64,6 +65,7 @@ STATE_MOUNT = Path("/var/lib/gpunet-exporter")  # each node's own, as on a real 
 ETC_NETNS = Path("/etc/netns")
 PREFIX = "gpunet-slurm"
 CONTROLLER = "ctl"
+MADE_MOUNT = "made-state-mount"  # in the root directory: this run created STATE_MOUNT
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,11 @@ def slurm_conf(root: Path, nodes: Sequence[netns.Node], controller: netns.Node) 
         "SlurmdTimeout=60",
         "InactiveLimit=0",
         "KillWait=2",
-        "MinJobAge=600",
+        # sbatch --wait polls at 2 s, 8 s, 32 s ... unless the next sleep would reach half of
+        # MinJobAge (a finished job must outlive the poll): 4 keeps it at 2 s, so that a
+        # 12 s job is seen done at 12 to 14 s rather than at 42 s. Finished jobs' records go
+        # after 4 s: tests wait for a job's output file, not for its record.
+        "MinJobAge=4",
         "SlurmctldDebug=info",
         "SlurmdDebug=info",
     ]
@@ -193,9 +199,9 @@ import sys
 
 name = os.path.basename(sys.argv[0])
 with open(os.environ["FAKE_SLURM_LOG"], "a", encoding="utf-8") as log:
-    log.write(json.dumps({"tool": name, "argv": sys.argv[1:],
-                          "MASTER_ADDR": os.environ.get("MASTER_ADDR"),
-                          "MASTER_PORT": os.environ.get("MASTER_PORT")}) + "\\n")
+    env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "NCCL_MNNVL_ENABLE",
+                                          "NCCL_NVLS_ENABLE")}
+    log.write(json.dumps({"tool": name, "argv": sys.argv[1:], **env}) + "\\n")
 if name == "sinfo":
     sys.stdout.write(os.environ.get("FAKE_SINFO", ""))
 elif name == "sbatch":
@@ -207,8 +213,9 @@ FAKE_NAMES = ("srun", "sbatch", "sinfo")
 
 def fake_tools(bin_dir: Path, python: str) -> None:
     """``srun``, ``sbatch`` and ``sinfo`` stand-ins in ``bin_dir``: each appends its arguments
-    (and MASTER_ADDR, MASTER_PORT) as a JSON line to ``$FAKE_SLURM_LOG``; sinfo prints
-    ``$FAKE_SINFO``, sbatch a job id; each exits ``$FAKE_<NAME>_EXIT`` (default 0)."""
+    and MASTER_ADDR, MASTER_PORT, NCCL_MNNVL_ENABLE and NCCL_NVLS_ENABLE as a JSON line to
+    ``$FAKE_SLURM_LOG``; sinfo prints ``$FAKE_SINFO``, sbatch a job id; each exits
+    ``$FAKE_<NAME>_EXIT`` (default 0)."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     for name in FAKE_NAMES:
         tool = bin_dir / name
@@ -225,7 +232,8 @@ def minimal_conf(path: Path) -> Path:
 
 # -- cleanup --------------------------------------------------------------------------------
 
-def _pids_in(ns: str) -> list[int]:
+def pids_in(ns: str) -> list[int]:
+    """The processes in a network namespace (``ip netns pids``)."""
     r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
     return [int(p) for p in r.stdout.split() if p.isdigit()]
 
@@ -239,14 +247,14 @@ def _signal(pids: Sequence[int], sig: int) -> None:
 def kill_namespace_processes(namespaces: Sequence[str], grace: float = 10.0) -> None:
     """SIGTERM to every process in these namespaces (all ours: we made the namespaces), then
     SIGKILL to what is left after ``grace`` seconds; returns when none is left."""
-    _signal([p for ns in namespaces for p in _pids_in(ns)], signal.SIGTERM)
+    _signal([p for ns in namespaces for p in pids_in(ns)], signal.SIGTERM)
     try:
-        wait_for(lambda: [p for ns in namespaces for p in _pids_in(ns)],
+        wait_for(lambda: [p for ns in namespaces for p in pids_in(ns)],
                  "the cluster's processes to exit on SIGTERM", timeout=grace, interval=0.2,
                  until_empty=True)
     except AssertionError:
-        _signal([p for ns in namespaces for p in _pids_in(ns)], signal.SIGKILL)
-        wait_for(lambda: [p for ns in namespaces for p in _pids_in(ns)],
+        _signal([p for ns in namespaces for p in pids_in(ns)], signal.SIGKILL)
+        wait_for(lambda: [p for ns in namespaces for p in pids_in(ns)],
                  "the cluster's processes to exit on SIGKILL", timeout=10, interval=0.2,
                  until_empty=True)
 
@@ -279,6 +287,24 @@ def _stop_munged(root: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def state_mount_in_use() -> bool:
+    """Whether a process anywhere (a parallel run's node) has a mount on STATE_MOUNT: removing
+    the directory would detach that mount in its namespace."""
+    for info in Path("/proc").glob("[0-9]*/mountinfo"):
+        with contextlib.suppress(OSError):
+            if any(line.split()[4] == str(STATE_MOUNT) for line in info.read_text().splitlines()
+                   if len(line.split()) > 4):
+                return True
+    return False
+
+
+def _drop_state_mount() -> None:
+    """Remove STATE_MOUNT (made by a run of ours) when empty and no namespace mounts on it."""
+    if not state_mount_in_use():
+        with contextlib.suppress(OSError):
+            STATE_MOUNT.rmdir()
+
+
 def sweep(prefix: str = PREFIX) -> list[str]:
     """What runs of this prefix whose process is gone left behind: their namespaces (the
     processes in them killed first), /etc/netns entries, munged and root directories."""
@@ -286,7 +312,7 @@ def sweep(prefix: str = PREFIX) -> list[str]:
     for ns in netns.namespaces():
         pid = _run_pid(ns, prefix)
         if pid is not None and not _alive(pid):
-            _signal(_pids_in(ns), signal.SIGKILL)
+            _signal(pids_in(ns), signal.SIGKILL)
             netns.del_namespace(ns)
             gone.append(ns)
     if ETC_NETNS.is_dir():
@@ -299,6 +325,8 @@ def sweep(prefix: str = PREFIX) -> list[str]:
         pid = _run_pid(entry.name, prefix)
         if pid is not None and not _alive(pid):
             _stop_munged(entry)
+            if (entry / MADE_MOUNT).exists():
+                _drop_state_mount()
             shutil.rmtree(entry, ignore_errors=True)
             gone.append(str(entry))
     return gone
@@ -348,6 +376,7 @@ def cluster(n: int = 4, prefix: str = PREFIX, startup_timeout: float = 60) -> It
             if not STATE_MOUNT.exists():
                 STATE_MOUNT.mkdir(parents=True)
                 made_mount = True
+                (root / MADE_MOUNT).touch()  # for sweep, should this run die
             env = {**os.environ, "SLURM_CONF": str(conf)}
             munge_sock = root / "run" / "munge.sock"
             munged = _start(["munged", "-F", f"--socket={munge_sock}", f"--key-file={key}",
@@ -398,6 +427,5 @@ def cluster(n: int = 4, prefix: str = PREFIX, startup_timeout: float = 60) -> It
         for entry in etc_entries:
             shutil.rmtree(entry, ignore_errors=True)
         if made_mount:
-            with contextlib.suppress(OSError):
-                STATE_MOUNT.rmdir()
+            _drop_state_mount()
         shutil.rmtree(root, ignore_errors=True)
