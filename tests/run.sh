@@ -12,6 +12,11 @@ command -v prometheus-alertmanager >/dev/null || need_apt+=(prometheus-alertmana
 command -v ip >/dev/null || need_apt+=(iproute2)          # network namespaces (pfc tests)
 command -v ethtool >/dev/null || need_apt+=(ethtool)      # ioctl results checked against it
 command -v systemd-analyze >/dev/null || need_apt+=(systemd)  # verify/security of the unit
+# A real Slurm of namespace nodes for slurm/gpunet-fleet.sbatch (tests/support/slurm.py)
+command -v slurmctld >/dev/null || need_apt+=(slurmctld)
+command -v slurmd >/dev/null || need_apt+=(slurmd)
+command -v sbatch >/dev/null || need_apt+=(slurm-client)
+command -v munged >/dev/null || need_apt+=(munge)
 python3 -c 'import ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -9,6 +9,8 @@
     yaml_bombs   hostile YAML documents (alias and merge-key bombs)
     bundle_node  a node of the end-to-end bundle: its tree, stand-in tools, NVML and exporter args
     netns        a fleet of network-namespace nodes on a bridge, tc shaping, a probe pair across two
+    slurm        a real Slurm (slurmctld, slurmd per namespace node, munge) on one host; stand-ins
+                 for srun, sbatch and sinfo
 
 tests/conftest.py holds only pytest fixtures. This package imports nothing at import time, so an
 exporter subprocess that loads support.fake_nvml loads nothing else of it.
