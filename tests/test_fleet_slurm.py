@@ -26,8 +26,9 @@ from support.wait import wait_for
 pytestmark = pytest.mark.slow
 
 SCRIPT = REPO / "slurm" / "gpunet-fleet.sbatch"
-# The ring of n0..n3 (natural name order): n0-n1, n1-n2, n2-n3, n3-n0.
-RING4 = {"n0": {"n1", "n3"}, "n1": {"n0", "n2"}, "n2": {"n1", "n3"}, "n3": {"n2", "n0"}}
+# The script's default plan, ring --hops 2, of n0..n3: the ring n0-n1, n1-n2, n2-n3, n3-n0 and
+# the two nodes on, n0-n2, n1-n3: with four nodes the complete graph.
+RING4 = {n: {"n0", "n1", "n2", "n3"} - {n} for n in ("n0", "n1", "n2", "n3")}
 RING3 = {"n0": {"n1", "n2"}, "n1": {"n0", "n2"}, "n2": {"n0", "n1"}}
 
 

@@ -27,7 +27,8 @@ JOB = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "4",
        "SLURM_JOB_NODELIST": "gpu[07-09],gpu11", "SLURM_JOB_PARTITION": "gpu"}
 DEFAULT_SRUN = ["--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "--kill-on-bad-exit=0",
                 "--mpi=none", "gpunet-probe", "fleet", "--state-dir",
-                "/var/lib/gpunet-exporter/probe", "--kind", "ring", "--backend", "nccl",
+                "/var/lib/gpunet-exporter/probe", "--kind", "ring", "--hops", "2",
+                "--backend", "nccl",
                 "--gpus-per-node", "1"]
 
 
@@ -105,13 +106,14 @@ def test_settings_reach_the_command_line(run_script: Any) -> None:
     assert srun["argv"] == [
         "--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--mpi=none",
         "--gpus-per-node=8", "/opt/gpunet/bin/gpunet-probe", "fleet", "--state-dir",
-        "/srv/probe", "--kind", "random", "--backend", "gloo", "--gpus-per-node", "8",
+        "/srv/probe", "--kind", "random", "--hops", "2", "--backend", "gloo",
+        "--gpus-per-node", "8",
         "--sizes", "1MiB,16MiB", "--seed", "3", "--pair-timeout", "30", "--warmup", "1"]
     assert srun["MASTER_PORT"] == "31000"
     r = run_script(env={**env, "NCCL_NVLS_ENABLE": "1"})  # the operator's NCCL_* are kept
     assert r.of("srun")[0]["NCCL_NVLS_ENABLE"] == "1"
     r = run_script(env={**env, "GPUNET_FLEET_GPUS_PER_NODE": "4"})
-    assert r.of("srun")[0]["argv"][14:16] == ["--gpus-per-node", "4"]
+    assert r.of("srun")[0]["argv"][16:18] == ["--gpus-per-node", "4"]
 
 
 def test_exit_status_is_the_probes(run_script: Any) -> None:
