@@ -239,7 +239,7 @@ def test_a_measured_pair_has_the_small_sizes_latency_and_the_large_sizes_bandwid
 
 
 def test_a_busy_gpu_leaves_the_pair_without_bandwidth_not_slow() -> None:
-    """Seen on an H100 (docs/probe.md): the runner skipped 1 MiB and up on a GPU busy with the
+    """Seen on an H100 (docs/fleet.md): the runner skipped 1 MiB and up on a GPU busy with the
     other pair, and the 8 KiB bus bandwidth, 1.7 MB/s, passed for the pair's."""
     got = fleet.judge(TURN, _result((
         results.SizeResult(8 << 10, median_seconds=4.8e-3, busbw_bytes_per_second=1.7e6),

@@ -2,7 +2,7 @@
 joined by a bridge, the probe's cluster mode (gloo over real TCP) between pairs of them, and
 ``tc`` making one node's link, or one node pair's path, slow. The probe must see the shaping in
 the pairs it touches and nowhere else. Helpers: tests/support/netns.py; numbers seen in
-docs/probe.md ("Fleet tests on one host")."""
+docs/fleet.md ("Fleet tests on one host")."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 
 def test_unshaped_fleet_pairs_are_alike(setup: Setup) -> None:
     bw = setup.baseline
-    print(f"unshaped: {show(bw)}")  # the numbers in docs/probe.md (pytest -s)
+    print(f"unshaped: {show(bw)}")  # the numbers in docs/fleet.md (pytest -s)
     mid = statistics.median(bw.values())
     assert all(mid / 2 <= v <= mid * 2 for v in bw.values()), show(bw)
 

@@ -13,7 +13,7 @@ installed ``gpunet-exporter`` per node (``runner: none``, its own state_dir; exp
 root namespace on loopback, since exporting needs no fleet network), scraped by one Prometheus
 (job ``gpunet``, instance = each exporter's address) evaluating the generated rules with every
 ``for:`` at 0s. Alerts are read from /api/v1/alerts once the rules have evaluated the scenario.
-Numbers seen: docs/probe.md ("Fleet tests on one host")."""
+Numbers seen: docs/fleet.md ("Fleet tests on one host")."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> Fleet:
         finally:
             netns.unshape(*f.nodes)
     for name, bw in out.scenarios.items():
-        print(f"{name} ({out.rate}): {show(bw)}")  # the numbers in docs/probe.md (pytest -s)
+        print(f"{name} ({out.rate}): {show(bw)}")  # the numbers in docs/fleet.md (pytest -s)
     return out
 
 
@@ -182,7 +182,7 @@ def evaluate(stack: Stack, bw: Measured) -> set[tuple[str, str, str]]:
         if a["state"] == "firing" and name in FLEET_ALERTS:
             inst = a["labels"].get("instance", "")
             firing.add((name, stack.instance.get(inst, inst), a["labels"].get("peer", "")))
-    print(f"firing: {sorted(firing)}")  # the numbers in docs/probe.md (pytest -s)
+    print(f"firing: {sorted(firing)}")  # the numbers in docs/fleet.md (pytest -s)
     return firing
 
 
