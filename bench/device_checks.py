@@ -497,6 +497,33 @@ def probe_straggler(site: Path, tmp: Path, checks: Checks) -> dict[str, Any]:
     return out
 
 
+def serve_state(site: Path, tmp: Path, state: Path, ready: Any) -> dict[Any, float]:
+    """Start an exporter (probe collector alone, runner: none) on ``state`` and scrape it until
+    ``ready(samples)`` or 30 s; the last scrape's samples."""
+    cfg = tmp / f"{state.name}.yml"
+    cfg.write_text(f"probe:\n  runner: none\n  state_dir: {json.dumps(str(state))}\n")
+    eport = free_port()
+    exp = subprocess.Popen(
+        [sys.executable, "-m", "gpunet_exporter", f"--web.listen-address=127.0.0.1:{eport}",
+         "--collector.disable-defaults", "--collector.probe", f"--config.file={cfg}"],
+        env={**os.environ, "PYTHONPATH": str(site)}, stderr=subprocess.PIPE, text=True)
+    s: dict[Any, float] = {}
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                s = scrape(f"http://127.0.0.1:{eport}/metrics")
+                if ready(s):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.3)
+    finally:
+        exp.terminate()
+        exp.communicate(timeout=20)
+    return s
+
+
 def probe_inter(site: Path, tmp: Path, checks: Checks) -> dict[str, Any]:
     """Cluster mode across two simulated nodes on one GPU: two torchrun invocations (nnodes 2,
     one rank each) with their own NCCL_HOSTID and state directory; rank 1 made 50 ms late.
@@ -519,28 +546,8 @@ def probe_inter(site: Path, tmp: Path, checks: Checks) -> dict[str, Any]:
             files.append(json.loads((tmp / f"state-inter-{node}" / "inter.json").read_text()))
         except (OSError, ValueError):
             files.append({})
-    cfg = tmp / "inter.yml"
-    cfg.write_text(f"probe:\n  runner: none\n  state_dir: "
-                   f"{json.dumps(str(tmp / 'state-inter-1'))}\n")
-    eport = free_port()
-    exp = subprocess.Popen(
-        [sys.executable, "-m", "gpunet_exporter", f"--web.listen-address=127.0.0.1:{eport}",
-         "--collector.disable-defaults", "--collector.probe", f"--config.file={cfg}"],
-        env={**os.environ, "PYTHONPATH": str(site)}, stderr=subprocess.PIPE, text=True)
-    s: dict[Any, float] = {}
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                s = scrape(f"http://127.0.0.1:{eport}/metrics")
-                if pick(s, "gpunet_probe_success", scope="inter") is not None:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.3)
-    finally:
-        exp.terminate()
-        exp.communicate(timeout=20)
+    s = serve_state(site, tmp, tmp / "state-inter-1",
+                    lambda s: pick(s, "gpunet_probe_success", scope="inter") is not None)
     out = {"returncodes": [p.returncode for p in procs],
            "inter_json": [{k: f.get(k) for k in ("success", "world_size", "transports",
                                                  "net_transports", "straggler", "sizes")}
@@ -655,28 +662,8 @@ def fleet(args: argparse.Namespace) -> int:
         checks.eq("fleet repair: exit 0", rcs2, [0] * len(nodes))
         checks.eq("fleet repair: merged into the ring's file", len(after["pairs"]) >= 2
                   and after["plan"] == "repair", True)
-        cfg = tmp / "fleet.yml"
-        cfg.write_text(f"probe:\n  runner: none\n  state_dir: "
-                       f"{json.dumps(str(tmp / f'fleet-{nodes[0]}'))}\n")
-        eport = free_port()
-        exp = subprocess.Popen(
-            [sys.executable, "-m", "gpunet_exporter", f"--web.listen-address=127.0.0.1:{eport}",
-             "--collector.disable-defaults", "--collector.probe", f"--config.file={cfg}"],
-            env={**os.environ, "PYTHONPATH": str(site)}, stderr=subprocess.PIPE, text=True)
-        s: dict[Any, float] = {}
-        try:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                try:
-                    s = scrape(f"http://127.0.0.1:{eport}/metrics")
-                    if _labels(s, "gpunet_fleet_pair_success", "peer"):
-                        break
-                except OSError:
-                    pass
-                time.sleep(0.3)
-        finally:
-            exp.terminate()
-            exp.communicate(timeout=20)
+        s = serve_state(site, tmp, tmp / f"fleet-{nodes[0]}",
+                        lambda s: bool(_labels(s, "gpunet_fleet_pair_success", "peer")))
         out["exported"] = {
             "peers": _labels(s, "gpunet_fleet_pair_success", "peer"),
             "transport": _labels(s, "gpunet_fleet_pair_info", "transport"),

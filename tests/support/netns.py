@@ -107,7 +107,8 @@ def require() -> None:
         pytest.skip(reason)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -144,7 +145,7 @@ def sweep(prefix: str) -> list[str]:
     for name in namespaces():
         rest = name[len(prefix) + 1:] if name.startswith(prefix + "-") else ""
         pid = rest.split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             _ip("netns", "del", name, check=False)
             gone.append(name)
     return gone

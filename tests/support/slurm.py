@@ -259,16 +259,6 @@ def kill_namespace_processes(namespaces: Sequence[str], grace: float = 10.0) -> 
                  until_empty=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _run_pid(name: str, prefix: str) -> int | None:
     """The creating pid in a name ``<prefix>-<pid>-...``, or None."""
     if not name.startswith(prefix + "-"):
@@ -311,19 +301,19 @@ def sweep(prefix: str = PREFIX) -> list[str]:
     gone = []
     for ns in netns.namespaces():
         pid = _run_pid(ns, prefix)
-        if pid is not None and not _alive(pid):
+        if pid is not None and not netns.alive(pid):
             _signal(pids_in(ns), signal.SIGKILL)
             netns.del_namespace(ns)
             gone.append(ns)
     if ETC_NETNS.is_dir():
         for entry in ETC_NETNS.iterdir():
             pid = _run_pid(entry.name, prefix)
-            if pid is not None and not _alive(pid):
+            if pid is not None and not netns.alive(pid):
                 shutil.rmtree(entry, ignore_errors=True)
                 gone.append(str(entry))
     for entry in Path(tempfile.gettempdir()).glob(f"{prefix}-*"):
         pid = _run_pid(entry.name, prefix)
-        if pid is not None and not _alive(pid):
+        if pid is not None and not netns.alive(pid):
             _stop_munged(entry)
             if (entry / MADE_MOUNT).exists():
                 _drop_state_mount()
