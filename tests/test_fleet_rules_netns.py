@@ -2,13 +2,14 @@
 export from real pair measurements, name the shaped node and the shaped link, and nothing on a
 healthy fleet.
 
-Four network namespaces (tests/support/netns.py); every pair of the complete graph (the ring
-0-1, 1-2, 2-3, 3-0 and one more round, 0-2, 1-3: three pairs per node) is measured with the
-probe's real cluster mode (gloo over TCP through the bridge), three times: unshaped, node 2's
-link shaped, the path 0-1 shaped. Three pairs per node keep the node medians robust: with the
-ring alone a node has two pairs, and the median of (slow, fast) is their mean.
+Four network namespaces (tests/support/netns.py); every pair of the complete graph (the plan
+``ring --hops 2`` of four nodes: the ring 0-1, 1-2, 2-3, 3-0 and 0-2, 1-3, three pairs per node)
+is measured by the real launcher, ``gpunet-probe fleet`` started in each namespace with srun's
+environment (gloo over TCP through the bridge), three times: unshaped, node 2's link shaped,
+the path 0-1 shaped. Three pairs per node keep the node medians robust: with the ring alone a
+node has two pairs, and the median of (slow, fast) is their mean.
 
-Each node's view of a scenario is written as its ``pairs.json`` (probe/pairs.py), exported by one
+Each node's ``pairs.json`` of a scenario, as the launcher wrote it, is exported by one
 installed ``gpunet-exporter`` per node (``runner: none``, its own state_dir; exporters run in the
 root namespace on loopback, since exporting needs no fleet network), scraped by one Prometheus
 (job ``gpunet``, instance = each exporter's address) evaluating the generated rules with every
@@ -35,6 +36,7 @@ import yaml
 from gpunet_exporter.health import rules
 from gpunet_exporter.probe import pairs, plan
 
+from support import fleet as launch
 from support import netns
 from support.exporter import Exporter
 from support.prometheus import api, start_prometheus, stop
@@ -43,8 +45,8 @@ from support.wait import wait_for
 pytestmark = pytest.mark.slow
 
 NODES = ("n0", "n1", "n2", "n3")
-# The ring's two rounds and the diagonals: the complete graph of four nodes, 3 pairs per node.
-PLAN: plan.Plan = [*plan.ring(NODES), [("n0", "n2"), ("n1", "n3")]]
+# ring --hops 2 of four nodes: the complete graph, 3 pairs per node.
+PLAN: plan.Plan = plan.ring(NODES, 2)
 SHAPED_NODE = "n2"
 SHAPED_PAIR = ("n0", "n1")
 MAX_RATE_BITS = 400_000_000  # as tests/test_fleet_netns.py: far below the unshaped fleet
@@ -55,15 +57,35 @@ Measured = dict[tuple[str, str], float]  # pair (plan order) -> bus bandwidth, l
 
 
 @dataclass
+class Scenario:
+    files: dict[str, bytes]  # node -> its pairs.json, as the launcher wrote it
+    bw: Measured  # each pair as its first node saw it
+
+
+@dataclass
 class Fleet:
-    scenarios: dict[str, Measured] = field(default_factory=dict)
+    scenarios: dict[str, Scenario] = field(default_factory=dict)
     rate: str = ""
 
 
-def measure(f: netns.Fleet, state: Path) -> Measured:
-    idx = {n: i for i, n in enumerate(NODES)}
-    return {(a, b): netns.measure_pair(f[idx[a]], f[idx[b]], state).largest_busbw
-            for rnd in PLAN for a, b in rnd}
+def measure(f: netns.Fleet, state: Path) -> Scenario:
+    """One run of the launcher over the four namespaces: each node's file, and each pair."""
+    launches = [launch.Launch(n, state / n, ("--backend", "gloo", "--sizes", "1MiB,16MiB",
+                                             "--warmup", "1", "--iterations", "4",
+                                             "--hops", "2", "--pair-timeout", "60"), ns=f[i])
+                for i, n in enumerate(NODES)]
+    done = launch.finish(launch.start(launches, launcher="srun", master=f[0].addr, port=29400),
+                         timeout=300)
+    assert [rc for rc, _ in done] == [0] * len(NODES), "\n".join(o[-3000:] for _, o in done)
+    files = {n: (state / n / pairs.FILE).read_bytes() for n in NODES}
+    seen = {n: {p.peer: p for p in pairs.read(str(state / n / pairs.FILE)).pairs}
+            for n in NODES}
+    bw = {}
+    for a, b in (pair for rnd in PLAN for pair in rnd):
+        p = seen[a][b]
+        assert p.ok and p.bus_bandwidth_bytes_per_second, p
+        bw[(a, b)] = p.bus_bandwidth_bytes_per_second
+    return Scenario(files, bw)
 
 
 def show(bw: Measured) -> str:
@@ -81,7 +103,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> Fleet:
         node = f[NODES.index(SHAPED_NODE)]
         a, b = (f[NODES.index(n)] for n in SHAPED_PAIR)
         out.scenarios["healthy"] = measure(f, state / "healthy")
-        bits = min(MAX_RATE_BITS, int(min(out.scenarios["healthy"].values()) * 8 / 10))
+        bits = min(MAX_RATE_BITS, int(min(out.scenarios["healthy"].bw.values()) * 8 / 10))
         out.rate = f"{bits}bit"
         netns.shape_node(node, rate=out.rate)
         try:
@@ -93,20 +115,9 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> Fleet:
             out.scenarios["pair"] = measure(f, state / "pair")
         finally:
             netns.unshape(*f.nodes)
-    for name, bw in out.scenarios.items():
-        print(f"{name} ({out.rate}): {show(bw)}")  # the numbers in docs/fleet.md (pytest -s)
+    for name, sc in out.scenarios.items():
+        print(f"{name} ({out.rate}): {show(sc.bw)}")  # the numbers in docs/fleet.md (pytest -s)
     return out
-
-
-def view(node: str, bw: Measured, ts: float) -> pairs.Pairs:
-    """``node``'s pairs.json for a scenario: each pair of the plan it is in, the other end as
-    the peer (both ends of a pair get it)."""
-    got = []
-    for peer in plan.peers(PLAN, node):
-        v = bw[(node, peer)] if (node, peer) in bw else bw[(peer, node)]
-        got.append(pairs.Pair(peer=peer, ok=True, bus_bandwidth_bytes_per_second=v,
-                              transport="Socket", gdr=False))
-    return pairs.Pairs(node=node, plan="custom", round_timestamp=ts, pairs=tuple(got))
 
 
 @dataclass
@@ -151,14 +162,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             e.stop()
 
 
-def evaluate(stack: Stack, bw: Measured) -> set[tuple[str, str, str]]:
-    """Export ``bw`` on every node, wait until the recording rules hold this round's node medians
-    and the alert group has evaluated since; the firing fleet alerts as (alert, node, peer)."""
-    ts = float(int(time.time()))
+def evaluate(stack: Stack, sc: Scenario) -> set[tuple[str, str, str]]:
+    """Give every node's exporter the launcher's file of the scenario, wait until the recording
+    rules hold its node medians and the alert group has evaluated since; the firing fleet alerts
+    as (alert, node, peer)."""
+    want = {}
     for node, state in stack.states.items():
-        pairs.write(str(state), view(node, bw, ts))
-    want = {node: statistics.median(p.bus_bandwidth_bytes_per_second or 0.0
-                                    for p in view(node, bw, ts).pairs) for node in NODES}
+        (state / pairs.FILE).write_bytes(sc.files[node])
+        got = pairs.read(str(state / pairs.FILE))
+        want[node] = statistics.median(p.bus_bandwidth_bytes_per_second or 0.0
+                                       for p in got.pairs)
 
     def medians() -> float | None:
         rows = api(stack.prometheus, "query", query=rules.NODE_MEDIAN_BW)["result"]
@@ -194,22 +207,22 @@ def _unix(rfc3339: str) -> float:
 
 
 def test_healthy_fleet_names_nothing(measured: Fleet, stack: Stack) -> None:
-    bw = measured.scenarios["healthy"]
-    assert evaluate(stack, bw) == set(), show(bw)
+    sc = measured.scenarios["healthy"]
+    assert evaluate(stack, sc) == set(), show(sc.bw)
 
 
 def test_shaped_node_is_named_and_no_link(measured: Fleet, stack: Stack) -> None:
-    bw = measured.scenarios["node"]
-    firing = evaluate(stack, bw)
-    assert ("GpunetFleetNodeSuspect", SHAPED_NODE, "") in firing, f"{firing}; {show(bw)}"
+    sc = measured.scenarios["node"]
+    firing = evaluate(stack, sc)
+    assert ("GpunetFleetNodeSuspect", SHAPED_NODE, "") in firing, f"{firing}; {show(sc.bw)}"
     allowed = {("GpunetFleetNodeSuspect", SHAPED_NODE, ""),
                ("GpunetFleetBandwidthOutlier", SHAPED_NODE, "")}
-    assert firing <= allowed, f"{firing - allowed}; {show(bw)}"
+    assert firing <= allowed, f"{firing - allowed}; {show(sc.bw)}"
 
 
 def test_shaped_path_blames_the_link_not_a_node(measured: Fleet, stack: Stack) -> None:
-    bw = measured.scenarios["pair"]
-    firing = evaluate(stack, bw)
+    sc = measured.scenarios["pair"]
+    firing = evaluate(stack, sc)
     a, b = SHAPED_PAIR
     ends = {("GpunetFleetLinkSlow", a, b), ("GpunetFleetLinkSlow", b, a)}
-    assert firing == ends, f"{firing}; {show(bw)}"  # once from each end, peer the other end
+    assert firing == ends, f"{firing}; {show(sc.bw)}"  # once from each end, peer the other end
