@@ -19,7 +19,7 @@ import pytest
 
 from gpunet_exporter.probe import pairs
 
-from support import slurm
+from support import netns, slurm
 from support.paths import REPO
 from support.wait import wait_for
 
@@ -169,7 +169,7 @@ def test_sweep_removes_what_a_dead_run_left() -> None:
         (slurm.ETC_NETNS / ns).mkdir(parents=True)
         root.mkdir()
         left = slurm.netns.run_in(slurm.netns.Node(0, ns, "", "", ""), ["sleep", "600"])
-        wait_for(lambda: slurm.pids_in(ns), f"sleep running in {ns}")
+        wait_for(lambda: netns.pids_in(ns), f"sleep running in {ns}")
         gone = slurm.sweep("gpunet-slurmsweep")
         assert set(gone) == {ns, str(slurm.ETC_NETNS / ns), str(root)}
         assert left.wait(timeout=10) == -signal.SIGKILL  # a daemon it left is killed

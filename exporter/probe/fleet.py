@@ -440,19 +440,13 @@ def run(args: argparse.Namespace, store: Store, rank: int, world: int, me: Membe
     if broken:
         write(args, me, mine)  # this node's own view: no peer to agree with
         return EXIT_RENDEZVOUS
-    _put(store, f"view/{me.node}", [_pair_json(p) for p in mine])
+    _put(store, f"view/{me.node}", [pairs.pair_json(p) for p in mine])
     write(args, me, [_agree(p, store, me.node, wait) for p in mine])
     if not barriers.wait("done", args.pair_timeout + 20):
         print(f"{PROG}: {me.node}: not every node finished", file=sys.stderr)
     if rank == 0:  # the others are done with the store, which rank 0 may be serving
         _summary(store, members, out)
     return 0
-
-
-def _pair_json(p: pairs.Pair) -> dict[str, Any]:
-    return {"peer": p.peer, "ok": p.ok, "latency_seconds": p.latency_seconds,
-            "bus_bandwidth_bytes_per_second": p.bus_bandwidth_bytes_per_second,
-            "transport": p.transport, "gdr": p.gdr, "error": p.error}
 
 
 def _view(store: Store, node: str, timeout: float) -> list[dict[str, Any]] | None:

@@ -134,15 +134,18 @@ def read(path: str) -> Pairs:
     return parse(load_json(path, BadPairs, "a pairs file", MAX_BYTES), path)
 
 
+def pair_json(x: Pair) -> dict[str, Any]:
+    """One entry of the file's ``pairs``."""
+    return {"peer": x.peer, "peer_leaf": x.peer_leaf, "ok": x.ok,
+            "latency_seconds": x.latency_seconds,
+            "bus_bandwidth_bytes_per_second": x.bus_bandwidth_bytes_per_second,
+            "transport": x.transport, "gdr": x.gdr, "error": x.error}
+
+
 def to_json(p: Pairs) -> dict[str, Any]:
     """The file's content for ``p``."""
     return {"version": VERSION, "node": p.node, "leaf": p.leaf, "plan": p.plan,
-            "round_timestamp": p.round_timestamp,
-            "pairs": [{"peer": x.peer, "peer_leaf": x.peer_leaf, "ok": x.ok,
-                       "latency_seconds": x.latency_seconds,
-                       "bus_bandwidth_bytes_per_second": x.bus_bandwidth_bytes_per_second,
-                       "transport": x.transport, "gdr": x.gdr, "error": x.error}
-                      for x in p.pairs]}
+            "round_timestamp": p.round_timestamp, "pairs": [pair_json(x) for x in p.pairs]}
 
 
 def write(state_dir: str, p: Pairs) -> None:

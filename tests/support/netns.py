@@ -34,6 +34,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -139,13 +140,34 @@ def dead_pid() -> int:
     return p.pid
 
 
+def pids_in(ns: str) -> list[int]:
+    """The processes in a network namespace (``ip netns pids``)."""
+    r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
+    return [int(p) for p in r.stdout.split() if p.isdigit()]
+
+
+def signal_all(pids: Sequence[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def run_pid(name: str, prefix: str) -> int | None:
+    """The creating pid in a name ``<prefix>-<pid>-...``, or None."""
+    if not name.startswith(prefix + "-"):
+        return None
+    pid = name[len(prefix) + 1:].split("-")[0]
+    return int(pid) if pid.isdigit() else None
+
+
 def sweep(prefix: str) -> list[str]:
-    """Delete the namespaces of this prefix whose creating process is gone; their names."""
+    """Delete the namespaces of this prefix whose creating process is gone, killing what still
+    runs in them first (deleting a namespace's name does not stop its processes); their names."""
     gone = []
     for name in namespaces():
-        rest = name[len(prefix) + 1:] if name.startswith(prefix + "-") else ""
-        pid = rest.split("-")[0]
-        if pid.isdigit() and not alive(int(pid)):
+        pid = run_pid(name, prefix)
+        if pid is not None and not alive(pid):
+            signal_all(pids_in(name), signal.SIGKILL)
             _ip("netns", "del", name, check=False)
             gone.append(name)
     return gone

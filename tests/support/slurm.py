@@ -232,39 +232,19 @@ def minimal_conf(path: Path) -> Path:
 
 # -- cleanup --------------------------------------------------------------------------------
 
-def pids_in(ns: str) -> list[int]:
-    """The processes in a network namespace (``ip netns pids``)."""
-    r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
-    return [int(p) for p in r.stdout.split() if p.isdigit()]
-
-
-def _signal(pids: Sequence[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
 def kill_namespace_processes(namespaces: Sequence[str], grace: float = 10.0) -> None:
     """SIGTERM to every process in these namespaces (all ours: we made the namespaces), then
     SIGKILL to what is left after ``grace`` seconds; returns when none is left."""
-    _signal([p for ns in namespaces for p in pids_in(ns)], signal.SIGTERM)
+    netns.signal_all([p for ns in namespaces for p in netns.pids_in(ns)], signal.SIGTERM)
     try:
-        wait_for(lambda: [p for ns in namespaces for p in pids_in(ns)],
+        wait_for(lambda: [p for ns in namespaces for p in netns.pids_in(ns)],
                  "the cluster's processes to exit on SIGTERM", timeout=grace, interval=0.2,
                  until_empty=True)
     except AssertionError:
-        _signal([p for ns in namespaces for p in pids_in(ns)], signal.SIGKILL)
-        wait_for(lambda: [p for ns in namespaces for p in pids_in(ns)],
+        netns.signal_all([p for ns in namespaces for p in netns.pids_in(ns)], signal.SIGKILL)
+        wait_for(lambda: [p for ns in namespaces for p in netns.pids_in(ns)],
                  "the cluster's processes to exit on SIGKILL", timeout=10, interval=0.2,
                  until_empty=True)
-
-
-def _run_pid(name: str, prefix: str) -> int | None:
-    """The creating pid in a name ``<prefix>-<pid>-...``, or None."""
-    if not name.startswith(prefix + "-"):
-        return None
-    pid = name[len(prefix) + 1:].split("-")[0]
-    return int(pid) if pid.isdigit() else None
 
 
 def _stop_munged(root: Path) -> None:
@@ -298,21 +278,15 @@ def _drop_state_mount() -> None:
 def sweep(prefix: str = PREFIX) -> list[str]:
     """What runs of this prefix whose process is gone left behind: their namespaces (the
     processes in them killed first), /etc/netns entries, munged and root directories."""
-    gone = []
-    for ns in netns.namespaces():
-        pid = _run_pid(ns, prefix)
-        if pid is not None and not netns.alive(pid):
-            _signal(pids_in(ns), signal.SIGKILL)
-            netns.del_namespace(ns)
-            gone.append(ns)
+    gone = netns.sweep(prefix)
     if ETC_NETNS.is_dir():
         for entry in ETC_NETNS.iterdir():
-            pid = _run_pid(entry.name, prefix)
+            pid = netns.run_pid(entry.name, prefix)
             if pid is not None and not netns.alive(pid):
                 shutil.rmtree(entry, ignore_errors=True)
                 gone.append(str(entry))
     for entry in Path(tempfile.gettempdir()).glob(f"{prefix}-*"):
-        pid = _run_pid(entry.name, prefix)
+        pid = netns.run_pid(entry.name, prefix)
         if pid is not None and not netns.alive(pid):
             _stop_munged(entry)
             if (entry / MADE_MOUNT).exists():
