@@ -160,22 +160,24 @@ class Child:
                 _running.discard(self.pid)
 
 
-def run_command(argv: Sequence[str], timeout: float) -> str:
-    """Run argv (never through a shell) and return its stdout.
+def run_command(argv: Sequence[str], timeout: float,
+                env: Mapping[str, str] | None = None, ok_status: Sequence[int] = (0,)) -> str:
+    """Run argv (never through a shell) and return its stdout; ``env`` adds to the exporter's
+    environment, and an exit status outside ``ok_status`` raises CommandError.
 
     On timeout the whole process group is killed, so a hung tool leaves nothing behind; so is
     every tool still running when the exporter exits (kill_running).
     """
     try:
         child = Child(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                      env={**os.environ, "LC_ALL": "C"})
+                      env={**os.environ, **(env or {}), "LC_ALL": "C"})
     except OSError as exc:
         raise CommandError(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
     try:
         out, err = child.communicate(timeout)
     except subprocess.TimeoutExpired:
         raise CommandTimeout(f"{argv[0]} timed out after {timeout:g}s and was killed") from None
-    if child.returncode != 0:
+    if child.returncode not in ok_status:
         first = err.decode("utf-8", "replace").strip().splitlines()[:1]
         raise CommandError(f"{argv[0]} exited with status {child.returncode}"
                            + (f": {first[0][:200]}" if first else ""))

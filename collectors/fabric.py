@@ -1,0 +1,397 @@
+"""fabric collector: every switch port of an InfiniBand fabric, seen from one host (off by
+default; enable it on one or two hosts per fabric).
+
+A node's own exporter sees only the host end of its cables. This collector sweeps the fabric
+with infiniband-diags in a background thread (a background.Refresher, every
+``interval_seconds``; sources/ibdiag.py runs the tools, each with a timeout and no shell) and
+exports the last sweep's results, so a scrape reads only the cache:
+
+- per switch port: logical and physical state, active width and lane speed, the rate it runs at
+  next to the best rate both ends support (iblinkinfo's "Could be"), a ``degraded`` flag when it
+  runs below that, the PortCounters (errors and data, as ``_total`` counters), and its neighbour
+  in ``gpunet_fabric_port_info``. Labels are the switch's node GUID and the port number, never a
+  LID, which the subnet manager may reassign. A port keeps the neighbour it last had while it is
+  down (for the life of the process), so "a fabric link down" is a port down whose last
+  neighbour was a switch;
+- per leaf switch (one with hosts): its uplinks (ports to other switches), how the traffic of
+  the last sweep interval divides across them (the busiest uplink's rate over the mean, minus 1:
+  0 is an even split, 0.2 the documented alert threshold), and how its forwarding table divides
+  the host LIDs across them (dump_fts; unbalanced when one uplink routes more than one LID more
+  than another, check_lft_balance's test);
+- the sweep: success, age, duration, and each step's success and duration.
+
+Formats and sources: docs/formats.md §9; the design and its choices: docs/fabric.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import Metric
+
+from gpunet_exporter.background import Fresh, Refresher, add_freshness, last_success_spec
+from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from gpunet_exporter.collectors.tables import load
+from gpunet_exporter.config import Settings, setting
+from gpunet_exporter.sources import ibdiag
+from gpunet_exporter.sources.commands import CommandError
+
+_SP = ("switch", "port")
+_SW = ("switch",)
+_LINKS = "iblinkinfo -l --switches-only (from the sweep's ibnetdiscover)"
+_QE = "ibqueryerrors --switch"
+_BY = {"tx": "PortXmitData", "rx": "PortRcvData"}
+STEP_NAMES = ibdiag.STEPS
+
+
+def _counter_specs() -> dict[str, tuple[MetricSpec, str, int]]:
+    """ibqueryerrors name -> (spec, kind, scale)."""
+    out = {}
+    for row in load("fabric_counters.csv"):
+        spec = MetricSpec(f"gpunet_fabric_port_{row['metric']}_total", "counter", row["help"],
+                          _SP, row["unit"], f"{_QE} ({row['name']})")
+        out[row["name"]] = (spec, row["kind"], int(row["scale"]))
+    return out
+
+
+COUNTERS = _counter_specs()
+
+SWITCH_INFO = MetricSpec(
+    "gpunet_fabric_switch_info", "gauge",
+    "Always 1; a switch of the fabric: its node description and role (leaf: has hosts; spine: "
+    "only switches; empty: no active port)", ("switch", "name", "role"), "", _LINKS)
+PORT_INFO = MetricSpec(
+    "gpunet_fabric_port_info", "gauge",
+    "Always 1; the neighbour of a switch port: its port GUID, port number, node description and "
+    "type (switch or ca); kept from the last sweep that saw it while the port is down, empty "
+    "when the port has had none since the exporter started",
+    ("switch", "port", "remote", "remote_port", "remote_name", "remote_type"), "", _LINKS)
+STATE = MetricSpec(
+    "gpunet_fabric_port_state_id", "gauge",
+    "Logical port state: " + ", ".join(f"{v} {k}" for k, v in ibdiag.STATES.items()), _SP,
+    "enum", _LINKS)
+PHYS_STATE = MetricSpec(
+    "gpunet_fabric_port_phys_state_id", "gauge",
+    "Physical port state: " + ", ".join(f"{v} {k}" for k, v in ibdiag.PHYS_STATES.items()), _SP,
+    "enum", _LINKS)
+WIDTH = MetricSpec(
+    "gpunet_fabric_port_link_width_lanes", "gauge", "Active link width; absent while down", _SP,
+    "lanes", _LINKS)
+LANE_SPEED = MetricSpec(
+    "gpunet_fabric_port_lane_speed_bytes_per_second", "gauge",
+    "Nominal data rate per lane (SDR 2.5, DDR 5, QDR/FDR10 10, FDR 14, EDR 25, HDR 50, NDR 100, "
+    "XDR 200 Gb/s, as the kernel's rate file counts them); absent while down", _SP,
+    "bytes per second", _LINKS)
+RATE = MetricSpec(
+    "gpunet_fabric_port_rate_bytes_per_second", "gauge",
+    "Rate the link runs at: width x lane speed, as the node-side "
+    "gpunet_infiniband_port_rate_bytes_per_second; absent while down", _SP, "bytes per second",
+    _LINKS)
+RATE_SUPPORTED = MetricSpec(
+    "gpunet_fabric_port_rate_supported_bytes_per_second", "gauge",
+    "Best rate both ends of the link support (the widest width and fastest speed in both ends' "
+    "LinkWidthSupported and LinkSpeed(Ext)Supported: iblinkinfo's 'Could be'); absent while "
+    "down", _SP, "bytes per second", _LINKS)
+DEGRADED = MetricSpec(
+    "gpunet_fabric_port_rate_degraded", "gauge",
+    "1 when an active link trained below what both its ends support (narrower or slower), "
+    "else 0; absent while down", _SP, "boolean", _LINKS)
+ROUTED = MetricSpec(
+    "gpunet_fabric_port_routed_host_lids", "gauge",
+    "Host (channel adapter) LIDs the switch's linear forwarding table sends out of this port; "
+    "absent for ports that route none", _SP, "LIDs", "dump_fts")
+UPLINKS = MetricSpec(
+    "gpunet_fabric_leaf_uplinks", "gauge",
+    "Active ports of a leaf switch whose neighbour is a switch", _SW, "ports", _LINKS)
+UPLINK_RATE = MetricSpec(
+    "gpunet_fabric_leaf_uplink_bytes_per_second", "gauge",
+    "Mean traffic per active uplink of a leaf over the last sweep interval: tx from the leaf "
+    "towards the spines, rx from them", ("switch", "direction"), "bytes per second",
+    f"{_QE} --counters (PortXmitData, PortRcvData), difference of two sweeps")
+IMBALANCE = MetricSpec(
+    "gpunet_fabric_leaf_uplink_imbalance_ratio", "gauge",
+    "How unevenly a leaf's uplink traffic divides across its uplinks over the last sweep "
+    "interval: the busiest uplink's rate over the mean, minus 1 (0 even; 0.2 the busiest carries "
+    "20% more than its share); absent below fabric.balance_min_bytes_per_second or with fewer "
+    "than 2 uplinks", ("switch", "direction"), "ratio",
+    f"{_QE} --counters, difference of two sweeps")
+ROUTES_IMBALANCE = MetricSpec(
+    "gpunet_fabric_leaf_routes_imbalance_ratio", "gauge",
+    "How unevenly a leaf's forwarding table divides the other leaves' host LIDs across its "
+    "active uplinks: the most an uplink routes over the mean, minus 1", _SW, "ratio", "dump_fts")
+ROUTES_UNBALANCED = MetricSpec(
+    "gpunet_fabric_leaf_routes_unbalanced", "gauge",
+    "1 when one active uplink of a leaf routes more than one host LID more than another (the "
+    "test of check_lft_balance), else 0", _SW, "boolean", "dump_fts")
+SWITCHES = MetricSpec(
+    "gpunet_fabric_switches", "gauge", "Switches the last sweep found", (), "switches", _LINKS)
+SWEEP_SUCCESS = MetricSpec(
+    "gpunet_fabric_sweep_success", "gauge",
+    "1 if the latest sweep discovered the fabric, else 0 (the last good values keep being "
+    "served); absent until the first sweep has ended", (), "boolean", "ibnetdiscover, iblinkinfo")
+SWEEP_LAST_SUCCESS = last_success_spec("gpunet_fabric_sweep", "sweep of the fabric")
+SWEEP_DURATION = MetricSpec(
+    "gpunet_fabric_sweep_duration_seconds", "gauge", "How long the last sweep took", (),
+    "seconds", "exporter clock")
+STEP_SUCCESS = MetricSpec(
+    "gpunet_fabric_step_success", "gauge",
+    "1 if the step of the latest sweep succeeded (discover: ibnetdiscover, links: iblinkinfo, "
+    "counters and errors: ibqueryerrors, routes: dump_fts), else 0; a failed step's values "
+    "are those of the last sweep where it succeeded", ("step",), "boolean", "exit status and "
+    "output of the step's tool")
+STEP_DURATION = MetricSpec(
+    "gpunet_fabric_step_duration_seconds", "gauge", "How long the step took in the last sweep",
+    ("step",), "seconds", "exporter clock")
+
+SPECS = (SWITCH_INFO, PORT_INFO, STATE, PHYS_STATE, WIDTH, LANE_SPEED, RATE, RATE_SUPPORTED,
+         DEGRADED, *(s for s, _, _ in COUNTERS.values()), ROUTED, UPLINKS, UPLINK_RATE,
+         IMBALANCE, ROUTES_IMBALANCE, ROUTES_UNBALANCED, SWITCHES, SWEEP_SUCCESS,
+         SWEEP_LAST_SUCCESS, SWEEP_DURATION, STEP_SUCCESS, STEP_DURATION)
+
+
+@dataclass(frozen=True)
+class FabricSettings(Settings):
+    interval_seconds: float = setting("how often the fabric is swept in the background",
+                                      default=60, minimum=1)
+    timeout_seconds: float = setting("how long one tool may run before it is killed (its step "
+                                     "fails)", default=120, minimum=0.1)
+    ca: str = setting("HCA the tools send from (their -C); empty: the first with a port up",
+                      default="")
+    port: int = setting("port of that HCA (their -P); 0: the tools' default", default=0,
+                        minimum=0, maximum=255)
+    tools_dir: str = setting(
+        "folder holding ibnetdiscover, iblinkinfo, ibqueryerrors and dump_fts; empty: looked up "
+        "in PATH, then /usr/sbin and /sbin", default="")
+    environment: tuple[str, ...] = setting(
+        "extra NAME=value environment of the tools (a simulator's LD_PRELOAD and "
+        "IBSIM_SOCKNAME in the tests)", default=())
+    balance_min_bytes_per_second: float = setting(
+        "mean traffic per uplink below which a leaf's uplink imbalance is not judged (an idle "
+        "fabric's few management packets are never even)", default=1e8, minimum=0)
+
+
+def _program(name: str, folder: str) -> str:
+    if folder:
+        return os.path.join(folder, name)
+    found = shutil.which(name) or shutil.which(
+        name, path=os.pathsep.join(("/usr/sbin", "/sbin")))
+    return found or name
+
+
+@dataclass
+class _Port:
+    """What the collector remembers of one switch port across sweeps."""
+
+    remote: str = ""
+    remote_port: str = ""
+    remote_name: str = ""
+    remote_type: str = ""
+
+
+class FabricCollector(Collector):
+    name = "fabric"
+    description = ("Every switch port of the InfiniBand fabric (infiniband-diags in the "
+                   "background): state, width and speed against what both ends support, "
+                   "counters, neighbours, uplink traffic balance and routing balance per leaf")
+    default_enabled = False
+    metrics = SPECS
+    settings_type = FabricSettings
+    settings: FabricSettings
+
+    def __init__(self, ctx: CollectorContext) -> None:
+        super().__init__(ctx)
+        cfg = self.settings
+        env = {}
+        for item in cfg.environment:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise ValueError(f"fabric.environment: {item!r} is not NAME=value")
+            env[key] = value
+        folder = cfg.tools_dir
+        self.tools = ibdiag.Tools(
+            ibnetdiscover=_program("ibnetdiscover", folder),
+            iblinkinfo=_program("iblinkinfo", folder),
+            ibqueryerrors=_program("ibqueryerrors", folder),
+            dump_fts=_program("dump_fts", folder), ca=cfg.ca, port=cfg.port,
+            timeout=float(cfg.timeout_seconds), env=env)
+        self._lock = threading.Lock()
+        self._ports: dict[tuple[str, int], _Port] = {}
+        self._last: ibdiag.Fabric | None = None  # the last good sweep
+        self._counters_at: dict[str, tuple[float, dict[tuple[str, int], dict[str, int]]]] = {}
+        self._samples: list[tuple[MetricSpec, list[str], float]] = []
+        self._steps: dict[str, tuple[bool, float]] = {}
+        self._sweep: Fresh[float] = Fresh()  # value: the last good sweep's duration
+        self._refresher: Refresher[None] = Refresher(
+            "fabric", float(cfg.interval_seconds), lambda: self.refresh(), self.ctx.log_once)
+
+    # -- background ------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """One sweep; runs in the background thread (tests call it directly)."""
+        try:
+            fabric = ibdiag.sweep(self.tools)
+        except (CommandError, ibdiag.ParseError, OSError) as exc:
+            self.ctx.log_once(logging.WARNING, "sweeping the fabric failed: %s", exc)
+            with self._lock:
+                self._sweep = self._sweep.failed()
+                self._steps = {s: (False, 0.0) for s in ("discover", "links")}
+            raise
+        for step, why in fabric.failed.items():
+            self.ctx.log_once(logging.WARNING, "fabric sweep: %s failed: %s", step, why)
+        samples = self._build(fabric)
+        with self._lock:
+            self._samples = samples
+            self._steps = {s: (s not in fabric.failed, fabric.step_seconds.get(s, 0.0))
+                           for s in STEP_NAMES}
+            self._sweep = self._sweep.succeeded(fabric.duration, fabric.at)
+
+    def _build(self, fabric: ibdiag.Fabric) -> list[tuple[MetricSpec, list[str], float]]:
+        """The samples of one sweep, built once in the background so that a scrape only
+        copies them."""
+        last = self._last
+        if fabric.errors is None and last is not None:
+            fabric.errors = last.errors  # the last good ones, as a failed step promises
+        if fabric.routes is None and last is not None:
+            fabric.routes = last.routes
+        if "counters" in fabric.failed and last is not None:
+            fabric.counters = last.counters
+        self._last = fabric
+        out: list[tuple[MetricSpec, list[str], float]] = []
+        add = out.append
+        switches = {link.switch for link in fabric.links}
+        names: dict[str, str] = {}
+        by_switch: dict[str, list[ibdiag.Link]] = {}
+        for link in fabric.links:
+            names.setdefault(link.switch, link.switch_name)
+            by_switch.setdefault(link.switch, []).append(link)
+        roles: dict[str, str] = {}
+        for sw, links in by_switch.items():
+            up = [lk for lk in links if lk.state == 4 and lk.remote]
+            if any(lk.remote not in switches for lk in up):
+                roles[sw] = "leaf"
+            elif up:
+                roles[sw] = "spine"
+            else:
+                roles[sw] = ""
+        add((SWITCHES, [], float(len(switches))))
+        for sw in sorted(by_switch):
+            add((SWITCH_INFO, [sw, names[sw], roles[sw]], 1.0))
+        seen: set[tuple[str, int]] = set()
+        for link in fabric.links:
+            key = (link.switch, link.port)
+            seen.add(key)
+            labels = [link.switch, str(link.port)]
+            mem = self._ports.setdefault(key, _Port())
+            if link.remote:
+                mem.remote, mem.remote_port = link.remote, str(link.remote_port or "")
+                mem.remote_name = link.remote_name
+                mem.remote_type = "switch" if link.remote in switches else "ca"
+            add((PORT_INFO, [*labels, mem.remote, mem.remote_port, mem.remote_name,
+                             mem.remote_type], 1.0))
+            if link.state is not None:
+                add((STATE, labels, float(link.state)))
+            if link.phys_state is not None:
+                add((PHYS_STATE, labels, float(link.phys_state)))
+            rate, supported = link.rate_gbps, link.supported_gbps
+            if link.width is not None:
+                add((WIDTH, labels, float(link.width)))
+            if link.lane_gbps is not None:
+                add((LANE_SPEED, labels, link.lane_gbps * ibdiag.BYTES_PER_GBIT))
+            if rate is not None and supported is not None:
+                add((RATE, labels, rate * ibdiag.BYTES_PER_GBIT))
+                add((RATE_SUPPORTED, labels, supported * ibdiag.BYTES_PER_GBIT))
+                if link.state == 4:
+                    add((DEGRADED, labels, float(rate < supported)))
+            data = fabric.counters.get(key)
+            if data is not None:
+                for name, value in data.items():
+                    entry = COUNTERS.get(name)
+                    if entry is not None and entry[1] == "data":
+                        add((entry[0], labels, float(value * entry[2])))
+                if fabric.errors is not None:  # read: a counter not printed is 0
+                    errs = fabric.errors.get(key, {})
+                    for name, (spec, kind, scale) in COUNTERS.items():
+                        if kind == "errors":
+                            add((spec, labels, float(errs.get(name, 0) * scale)))
+            routed = (fabric.routes or {}).get(link.switch, {}).get(link.port)
+            if routed:
+                add((ROUTED, labels, float(routed)))
+        for gone in self._ports.keys() - seen:
+            if gone[0] not in switches:  # a switch no longer in the fabric is forgotten
+                del self._ports[gone]
+        out += self._balance(fabric, by_switch, roles, switches)
+        return out
+
+    def _balance(self, fabric: ibdiag.Fabric, by_switch: dict[str, list[ibdiag.Link]],
+                 roles: dict[str, str], switches: set[str]
+                 ) -> list[tuple[MetricSpec, list[str], float]]:
+        out: list[tuple[MetricSpec, list[str], float]] = []
+        floor = float(self.settings.balance_min_bytes_per_second)
+        counters_ok = "counters" not in fabric.failed
+        previous = self._counters_at
+        self._counters_at = {}
+        for sw, links in sorted(by_switch.items()):
+            if roles[sw] != "leaf":
+                continue
+            uplinks = [lk.port for lk in links
+                       if lk.state == 4 and lk.remote and lk.remote in switches]
+            out.append((UPLINKS, [sw], float(len(uplinks))))
+            routes = (fabric.routes or {}).get(sw)
+            if routes is not None and len(uplinks) >= 2:
+                counts = [routes.get(p, 0) for p in uplinks]
+                mean = sum(counts) / len(counts)
+                if mean > 0:
+                    out.append((ROUTES_IMBALANCE, [sw], max(counts) / mean - 1))
+                out.append((ROUTES_UNBALANCED, [sw], float(max(counts) > min(counts) + 1)))
+            if not counters_ok:
+                continue
+            now = {(sw, p): fabric.counters[(sw, p)] for p in uplinks
+                   if (sw, p) in fabric.counters}
+            self._counters_at[sw] = (fabric.at, now)
+            before = previous.get(sw)
+            if before is None or len(uplinks) < 2 or len(now) != len(uplinks):
+                continue
+            dt = fabric.at - before[0]
+            if dt <= 0 or set(before[1]) != set(now):
+                continue  # the uplinks changed: judge from the next interval
+            for direction, field_name in _BY.items():
+                rates = []
+                for key, values in now.items():
+                    old = before[1][key].get(field_name)
+                    new = values.get(field_name)
+                    if old is None or new is None or new < old:
+                        break  # cleared or reset: skip this leaf this time
+                    rates.append((new - old) * 4 / dt)
+                else:
+                    mean = sum(rates) / len(rates)
+                    out.append((UPLINK_RATE, [sw, direction], mean))
+                    if mean > 0 and mean >= floor:
+                        out.append((IMBALANCE, [sw, direction], max(rates) / mean - 1))
+        return out
+
+    # -- scrape ----------------------------------------------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        self._refresher.start()
+        self._refresher.wait_first(self.ctx.deadline)
+        fams = Families()
+        with self._lock:
+            samples, steps, sweep = self._samples, self._steps, self._sweep
+        for spec, labels, value in samples:
+            fams.add(spec, labels, value)
+        add_freshness(fams, SWEEP_SUCCESS, SWEEP_LAST_SUCCESS, [], sweep)
+        if sweep.value is not None:
+            fams.add(SWEEP_DURATION, [], sweep.value)
+        for step, (ok, seconds) in sorted(steps.items()):
+            fams.add(STEP_SUCCESS, [step], float(ok))
+            if ok:
+                fams.add(STEP_DURATION, [step], seconds)
+        return iter(fams)
+
+    def close(self) -> None:
+        self._refresher.stop()

@@ -1,0 +1,258 @@
+"""The InfiniBand fabric as infiniband-diags print it: parsers for ``iblinkinfo -l``,
+``ibqueryerrors`` and ``dump_fts``, and :func:`sweep`, which runs them (never through a shell,
+each with a timeout) and joins what they print into one :class:`Fabric`.
+
+One sweep: ``ibnetdiscover --cache FILE`` discovers the subnet once (SMPs to every node); then
+``iblinkinfo --load-cache FILE`` prints every switch port's state, width, speed and neighbour from
+that discovery, with "Could be ..." where both ends support more than the link trained at;
+``ibqueryerrors --load-cache FILE`` reads every switch port's PortCounters twice, once for the
+data counters (``--counters``) and once for the error counters over a threshold file of zeros (a
+counter it does not print for a port it read is 0; it exits 1 when it printed any); ``dump_fts`` reads every switch's unicast
+forwarding table. A step that fails costs its own part of the fabric (``Fabric.failed``), not the
+sweep; discovery failing fails the whole sweep.
+
+Formats and their sources: docs/formats.md §9.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gpunet_exporter.sources.commands import CommandError, run_command
+
+BYTES_PER_GBIT = 125_000_000
+# Lane speeds as libibmad prints them (mad_dump_linkspeed/linkspeedext, and iblinkinfo's
+# "FDR10"), to the nominal lane rate the kernel's rate file uses (4X HDR is "200 Gb/sec").
+LANE_GBPS = {"2.5": 2.5, "5.0": 5.0, "10.0": 10.0, "FDR10": 10.0, "14.0625": 14.0,
+             "25.78125": 25.0, "53.125": 50.0, "106.25": 100.0, "212.5": 200.0}
+STATES = {"Down": 1, "Initialize": 2, "Armed": 3, "Active": 4, "ActDefer": 5}
+PHYS_STATES = {"Sleep": 1, "Polling": 2, "Disabled": 3, "PortConfigurationTraining": 4,
+               "LinkUp": 5, "LinkErrorRecovery": 6, "PhyTest": 7}
+# ibqueryerrors' error counter names (its threshold file's keys).
+ERROR_COUNTERS = ("SymbolErrorCounter", "LinkErrorRecoveryCounter", "LinkDownedCounter",
+                  "PortRcvErrors", "PortRcvRemotePhysicalErrors", "PortRcvSwitchRelayErrors",
+                  "PortXmitDiscards", "PortXmitConstraintErrors", "PortRcvConstraintErrors",
+                  "LocalLinkIntegrityErrors", "ExcessiveBufferOverrunErrors", "VL15Dropped",
+                  "PortXmitWait")
+STEPS = ("discover", "links", "counters", "errors", "routes")
+
+
+class ParseError(ValueError):
+    """Output a parser does not recognise at all."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One switch port as ``iblinkinfo -l`` prints it."""
+
+    switch: str  # node GUID, 0x + 16 hex digits
+    switch_name: str  # node description
+    port: int
+    state: int | None  # STATES
+    phys_state: int | None  # PHYS_STATES
+    width: int | None  # active lanes; None while down
+    lane_gbps: float | None  # nominal active lane rate
+    remote: str = ""  # neighbour's port GUID ("" when down)
+    remote_port: int | None = None
+    remote_name: str = ""
+    could_width: int | None = None  # "Could be 12X": the widest both ends support, when wider
+    could_lane_gbps: float | None = None
+
+    @property
+    def rate_gbps(self) -> float | None:
+        if self.width is None or self.lane_gbps is None:
+            return None
+        return self.width * self.lane_gbps
+
+    @property
+    def supported_gbps(self) -> float | None:
+        """What both ends support: iblinkinfo's "Could be" values, else what it runs at."""
+        width = self.could_width or self.width
+        lane = self.could_lane_gbps or self.lane_gbps
+        if width is None or lane is None:
+            return None
+        return width * lane
+
+
+_LINK = re.compile(
+    r'^(?P<guid>0x[0-9a-fA-F]+)\s+"(?P<name>[^"]*)"\s+(?P<lid>\d+)\s+(?P<port>\d+)\[[^\]]*\]\s+'
+    r'==\(\s*(?P<mid>[^)]*?)\s*\)==>\s+'
+    r'(?:(?P<rguid>0x[0-9a-fA-F]+)\s+(?P<rlid>\d+)\s+(?P<rport>\d+))?\s*\[[^\]]*\]\s+'
+    r'"(?P<rname>[^"]*)"\s+\((?P<tail>.*)\)\s*$')
+_MID = re.compile(r'^(?:(?P<width>\d+)X\s+)?(?:(?P<speed>[\d.]+) Gbps\s+|(?P<fdr10>FDR10)\s+)?'
+                  r'(?P<state>\w+)/\s*(?P<phys>\w+)')
+_COULD_WIDTH = re.compile(r"Could be (\d+)X")
+_COULD_SPEED = re.compile(r"Could be ([\d.]+) Gbps|Could be (FDR10)")
+
+
+def _lane(speed: str | None) -> float | None:
+    return None if speed is None else LANE_GBPS.get(speed)
+
+
+def parse_iblinkinfo(text: str) -> list[Link]:
+    """Switch ports from ``iblinkinfo -l --switches-only``; lines it cannot read are skipped
+    (a tool's warnings), and output with none it can read and none of its headers raises."""
+    out: list[Link] = []
+    for line in text.splitlines():
+        m = _LINK.match(line.strip())
+        if not m:
+            continue
+        mid = _MID.match(m["mid"])
+        state = phys = width = None
+        lane = None
+        if mid:
+            state = STATES.get(mid["state"])
+            phys = PHYS_STATES.get(mid["phys"])
+            width = int(mid["width"]) if mid["width"] else None
+            lane = _lane(mid["speed"] or mid["fdr10"])
+        could_w = _COULD_WIDTH.search(m["tail"])
+        could_s = _COULD_SPEED.search(m["tail"])
+        out.append(Link(
+            switch=_guid(m["guid"]), switch_name=m["name"].strip(), port=int(m["port"]),
+            state=state, phys_state=phys, width=width if state and state > 1 else None,
+            lane_gbps=lane if state and state > 1 else None,
+            remote=_guid(m["rguid"]) if m["rguid"] else "",
+            remote_port=int(m["rport"]) if m["rport"] else None,
+            remote_name=m["rname"].strip(),
+            could_width=int(could_w.group(1)) if could_w else None,
+            could_lane_gbps=_lane(could_s.group(1) or could_s.group(2)) if could_s else None))
+    if not out and text.strip():
+        raise ParseError("no switch port in the output of iblinkinfo")
+    return out
+
+
+def _guid(text: str) -> str:
+    """A GUID as every label carries it: 0x and 16 lower-case hex digits."""
+    return f"0x{int(text, 16):016x}"
+
+
+_QE_PORT = re.compile(r"^\s*GUID (0x[0-9a-fA-F]+) port (\d+):\s*(.*)$")
+_QE_FIELD = re.compile(r"\[(\w+) == (\d+)")
+
+
+def parse_ibqueryerrors(text: str) -> dict[tuple[str, int], dict[str, int]]:
+    """(switch GUID, port) -> {counter name: value} from ``ibqueryerrors`` (with or without
+    ``--counters``); the per-node "port ALL" sums are skipped."""
+    out: dict[tuple[str, int], dict[str, int]] = {}
+    for line in text.splitlines():
+        m = _QE_PORT.match(line)
+        if not m:
+            continue
+        fields = {k: int(v) for k, v in _QE_FIELD.findall(m.group(3))}
+        out.setdefault((_guid(m.group(1)), int(m.group(2))), {}).update(fields)
+    return out
+
+
+_FT_HEAD = re.compile(r"^Unicast lids .* guid (0x[0-9a-fA-F]+) ")
+_FT_ENTRY = re.compile(r"^0x[0-9a-fA-F]+ (\d+) : \((Channel Adapter|Switch|Router) ")
+
+
+def parse_dump_fts(text: str) -> dict[str, dict[int, int]]:
+    """Switch GUID -> {out port: number of channel adapter (host) LIDs the switch's linear
+    forwarding table sends out of it}, from ``dump_fts`` (or ``dump_lfts.sh``). A switch whose
+    table routes no host LID has an empty map."""
+    out: dict[str, dict[int, int]] = {}
+    current: dict[int, int] | None = None
+    for line in text.splitlines():
+        head = _FT_HEAD.match(line)
+        if head:
+            current = out.setdefault(_guid(head.group(1)), {})
+            continue
+        entry = _FT_ENTRY.match(line)
+        if entry and current is not None and entry.group(2) == "Channel Adapter":
+            port = int(entry.group(1))
+            current[port] = current.get(port, 0) + 1
+    return out
+
+
+@dataclass
+class Fabric:
+    """What one sweep found. ``failed`` maps a step (STEPS) that failed to why."""
+
+    at: float = 0.0  # time.time() at the end of the sweep
+    duration: float = 0.0
+    links: list[Link] = field(default_factory=list)
+    counters: dict[tuple[str, int], dict[str, int]] = field(default_factory=dict)
+    errors: dict[tuple[str, int], dict[str, int]] | None = None  # None: the step failed
+    routes: dict[str, dict[int, int]] | None = None
+    step_seconds: dict[str, float] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Tools:
+    """How to run infiniband-diags: the programs, the HCA port to send from, the timeout of one
+    run and extra environment (a simulator's preload)."""
+
+    ibnetdiscover: str = "ibnetdiscover"
+    iblinkinfo: str = "iblinkinfo"
+    ibqueryerrors: str = "ibqueryerrors"
+    dump_fts: str = "dump_fts"
+    ca: str = ""
+    port: int = 0
+    timeout: float = 60.0
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def argv(self, program: str, *args: str) -> list[str]:
+        out = [program, *args]
+        if self.ca:
+            out += ["-C", self.ca]
+        if self.port:
+            out += ["-P", str(self.port)]
+        return out
+
+
+def _zero_thresholds(directory: str) -> str:
+    path = os.path.join(directory, "error_thresholds")
+    with open(path, "w", encoding="ascii") as fh:
+        fh.write("".join(f"{name}=0\n" for name in ERROR_COUNTERS))
+    return path
+
+
+def sweep(tools: Tools, steps: Iterable[str] = STEPS) -> Fabric:
+    """One sweep of the fabric; raises CommandError (or ParseError) only when discovery fails.
+    ``steps`` leaves out the ones not wanted this time (the routes, on their own interval)."""
+    wanted = set(steps)
+    fabric = Fabric()
+    start = time.monotonic()
+    env = dict(tools.env)
+
+    def run(step: str, argv: Sequence[str], ok_status: Sequence[int] = (0,)) -> str:
+        t0 = time.monotonic()
+        try:
+            return run_command(argv, tools.timeout, env=env, ok_status=ok_status)
+        finally:
+            fabric.step_seconds[step] = fabric.step_seconds.get(step, 0.0) + (
+                time.monotonic() - t0)
+
+    with tempfile.TemporaryDirectory(prefix="gpunet-fabric-") as tmp:
+        cache = os.path.join(tmp, "ibnetdiscover.cache")
+        run("discover", tools.argv(tools.ibnetdiscover, "--cache", cache))
+        fabric.links = parse_iblinkinfo(run("links", tools.argv(
+            tools.iblinkinfo, "-l", "--switches-only", "--load-cache", cache)))
+        if "counters" in wanted:
+            try:
+                fabric.counters = parse_ibqueryerrors(run("counters", tools.argv(
+                    tools.ibqueryerrors, "--switch", "--counters", "--load-cache", cache)))
+            except (CommandError, ParseError) as exc:
+                fabric.failed["counters"] = str(exc)
+        if "errors" in wanted:
+            try:
+                fabric.errors = parse_ibqueryerrors(run("errors", tools.argv(
+                    tools.ibqueryerrors, "--switch", "--threshold-file",
+                    _zero_thresholds(tmp), "--load-cache", cache), ok_status=(0, 1)))
+            except (CommandError, ParseError) as exc:
+                fabric.failed["errors"] = str(exc)
+        if "routes" in wanted:
+            try:
+                fabric.routes = parse_dump_fts(run("routes", tools.argv(tools.dump_fts)))
+            except (CommandError, ParseError) as exc:
+                fabric.failed["routes"] = str(exc)
+    fabric.duration = time.monotonic() - start
+    fabric.at = time.time()
+    return fabric
