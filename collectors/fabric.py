@@ -20,7 +20,7 @@ exports the last sweep's results, so a scrape reads only the cache:
   than another, check_lft_balance's test);
 - the sweep: success, age, duration, and each step's success and duration.
 
-Formats and sources: docs/formats.md §9; the design and its choices: docs/fabric.md.
+Formats and sources: docs/formats.md §10; the design and its choices: docs/fabric.md.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ command -v slurmctld >/dev/null || need_apt+=(slurmctld)
 command -v slurmd >/dev/null || need_apt+=(slurmd)
 command -v sbatch >/dev/null || need_apt+=(slurm-client)
 command -v munged >/dev/null || need_apt+=(munge)
+# A simulated InfiniBand fabric for the fabric collector (tests/support/ibsim.py)
+command -v ibsim >/dev/null || need_apt+=(ibsim-utils)
+command -v opensm >/dev/null || need_apt+=(opensm)
+command -v ibnetdiscover >/dev/null || need_apt+=(infiniband-diags)
 python3 -c 'import ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -11,7 +11,7 @@ counter it does not print for a port it read is 0; it exits 1 when it printed an
 forwarding table. A step that fails costs its own part of the fabric (``Fabric.failed``), not the
 sweep; discovery failing fails the whole sweep.
 
-Formats and their sources: docs/formats.md §9.
+Formats and their sources: docs/formats.md §10.
 """
 
 from __future__ import annotations
