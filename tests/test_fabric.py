@@ -260,7 +260,7 @@ def test_uplink_traffic_balance(sims: list[ibsim.Sim], tmp_path: Path) -> None:
     c = collector(sim)
 
     def ping(src: str, dst: str) -> None:
-        subprocess.run(["ibping", "-c", "3000", "-f", str(lids[dst])], env=sim.env(src),
+        subprocess.run(["ibping", "-c", "3000", "-f", str(lids[dst])], env=sim.env(src), cwd=sim.workdir,
                        capture_output=True, timeout=60, check=False)
 
     try:

@@ -57,14 +57,15 @@ class Child:
 
     def __init__(self, argv: Sequence[str], *, stdout: Stream = subprocess.DEVNULL,
                  stderr: Stream = subprocess.DEVNULL, env: Mapping[str, str] | None = None,
-                 pass_fds: Sequence[int] = (), own_group: bool = True) -> None:
+                 pass_fds: Sequence[int] = (), own_group: bool = True,
+                 cwd: str | None = None) -> None:
         self.argv = list(argv)
         self.own_group = own_group
         self._lock = threading.Lock()
         self._proc = subprocess.Popen(
             self.argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
             env=None if env is None else dict(env), pass_fds=tuple(pass_fds),
-            start_new_session=own_group)
+            start_new_session=own_group, cwd=cwd)
         self.pid = self._proc.pid
         if own_group:
             with _running_lock:
@@ -161,16 +162,18 @@ class Child:
 
 
 def run_command(argv: Sequence[str], timeout: float,
-                env: Mapping[str, str] | None = None, ok_status: Sequence[int] = (0,)) -> str:
+                env: Mapping[str, str] | None = None, ok_status: Sequence[int] = (0,),
+                cwd: str | None = None) -> str:
     """Run argv (never through a shell) and return its stdout; ``env`` adds to the exporter's
-    environment, and an exit status outside ``ok_status`` raises CommandError.
+    environment, an exit status outside ``ok_status`` raises CommandError, and ``cwd`` is the
+    folder it runs in (the exporter's own by default).
 
     On timeout the whole process group is killed, so a hung tool leaves nothing behind; so is
     every tool still running when the exporter exits (kill_running).
     """
     try:
         child = Child(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                      env={**os.environ, **(env or {}), "LC_ALL": "C"})
+                      env={**os.environ, **(env or {}), "LC_ALL": "C"}, cwd=cwd)
     except OSError as exc:
         raise CommandError(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
     try:

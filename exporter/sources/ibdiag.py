@@ -225,7 +225,9 @@ def sweep(tools: Tools, steps: Iterable[str] = STEPS) -> Fabric:
     def run(step: str, argv: Sequence[str], ok_status: Sequence[int] = (0,)) -> str:
         t0 = time.monotonic()
         try:
-            return run_command(argv, tools.timeout, env=env, ok_status=ok_status)
+            # In the sweep's own folder: whatever a tool (or a simulator's preload, which makes
+            # ./sys-<pid>) leaves in its working folder goes away with it.
+            return run_command(argv, tools.timeout, env=env, ok_status=ok_status, cwd=tmp)
         finally:
             fabric.step_seconds[step] = fabric.step_seconds.get(step, 0.0) + (
                 time.monotonic() - t0)

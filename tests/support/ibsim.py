@@ -164,7 +164,7 @@ class Sim:
         ibsim_env = {k: v for k, v in env.items() if k != "LD_PRELOAD"}
         with open(self.workdir / "ibsim.log", "w") as log:
             self._ibsim = subprocess.Popen(
-                ["ibsim", "-s", str(net)], stdin=subprocess.PIPE, stdout=log,
+                ["ibsim", "-s", str(net)], stdin=subprocess.PIPE, stdout=log, cwd=self.workdir,
                 stderr=subprocess.STDOUT, env=ibsim_env, text=True, start_new_session=True)
         osm = self.workdir / "opensm"
         shutil.rmtree(osm, ignore_errors=True)
@@ -181,7 +181,7 @@ class Sim:
         argv = ["opensm", "-F", str(osm / "opensm.conf"), "-f", str(osm / "opensm.log"),
                 "-s", str(self.sweep_seconds), "-D", "0x07"]
         with open(osm / "stdout", "wb") as out:
-            self._opensm = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+            self._opensm = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=osm,
                                             env=osm_env, start_new_session=True)
         self.wait_sm(deadline)
         return self
@@ -223,8 +223,9 @@ class Sim:
     def run(self, argv: Sequence[str], sim_host: str | None = None,
             timeout: float = 60) -> str:
         """A tool against the simulator; its stdout."""
+        # In the workdir: libumad2sim makes a ./sys-<pid> folder where it runs.
         done = subprocess.run(list(argv), env=self.env(sim_host), capture_output=True,
-                              text=True, timeout=timeout, check=False)
+                              text=True, timeout=timeout, check=False, cwd=self.workdir)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr}")
         return done.stdout
