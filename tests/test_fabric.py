@@ -260,7 +260,8 @@ def test_uplink_traffic_balance(sims: list[ibsim.Sim], tmp_path: Path) -> None:
     c = collector(sim)
 
     def ping(src: str, dst: str) -> None:
-        subprocess.run(["ibping", "-c", "3000", "-f", str(lids[dst])], env=sim.env(src), cwd=sim.workdir,
+        subprocess.run(["ibping", "-c", "3000", "-f", str(lids[dst])], env=sim.env(src),
+                       cwd=sim.workdir,
                        capture_output=True, timeout=60, check=False)
 
     try:
@@ -339,7 +340,7 @@ def test_a_vanished_fabric_fails_the_sweep_and_keeps_the_last_values(
     try:
         good = scrape(c)
         sim.stop()
-        with pytest.raises(Exception):
+        with pytest.raises(ibdiag.CommandError):
             c.refresh()
         s = samples_of(list(c.collect()))
     finally:

@@ -7,9 +7,9 @@ One sweep: ``ibnetdiscover --cache FILE`` discovers the subnet once (SMPs to eve
 that discovery, with "Could be ..." where both ends support more than the link trained at;
 ``ibqueryerrors --load-cache FILE`` reads every switch port's PortCounters twice, once for the
 data counters (``--counters``) and once for the error counters over a threshold file of zeros (a
-counter it does not print for a port it read is 0; it exits 1 when it printed any); ``dump_fts`` reads every switch's unicast
-forwarding table. A step that fails costs its own part of the fabric (``Fabric.failed``), not the
-sweep; discovery failing fails the whole sweep.
+counter it does not print for a port it read is 0; it exits 1 when it printed any);
+``dump_fts`` reads every switch's unicast forwarding table. A step that fails costs its own
+part of the fabric (``Fabric.failed``), not the sweep; discovery failing fails the whole sweep.
 
 Formats and their sources: docs/formats.md §10.
 """
