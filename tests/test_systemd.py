@@ -363,7 +363,7 @@ def udev_test(tmp_path: Path, rules: str, group_gid: int) -> tuple[dict[str, str
     """Real udev (``udevadm test``) on two device nodes of the kernel's infiniband_mad class,
     umad0 and issm0, with ``rules`` installed in /etc/udev/rules.d, the distribution's own rules
     beside it, and a group gpunet-fabric: all in a private mount namespace (tmpfs over
-    /etc/udev/rules.d, /run/udev, /sys/devices/virtual and /dev; /etc/group bound over), so the
+    /etc/udev/rules.d, /run, /sys/devices/virtual and /dev; /etc/group bound over), so the
     host is left alone. Returns each node's "mode uid gid" after udev, and udev's log."""
     (tmp_path / "92-gpunet-umad.rules").write_text(rules, encoding="utf-8")
     group = Path("/etc/group").read_text(encoding="utf-8")
@@ -375,7 +375,7 @@ t=$1
 mount -t tmpfs tmpfs /etc/udev/rules.d
 cp "$t/92-gpunet-umad.rules" /etc/udev/rules.d/
 mount --bind "$t/group" /etc/group
-mkdir -p /run/udev && mount -t tmpfs tmpfs /run/udev
+mount -t tmpfs tmpfs /run
 mount -t tmpfs tmpfs /sys/devices/virtual
 mount -t tmpfs tmpfs /dev
 mkdir /dev/infiniband
