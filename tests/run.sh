@@ -12,6 +12,7 @@ command -v prometheus-alertmanager >/dev/null || need_apt+=(prometheus-alertmana
 command -v ip >/dev/null || need_apt+=(iproute2)          # network namespaces (pfc tests)
 command -v ethtool >/dev/null || need_apt+=(ethtool)      # ioctl results checked against it
 command -v systemd-analyze >/dev/null || need_apt+=(systemd)  # verify/security of the unit
+command -v udevadm >/dev/null || need_apt+=(udev)  # udevadm test of the umad rule
 # A real Slurm of namespace nodes for slurm/gpunet-fleet.sbatch (tests/support/slurm.py)
 command -v slurmctld >/dev/null || need_apt+=(slurmctld)
 command -v slurmd >/dev/null || need_apt+=(slurmd)

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import re
+
+import yaml
+
+from gpunet_exporter.collectors.fabric import FabricCollector, FabricSettings
 from gpunet_exporter.collectors.gpu import GpuCollector
 from gpunet_exporter.collectors.pfc import PfcCollector
 from gpunet_exporter.collectors.probe import ProbeCollector
-from gpunet_exporter.config import Field, load_file, validate
+from gpunet_exporter.config import Field, load_file, settings_from, validate
 from gpunet_exporter.options import config_schema
 from gpunet_exporter.registry import discover
 
 from support.paths import REPO
+
+EXAMPLE = REPO / "examples" / "gpunet.yml"
 
 
 def test_example_config_loads() -> None:
@@ -30,3 +37,21 @@ def test_example_config_loads() -> None:
     probe_defaults = validate({}, Field("map", fields=dict(ProbeCollector.config_fields)),
                               "probe")
     assert cfg["probe"] == probe_defaults
+
+
+def test_example_fabric_section_is_commented_defaults() -> None:
+    """The fabric section is commented out (the collector is off but on one or two hosts per
+    fabric); uncommented, it is valid, spells out every setting, and changes nothing."""
+    text = EXAMPLE.read_text(encoding="utf-8")
+    assert not re.search(r"^fabric:", text, re.M)
+    block = re.search(r"^# fabric:.*?(?=^[^#]|\Z)", text, re.M | re.S)
+    assert block, "no commented fabric: section"
+    lines = [line[2:] for line in block.group(0).splitlines() if line.startswith("# ")]
+    uncommented = "\n".join(line for line in lines if line.strip() and
+                            not line.lstrip().startswith("#"))
+    section = yaml.safe_load(uncommented)["fabric"]
+    assert set(section) == set(FabricCollector.config_fields)
+    schema = config_schema(discover())
+    cfg = validate({"fabric": section}, schema, "")
+    assert settings_from(FabricSettings, cfg["fabric"]) == FabricSettings()
+    assert "collectors" not in cfg or "fabric" not in cfg["collectors"]
