@@ -1,7 +1,8 @@
 """The Grafana dashboards in grafana/: committed JSON equals what grafana/generate.py makes, the
 structure Grafana 10 needs and our conventions (stable uids, tag, datasource variable, units,
 $__rate_interval, instance filters, no overlapping panels), every metric a query names exists
-in docs/metrics.md, and every query is valid PromQL to promtool. Each checker is also fed a
+in docs/metrics.md or in a collector's MetricSpecs, and every query is valid PromQL to
+promtool. Each checker is also fed a
 deliberately broken input, so that a check that silently accepts everything fails here."""
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
+from gpunet_exporter.registry import discover
+
 from support.dashboards import load_generator
 from support.paths import REPO
 
@@ -31,12 +34,12 @@ DASHBOARDS: dict[str, Json] = gen.dashboards()
 
 EXPECTED_UIDS = {"gpunet-fleet.json": "gpunet-fleet", "gpunet-node.json": "gpunet-node",
                  "gpunet-collectives.json": "gpunet-collectives",
-                 "gpunet-pairs.json": "gpunet-pairs"}
+                 "gpunet-pairs.json": "gpunet-pairs", "gpunet-fabric.json": "gpunet-fabric"}
 DS_REF = {"type": "prometheus", "uid": "${datasource}"}
 PANEL_TYPES = {"row", "timeseries", "stat", "table", "state-timeline", "status-history",
                "bargauge", "gauge"}
 # Grafana unit ids the dashboards use; add a new one here only after checking Grafana has it.
-KNOWN_UNITS = {"short", "none", "s", "Bps", "bytes", "percentunit", "pps", "cps", "cpm"}
+KNOWN_UNITS = {"short", "none", "s", "Bps", "bps", "bytes", "percentunit", "pps", "cps", "cpm"}
 # Built-in Grafana variables a query or title may use besides the dashboard's own.
 BUILTIN_VARIABLES = {"__rate_interval", "__interval", "__interval_ms", "__range", "__range_s",
                      "__range_ms"}
@@ -163,11 +166,16 @@ def metric_names(expr: str) -> set[str]:
 
 
 def documented_metrics() -> set[str]:
+    """The metrics of docs/metrics.md, and those the installed collectors declare (the
+    source docs/metrics.md is generated from; a new collector's metrics count before the
+    document is regenerated, which tests/test_docs.py demands anyway)."""
     text = (REPO / "docs" / "metrics.md").read_text()
     names = set(re.findall(r"^\| `([a-zA-Z_:][a-zA-Z0-9_:]*)` \| (?:gauge|counter|histogram|"
                            r"summary|info|untyped) \|", text, re.M))
     assert len(names) > 100, "docs/metrics.md: metric table not found; did its format change?"
-    return names
+    declared = {spec.name for cls in discover().values() for spec in cls.metrics}
+    assert "gpunet_fabric_port_state_id" in declared, "the installed collectors' specs"
+    return names | declared
 
 
 def unknown_metrics(expr: str, documented: set[str]) -> list[str]:
@@ -263,6 +271,11 @@ def panel_problems(dash: Json) -> list[str]:
     return problems
 
 
+# The metric a dashboard's instance variable lists the nodes of: every exporter, except on the
+# fabric dashboard, whose nodes are those that sweep a fabric (one or two per fabric).
+INSTANCE_SOURCE = {"gpunet-fabric": "gpunet_fabric_switches"}
+
+
 def variable_problems(dash: Json) -> list[str]:
     problems = []
     variables = {v["name"]: v for v in dash.get("templating", {}).get("list", [])}
@@ -270,11 +283,10 @@ def variable_problems(dash: Json) -> list[str]:
     if ds.get("type") != "datasource" or ds.get("query") != "prometheus":
         problems.append("no datasource variable of type datasource, query prometheus")
     inst = variables.get("instance", {})
+    source = INSTANCE_SOURCE.get(dash.get("uid", ""), "gpunet_exporter_build_info")
     if inst.get("type") != "query" or not re.fullmatch(
-            r"label_values\(gpunet_exporter_build_info(\{[^}]*\})?, instance\)",
-            inst.get("query", "")):
-        problems.append("no instance variable from label_values(gpunet_exporter_build_info, "
-                        "instance)")
+            rf"label_values\({source}(\{{[^}}]*\}})?, instance\)", inst.get("query", "")):
+        problems.append(f"no instance variable from label_values({source}, instance)")
     for v in variables.values():
         if v.get("type") == "query" and v.get("datasource") != DS_REF:
             problems.append(f"variable {v['name']}: datasource is not $datasource")
@@ -434,7 +446,8 @@ def test_variables() -> None:
     multi = {name: next(v for v in d["templating"]["list"] if v["name"] == "instance")["multi"]
              for name, d in DASHBOARDS.items()}
     assert multi == {"gpunet-fleet.json": True, "gpunet-node.json": False,
-                     "gpunet-collectives.json": True, "gpunet-pairs.json": True}
+                     "gpunet-collectives.json": True, "gpunet-pairs.json": True,
+                     "gpunet-fabric.json": False}
 
 
 def test_queries_use_rate_interval_instance_and_documented_metrics() -> None:
@@ -474,6 +487,41 @@ def test_pair_matrix_is_node_by_peer() -> None:
     assert (grouping["rowField"], grouping["columnField"]) == ("instance", "peer")
     mapped = matrix[0]["fieldConfig"]["defaults"]["mappings"][0]["options"]
     assert mapped["-1"]["text"] == "FAILED"
+
+
+def test_fabric_health_matrix_is_switch_by_port() -> None:
+    """The fabric dashboard's matrix: one instant query, the switch's name joined from
+    gpunet_fabric_switch_info, pivoted to rows of switch name and columns of port, each code
+    of the legend its description documents mapped to a text."""
+    fabric = DASHBOARDS["gpunet-fabric.json"]
+    matrix = [p for p in gen.iter_panels(fabric) if any(
+        t["id"] == "groupingToMatrix" for t in p.get("transformations", []))]
+    assert len(matrix) == 1
+    (t,) = matrix[0]["targets"]
+    assert t["instant"] and t["format"] == "table"
+    assert "group_left (name) gpunet_fabric_switch_info" in t["expr"]
+    assert {"gpunet_fabric_port_state_id", "gpunet_fabric_port_info",
+            "gpunet_fabric_port_rate_degraded"} <= metric_names(t["expr"])
+    (grouping,) = [x["options"] for x in matrix[0]["transformations"]
+                   if x["id"] == "groupingToMatrix"]
+    assert (grouping["rowField"], grouping["columnField"]) == ("name", "port")
+    mapped = matrix[0]["fieldConfig"]["defaults"]["mappings"][0]["options"]
+    assert sorted(mapped) == ["0", "1", "2", "3", "4"]
+    for code, entry in mapped.items():
+        assert f"{code} {entry['text']}" in matrix[0]["description"]
+    leaf = next(v for v in fabric["templating"]["list"] if v["name"] == "leaf")
+    assert 'role="leaf"' in leaf["query"] and leaf["query"].endswith(", name)")
+    assert not leaf["multi"] and not leaf["includeAll"]
+
+
+def test_variable_checker_knows_each_dashboards_instance_source() -> None:
+    fabric = copy.deepcopy(DASHBOARDS["gpunet-fabric.json"])
+    node = copy.deepcopy(DASHBOARDS["gpunet-node.json"])
+    for dash, other in ((fabric, "gpunet_exporter_build_info"),
+                        (node, "gpunet_fabric_switches")):
+        inst = next(v for v in dash["templating"]["list"] if v["name"] == "instance")
+        inst["query"] = f'label_values({other}{{job=~"$job"}}, instance)'
+        assert any("no instance variable" in p for p in variable_problems(dash)), other
 
 
 def test_recording_rules_exist_in_alerts() -> None:
