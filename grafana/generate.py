@@ -41,7 +41,8 @@ NODE_UID = "gpunet-node"
 
 # Classes of the recording rule instance_class:gpunet_alerts_firing:count (alerts/), in the
 # order the health matrix shows them.
-ALERT_CLASSES = ("link", "congestion", "transport", "topology", "gpu", "collective", "exporter")
+ALERT_CLASSES = ("link", "congestion", "transport", "topology", "gpu", "collective", "fabric",
+                 "exporter")
 ALERT_RULE = "instance_class:gpunet_alerts_firing:count"
 
 # ---------------------------------------------------------------------------------------------

@@ -135,6 +135,8 @@ def test_unit_tests_bite_when_a_threshold_moves(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "GpunetPortSymbolErrors: fires" in out.stdout + out.stderr
+    # A switch port is judged by the same budget as the host end of its cable.
+    assert "GpunetFabricPortSymbolErrors: fires" in out.stdout + out.stderr
 
 
 # Alerts about a leaf switch's uplinks, aggregated over the leaf's nodes: labelled by `leaf`, not
@@ -165,7 +167,8 @@ def test_alerts_are_well_formed() -> None:
             "GpunetGdrNotReady", "GpunetGpuNicNumaMismatch", "GpunetGpuPcieLinkDegraded",
             "GpunetGpuLost", "GpunetNvmlDown", "GpunetProbeFailing", "GpunetCollectorFailing",
             "GpunetExporterDown", "GpunetPauseStorm", "GpunetPfcDisabledOnRocePriority",
-            "GpunetPfcTrustNotExpected"), f"{name}: the description should show the value"
+            "GpunetPfcTrustNotExpected", "GpunetFabricSweepFailing"), (
+            f"{name}: the description should show the value")
         url = ann["runbook_url"]
         assert url.startswith(thresholds.defaults()["runbook_url"] + "#")
         assert url.split("#")[1] in anchors, f"{name}: no section in docs/runbooks.md"
@@ -204,7 +207,8 @@ def test_thresholds_override_one_place(tmp_path: Path) -> None:
     f = tmp_path / "thresholds.yml"
     f.write_text("pfc: {roce_priority: 5, trust: pcp}\njob: gpu-nodes\n"
                  "for: {GpunetPortRateBelowExpected: 15m}\n"
-                 "probe: {expected_bus_bandwidth_bytes_per_second: {inter: 3.2e11}}\n")
+                 "probe: {expected_bus_bandwidth_bytes_per_second: {inter: 3.2e11}}\n"
+                 "fabric: {uplink_imbalance_ratio: 0.5}\n")
     out = run_rules("--thresholds", str(f))
     assert out.returncode == 0, out.stderr
     by_name = {r.get("alert") or r["record"]: r for r in
@@ -219,6 +223,9 @@ def test_thresholds_override_one_place(tmp_path: Path) -> None:
     assert 'scope=~"intra|net"' in busbw  # intra and net still compare with the fleet median
     # Unchanged values stay the defaults.
     assert "> 120" in by_name["GpunetPortSymbolErrors"]["expr"]
+    assert "gpunet_fabric_leaf_uplink_imbalance_ratio > 0.5" in by_name[
+        "GpunetFabricUplinkImbalance"]["expr"]
+    assert by_name["GpunetFabricSweepStale"]["expr"].endswith("> 900")
 
 
 def test_configured_expected_bandwidth_fires_below_80_percent(tmp_path: Path) -> None:
@@ -275,6 +282,9 @@ def test_configured_expected_bandwidth_fires_below_80_percent(tmp_path: Path) ->
     ("probe: {variation_window: 0m}\n", "key 'probe.variation_window': expected a window longer "
      "than 0"),
     ("gpu: {critical_xids: [79, 0]}\n", "key 'gpu.critical_xids[1]': expected a value >= 1"),
+    ("fabric: {uplink_imbalance_ratio: -0.2}\n", "key 'fabric.uplink_imbalance_ratio': expected "
+     "a value >= 0, got -0.2"),
+    ("fabric: {stale_seconds: 0}\n", "key 'fabric.stale_seconds': expected a value >= 1"),
 ])
 def test_bad_thresholds_file_one_line_exit_2(tmp_path: Path, content: str, message: str) -> None:
     f = tmp_path / "t.yml"
@@ -330,7 +340,7 @@ def test_amtool_checks_the_example() -> None:
     out = subprocess.run([tool("amtool"), "check-config", str(AM_CONFIG)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "8 inhibit rules" in out.stdout
+    assert "9 inhibit rules" in out.stdout
 
 
 @pytest.mark.parametrize(("labels", "receiver"), [

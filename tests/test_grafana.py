@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gpunet_exporter.health.rules import CLASSES as RULE_CLASSES
 from gpunet_exporter.registry import discover
 
 from support.dashboards import load_generator
@@ -469,6 +470,9 @@ def test_fleet_health_matrix_uses_the_recording_rule() -> None:
     assert metric_names(expr) == {"instance_class:gpunet_alerts_firing:count"}
     organize = matrix[0]["transformations"][-1]["options"]["indexByName"]
     assert [c for c in organize if c in gen.ALERT_CLASSES] == list(gen.ALERT_CLASSES)
+    # One column per class the rules label alerts with (generate.py imports nothing of the
+    # package, so it keeps its own copy).
+    assert gen.ALERT_CLASSES == RULE_CLASSES
 
 
 def test_pair_matrix_is_node_by_peer() -> None:

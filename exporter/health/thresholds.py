@@ -161,6 +161,18 @@ SCHEMA_FIELDS: dict[str, Field] = {
             "age of a node's last pair round that counts as stale (3 rounds at the documented "
             "1 h pair-plan period)", 10800, minimum=1),
     }),
+    "fabric": Field("map", "switch ports, uplinks and routing of the InfiniBand fabric (the "
+                    "fabric collector); a switch port's error counters are judged by the "
+                    "infiniband section's budgets, as the host end of the same cable",
+                    default={}, fields={
+        "uplink_imbalance_ratio": _num(
+            "how much more traffic a leaf's busiest uplink may carry than the mean of its "
+            "uplinks (busiest / mean - 1) before the leaf's uplink traffic counts as unbalanced",
+            0.2),
+        "stale_seconds": _num(
+            "age of the last successful fabric sweep that counts as stale (15 sweeps at the "
+            "default 60 s fabric.interval_seconds)", 900, minimum=1),
+    }),
 }
 
 
