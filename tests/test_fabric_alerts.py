@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import requests
 
 from tests.support import ibsim
 from tests.support.exporter import Exporter
@@ -26,11 +27,13 @@ S1, S2 = "0x0000000000200002", "0x0000000000200003"
 
 
 def exporter_for(sim: ibsim.Sim, tmp: Path, name: str) -> Exporter:
+    # The floor: above the few kB/s of the sweep's own management packets (never even), below
+    # the MB/s of the ibping flood.
     cfg = tmp / f"{name}.yml"
     cfg.write_text(
         "collectors: {infiniband: false, link: false, pfc: false, gpu: false, "
         "topology: false, probe: false, fabric: true}\n"
-        "fabric:\n  interval_seconds: 1\n  balance_min_bytes_per_second: 0\n"
+        "fabric:\n  interval_seconds: 1\n  balance_min_bytes_per_second: 100000\n"
         f"  environment: [\"LD_PRELOAD={ibsim.UMAD2SIM}\", "
         f"\"IBSIM_SOCKNAME={sim.sockname}\"]\n")
     return Exporter([f"--config.file={cfg}"])
@@ -71,7 +74,12 @@ def wait_evaluated(url: str, targets: list[str], timeout: float = 60) -> None:
     """Until both exporters' sweeps are in Prometheus and the alert rules ran after that."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        have = {r["metric"]["instance"] for r in query(url, "gpunet_fabric_sweep_success == 1")}
+        try:
+            have = {r["metric"]["instance"]
+                    for r in query(url, "gpunet_fabric_sweep_success == 1")}
+        except requests.ConnectionError:  # Prometheus still starting
+            time.sleep(0.5)
+            continue
         ratio = query(url, "gpunet_fabric_leaf_uplink_bytes_per_second")
         if have == set(targets) and ratio:
             break
