@@ -6,9 +6,10 @@ mishandles an LD_PRELOAD that is already set, so :meth:`Sim.env` sets it itself)
 - :func:`fat_tree` writes a two-level fat tree netfile (ibnetdiscover's format, which ibsim
   reads): leaves with hosts, spines, ``links`` parallel cables between every leaf and spine.
   Every port enables 12X and HDR (``w=10 s=4 e=6``, with 4X and EDR so that an end enabling
-  less still links): ibsim 0.10 always reports 12X and up to HDR as *supported*, so a healthy simulated link trains at what both ends support, and a port given
-  a narrower width or a slower speed (``narrow``) is a degraded link in every tool's eyes
-  (iblinkinfo's "Could be 12X").
+  less still links): ibsim 0.10 always reports 12X and up to HDR as *supported*, so a healthy
+  simulated link trains at what both ends support, and a port given a narrower width or a
+  slower speed (``narrow``) is a degraded link in every tool's eyes (iblinkinfo's "Could be
+  12X").
 - :class:`Sim` starts ibsim on a netfile (with its console on a pipe: ``command()`` writes
   ``Unlink "L1"[33]``, ``PerformanceSet ...``), then opensm, and waits for the subnet to come
   up. Each Sim has its own socket name (``IBSIM_SOCKNAME``) so simulators of parallel tests
@@ -115,7 +116,7 @@ def fat_tree(leaves: int, spines: int, hosts_per_leaf: int, links: int = 1,
                 out.append(f'[{lp}]\t"{spine}"[{sp}]\t{_opt(width, ext)}')
             uplinks[(leaf, spine)] = tuple(cables)
         out.append("")
-    for si, spine in enumerate(snames, 1):
+    for spine in snames:
         out.append(f'Switch\t{ports} "{spine}"')
         for leaf in lnames:
             width = WIDTH_4X if (leaf, spine) in narrow else WIDTH_12X
@@ -139,6 +140,9 @@ class Sim:
     # opensm's sweep interval; 0: sweeps only on traps (ibsim sends one when a link goes down),
     # so that the subnet manager's own packets do not move the data counters between sweeps.
     sweep_seconds: int = 0
+    # extra ibsim options before the netfile: its limits (-N nodes, -S switches, -P ports) for a
+    # fabric larger than ibsim 0.10's defaults (2048 nodes, 256 switches, 13312 ports)
+    ibsim_args: Sequence[str] = ()
     sockname: str = field(default_factory=lambda: f"gpunet-ibsim-{secrets.token_hex(4)}")
     _ibsim: subprocess.Popen[str] | None = None
     _opensm: subprocess.Popen[bytes] | None = None
@@ -164,7 +168,7 @@ class Sim:
         ibsim_env = {k: v for k, v in env.items() if k != "LD_PRELOAD"}
         with open(self.workdir / "ibsim.log", "w") as log:
             self._ibsim = subprocess.Popen(
-                ["ibsim", "-s", str(net)], stdin=subprocess.PIPE, stdout=log,
+                ["ibsim", "-s", *self.ibsim_args, str(net)], stdin=subprocess.PIPE, stdout=log,
                 stderr=subprocess.STDOUT, env=ibsim_env, text=True, start_new_session=True)
         osm = self.workdir / "opensm"
         shutil.rmtree(osm, ignore_errors=True)
