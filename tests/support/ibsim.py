@@ -140,6 +140,9 @@ class Sim:
     # opensm's sweep interval; 0: sweeps only on traps (ibsim sends one when a link goes down),
     # so that the subnet manager's own packets do not move the data counters between sweeps.
     sweep_seconds: int = 0
+    # extra ibsim options before the netfile: its limits (-N nodes, -S switches, -P ports) for a
+    # fabric larger than ibsim 0.10's defaults (2048 nodes, 256 switches, 13312 ports)
+    ibsim_args: Sequence[str] = ()
     sockname: str = field(default_factory=lambda: f"gpunet-ibsim-{secrets.token_hex(4)}")
     _ibsim: subprocess.Popen[str] | None = None
     _opensm: subprocess.Popen[bytes] | None = None
@@ -165,7 +168,8 @@ class Sim:
         ibsim_env = {k: v for k, v in env.items() if k != "LD_PRELOAD"}
         with open(self.workdir / "ibsim.log", "w") as log:
             self._ibsim = subprocess.Popen(
-                ["ibsim", "-s", str(net)], stdin=subprocess.PIPE, stdout=log, cwd=self.workdir,
+                ["ibsim", "-s", *self.ibsim_args, str(net)], stdin=subprocess.PIPE, stdout=log,
+                cwd=self.workdir,
                 stderr=subprocess.STDOUT, env=ibsim_env, text=True, start_new_session=True)
         osm = self.workdir / "opensm"
         shutil.rmtree(osm, ignore_errors=True)
