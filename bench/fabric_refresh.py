@@ -315,6 +315,10 @@ def run_size(size: Size, args: argparse.Namespace) -> Result:
         f"hosts; ibsim {' '.join(extra) or '(default limits)'}")
     with tempfile.TemporaryDirectory(prefix="gpunet-fabric-bench-") as tmp:
         workdir = Path(tmp)
+        # libumad2sim makes a fake sysfs, ./sys-<pid>, in the working directory of every tool it
+        # is preloaded into, and leaves it when the tool is killed: keep them in here.
+        cwd = os.getcwd()
+        os.chdir(workdir)
         sim = Sim(workdir / "sim", tree.netfile, ibsim_args=extra)
         t0 = time.perf_counter()
         sim.start(timeout=600)
@@ -340,6 +344,7 @@ def run_size(size: Size, args: argparse.Namespace) -> Result:
                     f"{result.http_busy['stats']['median_ms']:.1f} ms")
         finally:
             sim.stop()
+            os.chdir(cwd)
     return result
 
 
@@ -415,6 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="timed HTTP scrapes while sweeping back to back (0: skip)")
     p.add_argument("--out", type=Path, default=None, help="JSON file for every raw number")
     args = p.parse_args(argv)
+    if args.out:
+        args.out = args.out.resolve()  # each size runs in its own working directory
     gone = missing()
     if gone:
         raise SystemExit("needs ibsim-utils, opensm and infiniband-diags: missing "
