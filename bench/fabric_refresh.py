@@ -29,7 +29,8 @@ size, printed as markdown and written, with every raw number, to --out:
 - scrape, over HTTP: a real `gpunet-exporter --collector.disable-defaults --collector.fabric`
   (config file: the simulator's environment, interval_seconds 3600, so that no sweep runs
   while it is timed) scraped as Prometheus scrapes it (bench/scrape.py's Target: one
-  persistent connection, Prometheus's headers, gzip), after its first sweep: median, p90 and
+  persistent connection, Prometheus's headers, gzip; the scrape timeout raised to 60 s, header
+  and --scrape.timeout, as a fabric job would set it), after its first sweep: median, p90 and
   max, bytes, its own gpunet_scrape_collector_duration_seconds, its CPU per scrape and its
   VmRSS/VmHWM; then a second exporter sweeping back to back (interval_seconds 1), scraped
   --busy-scrapes times: what a scrape costs while a sweep runs beside it in the same process.
@@ -43,6 +44,7 @@ option). Wall-clock numbers are for docs/benchmarks.md, never for test assertion
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import platform
@@ -62,7 +64,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # support.*
 sys.path.insert(0, str(REPO / "bench"))  # scrape.Target
 
-from scrape import Stats, Target, count_samples, self_reported  # noqa: E402
+from scrape import SCRAPE_HEADERS, Stats, Target, count_samples, self_reported  # noqa: E402
 
 from gpunet_exporter.collectors.fabric import FabricCollector  # noqa: E402
 from gpunet_exporter.web.openmetrics import encode  # noqa: E402
@@ -73,6 +75,11 @@ from support.metrics import make_collector, samples_of, series  # noqa: E402
 # ibsim 0.10's limits, as its startup log prints them (MaxNetNodes, MaxNetSwitches, MaxNetPorts).
 IBSIM_NODES, IBSIM_SWITCHES, IBSIM_PORTS = 2048, 256, 13312
 WARMUP = 2
+# A fabric job's scrape timeout: a whole fabric's series take seconds to serve (the exporter's
+# --scrape.timeout is raised to match; Prometheus sends the header, and the exporter keeps to
+# the shorter of the two).
+SCRAPE_TIMEOUT_S = 60
+SCRAPE_HEADERS["X-Prometheus-Scrape-Timeout-Seconds"] = str(SCRAPE_TIMEOUT_S)
 STEPS = ("discover", "links", "counters", "errors", "routes")
 _SUCCESS = re.compile(rb"^gpunet_fabric_sweep_success 1(\.0)?$", re.M)
 _FABRIC_LINE = re.compile(rb"^gpunet_fabric_", re.M)
@@ -240,7 +247,29 @@ def sweeps(sim: Sim, env: list[str], size: Size, refreshes: int, result: Result)
         if encoded is None:
             raise SystemExit("the exporter's encoder declined the fabric families")
         result.exposition_ms.append((time.perf_counter() - t0) * 1000)
-    result.exposition_bytes = len(encoded)
+        result.exposition_bytes = len(encoded)
+
+
+class FabricTarget(Target):
+    """bench/scrape.py's Target, ready once its first sweep has succeeded (which can take longer
+    than Target's 30 s), over a connection that waits as long as a scrape may take."""
+
+    def _wait_ready(self) -> None:
+        self.conn.timeout = 2 * SCRAPE_TIMEOUT_S
+        deadline = time.monotonic() + 600
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}: "
+                                   f"{Path(self.logfile.name).read_text()[-2000:]}")
+            try:
+                if _SUCCESS.search(self.scrape().body):
+                    return
+            except (OSError, http.client.HTTPException):
+                self.conn.close()
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.name}: no successful sweep within 600 s")
+            time.sleep(0.2)
 
 
 def exporter(workdir: Path, env: list[str], interval: int, name: str) -> Target:
@@ -249,15 +278,9 @@ def exporter(workdir: Path, env: list[str], interval: int, name: str) -> Target:
         "collectors": {"fabric": True},
         "fabric": {"environment": env, "interval_seconds": interval, "timeout_seconds": 600},
     }))
-    target = Target(name, ["gpunet-exporter", "--collector.disable-defaults",
-                           "--collector.fabric", f"--config.file={config}"], workdir)
-    deadline = time.monotonic() + 600
-    while not _SUCCESS.search(target.scrape().body):
-        if time.monotonic() > deadline:
-            target.stop()
-            raise SystemExit(f"{name}: no successful sweep within 600 s")
-        time.sleep(0.2)
-    return target
+    return FabricTarget(name, ["gpunet-exporter", "--collector.disable-defaults",
+                               "--collector.fabric", f"--config.file={config}",
+                               f"--scrape.timeout={SCRAPE_TIMEOUT_S}"], workdir)
 
 
 def scrape_http(target: Target, scrapes: int) -> dict[str, Any]:
@@ -292,6 +315,10 @@ def run_size(size: Size, args: argparse.Namespace) -> Result:
         f"hosts; ibsim {' '.join(extra) or '(default limits)'}")
     with tempfile.TemporaryDirectory(prefix="gpunet-fabric-bench-") as tmp:
         workdir = Path(tmp)
+        # libumad2sim makes a fake sysfs, ./sys-<pid>, in the working directory of every tool it
+        # is preloaded into, and leaves it when the tool is killed: keep them in here.
+        cwd = os.getcwd()
+        os.chdir(workdir)
         sim = Sim(workdir / "sim", tree.netfile, ibsim_args=extra)
         t0 = time.perf_counter()
         sim.start(timeout=600)
@@ -317,6 +344,7 @@ def run_size(size: Size, args: argparse.Namespace) -> Result:
                     f"{result.http_busy['stats']['median_ms']:.1f} ms")
         finally:
             sim.stop()
+            os.chdir(cwd)
     return result
 
 
@@ -392,6 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="timed HTTP scrapes while sweeping back to back (0: skip)")
     p.add_argument("--out", type=Path, default=None, help="JSON file for every raw number")
     args = p.parse_args(argv)
+    if args.out:
+        args.out = args.out.resolve()  # each size runs in its own working directory
     gone = missing()
     if gone:
         raise SystemExit("needs ibsim-utils, opensm and infiniband-diags: missing "
