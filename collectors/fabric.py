@@ -25,6 +25,7 @@ Formats and sources: docs/formats.md §10; the design and its choices: docs/fabr
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import shutil
@@ -223,7 +224,7 @@ class FabricCollector(Collector):
         self._ports: dict[tuple[str, int], _Port] = {}
         self._last: ibdiag.Fabric | None = None  # the last good sweep
         self._counters_at: dict[str, tuple[float, dict[tuple[str, int], dict[str, int]]]] = {}
-        self._samples: list[tuple[MetricSpec, list[str], float]] = []
+        self._families: list[Metric] = []  # the last sweep's, built once in the background
         self._steps: dict[str, tuple[bool, float]] = {}
         self._sweep: Fresh[float] = Fresh()  # value: the last good sweep's duration
         self._refresher: Refresher[None] = Refresher(
@@ -243,16 +244,16 @@ class FabricCollector(Collector):
             raise
         for step, why in fabric.failed.items():
             self.ctx.log_once(logging.WARNING, "fabric sweep: %s failed: %s", step, why)
-        samples = self._build(fabric)
+        families = self._build(fabric)
         with self._lock:
-            self._samples = samples
+            self._families = families
             self._steps = {s: (s not in fabric.failed, fabric.step_seconds.get(s, 0.0))
                            for s in STEP_NAMES}
             self._sweep = self._sweep.succeeded(fabric.duration, fabric.at)
 
-    def _build(self, fabric: ibdiag.Fabric) -> list[tuple[MetricSpec, list[str], float]]:
-        """The samples of one sweep, built once in the background so that a scrape only
-        copies them."""
+    def _build(self, fabric: ibdiag.Fabric) -> list[Metric]:
+        """The families of one sweep, built once in the background (each port's samples share
+        one label dict) so that a scrape only copies them."""
         last = self._last
         if fabric.errors is None and last is not None:
             fabric.errors = last.errors  # the last good ones, as a failed step promises
@@ -261,8 +262,7 @@ class FabricCollector(Collector):
         if "counters" in fabric.failed and last is not None:
             fabric.counters = last.counters
         self._last = fabric
-        out: list[tuple[MetricSpec, list[str], float]] = []
-        add = out.append
+        fams = Families()
         switches = {link.switch for link in fabric.links}
         names: dict[str, str] = {}
         by_switch: dict[str, list[ibdiag.Link]] = {}
@@ -278,59 +278,58 @@ class FabricCollector(Collector):
                 roles[sw] = "spine"
             else:
                 roles[sw] = ""
-        add((SWITCHES, [], float(len(switches))))
+        fams.add(SWITCHES, [], float(len(switches)))
         for sw in sorted(by_switch):
-            add((SWITCH_INFO, [sw, names[sw], roles[sw]], 1.0))
+            fams.add(SWITCH_INFO, [sw, names[sw], roles[sw]], 1.0)
         seen: set[tuple[str, int]] = set()
         for link in fabric.links:
             key = (link.switch, link.port)
             seen.add(key)
-            labels = [link.switch, str(link.port)]
+            labels = {"switch": link.switch, "port": str(link.port)}  # shared by the port
             mem = self._ports.setdefault(key, _Port())
             if link.remote:
                 mem.remote, mem.remote_port = link.remote, str(link.remote_port or "")
                 mem.remote_name = link.remote_name
                 mem.remote_type = "switch" if link.remote in switches else "ca"
-            add((PORT_INFO, [*labels, mem.remote, mem.remote_port, mem.remote_name,
-                             mem.remote_type], 1.0))
+            fams.add(PORT_INFO, [link.switch, str(link.port), mem.remote, mem.remote_port,
+                                 mem.remote_name, mem.remote_type], 1.0)
             if link.state is not None:
-                add((STATE, labels, float(link.state)))
+                fams.add_labeled(STATE, labels, float(link.state))
             if link.phys_state is not None:
-                add((PHYS_STATE, labels, float(link.phys_state)))
+                fams.add_labeled(PHYS_STATE, labels, float(link.phys_state))
             rate, supported = link.rate_gbps, link.supported_gbps
             if link.width is not None:
-                add((WIDTH, labels, float(link.width)))
+                fams.add_labeled(WIDTH, labels, float(link.width))
             if link.lane_gbps is not None:
-                add((LANE_SPEED, labels, link.lane_gbps * ibdiag.BYTES_PER_GBIT))
+                fams.add_labeled(LANE_SPEED, labels, link.lane_gbps * ibdiag.BYTES_PER_GBIT)
             if rate is not None and supported is not None:
-                add((RATE, labels, rate * ibdiag.BYTES_PER_GBIT))
-                add((RATE_SUPPORTED, labels, supported * ibdiag.BYTES_PER_GBIT))
+                fams.add_labeled(RATE, labels, rate * ibdiag.BYTES_PER_GBIT)
+                fams.add_labeled(RATE_SUPPORTED, labels, supported * ibdiag.BYTES_PER_GBIT)
                 if link.state == 4:
-                    add((DEGRADED, labels, float(rate < supported)))
+                    fams.add_labeled(DEGRADED, labels, float(rate < supported))
             data = fabric.counters.get(key)
             if data is not None:
                 for name, value in data.items():
                     entry = COUNTERS.get(name)
                     if entry is not None and entry[1] == "data":
-                        add((entry[0], labels, float(value * entry[2])))
+                        fams.add_labeled(entry[0], labels, float(value * entry[2]))
                 if fabric.errors is not None:  # read: a counter not printed is 0
                     errs = fabric.errors.get(key, {})
                     for name, (spec, kind, scale) in COUNTERS.items():
                         if kind == "errors":
-                            add((spec, labels, float(errs.get(name, 0) * scale)))
+                            fams.add_labeled(spec, labels, float(errs.get(name, 0) * scale))
             routed = (fabric.routes or {}).get(link.switch, {}).get(link.port)
             if routed:
-                add((ROUTED, labels, float(routed)))
+                fams.add_labeled(ROUTED, labels, float(routed))
         for gone in self._ports.keys() - seen:
             if gone[0] not in switches:  # a switch no longer in the fabric is forgotten
                 del self._ports[gone]
-        out += self._balance(fabric, by_switch, roles, switches)
-        return out
+        self._balance(fams, fabric, by_switch, roles, switches)
+        return list(fams)
 
-    def _balance(self, fabric: ibdiag.Fabric, by_switch: dict[str, list[ibdiag.Link]],
-                 roles: dict[str, str], switches: set[str]
-                 ) -> list[tuple[MetricSpec, list[str], float]]:
-        out: list[tuple[MetricSpec, list[str], float]] = []
+    def _balance(self, fams: Families, fabric: ibdiag.Fabric,
+                 by_switch: dict[str, list[ibdiag.Link]], roles: dict[str, str],
+                 switches: set[str]) -> None:
         floor = float(self.settings.balance_min_bytes_per_second)
         counters_ok = "counters" not in fabric.failed
         previous = self._counters_at
@@ -340,14 +339,14 @@ class FabricCollector(Collector):
                 continue
             uplinks = [lk.port for lk in links
                        if lk.state == 4 and lk.remote and lk.remote in switches]
-            out.append((UPLINKS, [sw], float(len(uplinks))))
+            fams.add(UPLINKS, [sw], float(len(uplinks)))
             routes = (fabric.routes or {}).get(sw)
             if routes is not None and len(uplinks) >= 2:
                 counts = [routes.get(p, 0) for p in uplinks]
                 mean = sum(counts) / len(counts)
                 if mean > 0:
-                    out.append((ROUTES_IMBALANCE, [sw], max(counts) / mean - 1))
-                out.append((ROUTES_UNBALANCED, [sw], float(max(counts) > min(counts) + 1)))
+                    fams.add(ROUTES_IMBALANCE, [sw], max(counts) / mean - 1)
+                fams.add(ROUTES_UNBALANCED, [sw], float(max(counts) > min(counts) + 1))
             if not counters_ok:
                 continue
             now = {(sw, p): fabric.counters[(sw, p)] for p in uplinks
@@ -369,21 +368,25 @@ class FabricCollector(Collector):
                     rates.append((new - old) * 4 / dt)
                 else:
                     mean = sum(rates) / len(rates)
-                    out.append((UPLINK_RATE, [sw, direction], mean))
+                    fams.add(UPLINK_RATE, [sw, direction], mean)
                     if mean > 0 and mean >= floor:
-                        out.append((IMBALANCE, [sw, direction], max(rates) / mean - 1))
-        return out
+                        fams.add(IMBALANCE, [sw, direction], max(rates) / mean - 1)
 
     # -- scrape ----------------------------------------------------------------------------
 
     def collect(self) -> Iterator[Metric]:
         self._refresher.start()
         self._refresher.wait_first(self.ctx.deadline)
-        fams = Families()
         with self._lock:
-            samples, steps, sweep = self._samples, self._steps, self._sweep
-        for spec, labels, value in samples:
-            fams.add(spec, labels, value)
+            families, steps, sweep = self._families, self._steps, self._sweep
+        # Copies of the sweep's families (the registry may drop samples from what it gets),
+        # sharing their samples.
+        out: list[Metric] = []
+        for fam in families:
+            shallow = copy.copy(fam)
+            shallow.samples = list(fam.samples)
+            out.append(shallow)
+        fams = Families()
         add_freshness(fams, SWEEP_SUCCESS, SWEEP_LAST_SUCCESS, [], sweep)
         if sweep.value is not None:
             fams.add(SWEEP_DURATION, [], sweep.value)
@@ -391,7 +394,8 @@ class FabricCollector(Collector):
             fams.add(STEP_SUCCESS, [step], float(ok))
             if ok:
                 fams.add(STEP_DURATION, [step], seconds)
-        return iter(fams)
+        out += fams
+        return iter(out)
 
     def close(self) -> None:
         self._refresher.stop()

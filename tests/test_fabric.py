@@ -6,6 +6,7 @@ traffic on one path, a tool that fails and a fabric that vanishes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import subprocess
@@ -82,17 +83,8 @@ def test_dump_fts_counts_host_lids_per_out_port() -> None:
 # ---- the collector against the simulator ------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def _sim_installed(request: pytest.FixtureRequest) -> None:
-    if "sim" in request.fixturenames or request.node.get_closest_marker("sim"):
-        ibsim.require()
-
-
-def start(tmp_path: Path, tree: ibsim.FatTree) -> ibsim.Sim:
-    return ibsim.Sim(tmp_path / "sim", tree.netfile).start()
-
-
-def collector(sim: ibsim.Sim, **config: object) -> FabricCollector:
+@contextlib.contextmanager
+def collector(sim: ibsim.Sim, **config: object) -> Iterator[FabricCollector]:
     cfg = {"balance_min_bytes_per_second": 0,
            "environment": [f"LD_PRELOAD={ibsim.UMAD2SIM}", f"IBSIM_SOCKNAME={sim.sockname}"]}
     cfg.update(config)
@@ -101,7 +93,10 @@ def collector(sim: ibsim.Sim, **config: object) -> FabricCollector:
     # Stopped before it starts: no background thread; each scrape() below runs one sweep in
     # the test's thread, so the sweeps and their intervals are the test's.
     c._refresher.stop()
-    return c
+    try:
+        yield c
+    finally:
+        c.close()
 
 
 def scrape(c: FabricCollector) -> dict:
@@ -119,7 +114,7 @@ def sims(tmp_path: Path) -> Iterator[list[ibsim.Sim]]:
 
 def run_sim(sims: list[ibsim.Sim], tmp_path: Path, tree: ibsim.FatTree) -> ibsim.Sim:
     ibsim.require()
-    s = start(tmp_path, tree)
+    s = ibsim.Sim(tmp_path / "sim", tree.netfile).start()
     sims.append(s)
     return s
 
@@ -128,11 +123,8 @@ def test_healthy_fabric_every_switch_port_and_nothing_flagged(sims: list[ibsim.S
                                                               tmp_path: Path) -> None:
     tree = ibsim.fat_tree(4, 3, 4)
     sim = run_sim(sims, tmp_path, tree)
-    c = collector(sim)
-    try:
+    with collector(sim) as c:
         s = scrape(c)
-    finally:
-        c.close()
     ports = tree.switch_ports
     assert value(s, "gpunet_fabric_switches") == 7
     assert len(series(s, "gpunet_fabric_port_state_id")) == 7 * ports
@@ -167,11 +159,8 @@ def test_narrow_and_slow_links_are_degraded_at_both_ends(sims: list[ibsim.Sim],
                                                          tmp_path: Path) -> None:
     tree = ibsim.fat_tree(2, 2, 2, narrow=[("L2", "S2")], slow=[("L1", "S1")])
     sim = run_sim(sims, tmp_path, tree)
-    c = collector(sim)
-    try:
+    with collector(sim) as c:
         s = scrape(c)
-    finally:
-        c.close()
     degraded = {(dict(lbl)["switch"], dict(lbl)["port"])
                 for lbl, v in series(s, "gpunet_fabric_port_rate_degraded").items() if v == 1}
     s1, s2 = guid(0x200002), guid(0x200003)
@@ -190,15 +179,12 @@ def test_narrow_and_slow_links_are_degraded_at_both_ends(sims: list[ibsim.Sim],
 def test_switch_port_errors_show_on_their_port_only(sims: list[ibsim.Sim],
                                                     tmp_path: Path) -> None:
     sim = run_sim(sims, tmp_path, ibsim.fat_tree(2, 2, 2))
-    c = collector(sim)
-    try:
+    with collector(sim) as c:
         before = scrape(c)
         sim.command('PerformanceSet "L1"[3] PortCounters.SymbolErrorCounter=7')
         sim.command('PerformanceSet "S2"[2] PortCounters.LinkErrorRecoveryCounter=2')
         sim.command('PerformanceSet "S2"[2] PortCounters.PortRcvRemotePhysicalErrors=5')
         after = scrape(c)
-    finally:
-        c.close()
     assert value(before, "gpunet_fabric_port_symbol_errors_total", switch=L1, port="3") == 0
     assert value(after, "gpunet_fabric_port_symbol_errors_total", switch=L1, port="3") == 7
     s2 = guid(0x200003)
@@ -218,15 +204,12 @@ def test_unplugged_uplink_is_down_keeps_its_neighbour_and_unbalances_routing(
         sims: list[ibsim.Sim], tmp_path: Path) -> None:
     tree = ibsim.fat_tree(2, 2, 2)
     sim = run_sim(sims, tmp_path, tree)
-    c = collector(sim)
-    try:
+    with collector(sim) as c:
         healthy = scrape(c)
         sweeps = sim.heavy_sweeps()
         sim.command('Unlink "L2"[3]')  # L2's cable to S1
         sim.wait_resweep(sweeps)
         after = scrape(c)
-    finally:
-        c.close()
     s1 = guid(0x200002)
     assert value(healthy, "gpunet_fabric_port_state_id", switch=L2, port="3") == 4
     for sw, port, name in ((L2, "3", "S1"), (s1, "2", "L2")):
@@ -257,14 +240,11 @@ def test_uplink_traffic_balance(sims: list[ibsim.Sim], tmp_path: Path) -> None:
     tree = ibsim.fat_tree(2, 2, 4)
     sim = run_sim(sims, tmp_path, tree)
     lids = sim.lids()
-    c = collector(sim)
-
     def ping(src: str, dst: str) -> None:
         subprocess.run(["ibping", "-c", "3000", "-f", str(lids[dst])], env=sim.env(src),
-                       cwd=sim.workdir,
-                       capture_output=True, timeout=60, check=False)
+                       cwd=sim.workdir, capture_output=True, timeout=60, check=False)
 
-    try:
+    with collector(sim) as c:
         first = scrape(c)
         # Hot flow: one host pair, so L1 sends it all up the one uplink its table picks.
         ping("L1H1", "L2H1")
@@ -273,8 +253,6 @@ def test_uplink_traffic_balance(sims: list[ibsim.Sim], tmp_path: Path) -> None:
         for dst in tree.hosts["L2"]:
             ping("L1H1", dst)
         spread = scrape(c)
-    finally:
-        c.close()
     assert value(first, "gpunet_fabric_leaf_uplink_imbalance_ratio", switch=L1,
                  direction="tx") is None  # one sweep: no interval yet
     hot_ratio = value(hot, "gpunet_fabric_leaf_uplink_imbalance_ratio", switch=L1,
@@ -293,12 +271,9 @@ def test_uplink_traffic_balance(sims: list[ibsim.Sim], tmp_path: Path) -> None:
 def test_imbalance_not_judged_below_the_traffic_floor(sims: list[ibsim.Sim],
                                                       tmp_path: Path) -> None:
     sim = run_sim(sims, tmp_path, ibsim.fat_tree(2, 2, 2))
-    c = collector(sim, balance_min_bytes_per_second=1e9)
-    try:
+    with collector(sim, balance_min_bytes_per_second=1e9) as c:
         scrape(c)
         s = scrape(c)  # the readout's own few packets only
-    finally:
-        c.close()
     assert series(s, "gpunet_fabric_leaf_uplink_bytes_per_second")
     assert not series(s, "gpunet_fabric_leaf_uplink_imbalance_ratio")
 
@@ -320,11 +295,8 @@ def _tools_with(tmp_path: Path, broken: str) -> Path:
 def test_a_failing_step_costs_only_its_own_values(sims: list[ibsim.Sim],
                                                   tmp_path: Path) -> None:
     sim = run_sim(sims, tmp_path, ibsim.fat_tree(2, 2, 2))
-    c = collector(sim, tools_dir=str(_tools_with(tmp_path, "dump_fts")))
-    try:
+    with collector(sim, tools_dir=str(_tools_with(tmp_path, "dump_fts"))) as c:
         s = scrape(c)
-    finally:
-        c.close()
     steps = {dict(lbl)["step"]: v for lbl, v in series(s, "gpunet_fabric_step_success").items()}
     assert steps["routes"] == 0 and steps["links"] == 1 and steps["counters"] == 1
     assert value(s, "gpunet_fabric_sweep_success") == 1
@@ -336,15 +308,12 @@ def test_a_failing_step_costs_only_its_own_values(sims: list[ibsim.Sim],
 def test_a_vanished_fabric_fails_the_sweep_and_keeps_the_last_values(
         sims: list[ibsim.Sim], tmp_path: Path) -> None:
     sim = run_sim(sims, tmp_path, ibsim.fat_tree(2, 2, 2))
-    c = collector(sim, timeout_seconds=5)
-    try:
+    with collector(sim, timeout_seconds=5) as c:
         good = scrape(c)
         sim.stop()
         with pytest.raises(ibdiag.CommandError):
             c.refresh()
         s = samples_of(list(c.collect()))
-    finally:
-        c.close()
     assert value(s, "gpunet_fabric_sweep_success") == 0
     assert value(s, "gpunet_fabric_sweep_last_success_timestamp_seconds") == value(
         good, "gpunet_fabric_sweep_last_success_timestamp_seconds")

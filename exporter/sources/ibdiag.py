@@ -20,8 +20,9 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from gpunet_exporter.sources.commands import CommandError, run_command
 
@@ -40,6 +41,7 @@ ERROR_COUNTERS = ("SymbolErrorCounter", "LinkErrorRecoveryCounter", "LinkDownedC
                   "LocalLinkIntegrityErrors", "ExcessiveBufferOverrunErrors", "VL15Dropped",
                   "PortXmitWait")
 STEPS = ("discover", "links", "counters", "errors", "routes")
+T = TypeVar("T")
 
 
 class ParseError(ValueError):
@@ -214,10 +216,8 @@ def _zero_thresholds(directory: str) -> str:
     return path
 
 
-def sweep(tools: Tools, steps: Iterable[str] = STEPS) -> Fabric:
-    """One sweep of the fabric; raises CommandError (or ParseError) only when discovery fails.
-    ``steps`` leaves out the ones not wanted this time (the routes, on their own interval)."""
-    wanted = set(steps)
+def sweep(tools: Tools) -> Fabric:
+    """One sweep of the fabric; raises CommandError (or ParseError) only when discovery fails."""
     fabric = Fabric()
     start = time.monotonic()
     env = dict(tools.env)
@@ -232,29 +232,27 @@ def sweep(tools: Tools, steps: Iterable[str] = STEPS) -> Fabric:
             fabric.step_seconds[step] = fabric.step_seconds.get(step, 0.0) + (
                 time.monotonic() - t0)
 
+    def optional(step: str, argv: Sequence[str], parse: Callable[[str], T],
+                 ok_status: Sequence[int] = (0,)) -> T | None:
+        """A step after discovery: its result, or None with why it failed in ``failed``."""
+        try:
+            return parse(run(step, argv, ok_status))
+        except (CommandError, ParseError) as exc:
+            fabric.failed[step] = str(exc)
+            return None
+
     with tempfile.TemporaryDirectory(prefix="gpunet-fabric-") as tmp:
         cache = os.path.join(tmp, "ibnetdiscover.cache")
         run("discover", tools.argv(tools.ibnetdiscover, "--cache", cache))
         fabric.links = parse_iblinkinfo(run("links", tools.argv(
             tools.iblinkinfo, "-l", "--switches-only", "--load-cache", cache)))
-        if "counters" in wanted:
-            try:
-                fabric.counters = parse_ibqueryerrors(run("counters", tools.argv(
-                    tools.ibqueryerrors, "--switch", "--counters", "--load-cache", cache)))
-            except (CommandError, ParseError) as exc:
-                fabric.failed["counters"] = str(exc)
-        if "errors" in wanted:
-            try:
-                fabric.errors = parse_ibqueryerrors(run("errors", tools.argv(
-                    tools.ibqueryerrors, "--switch", "--threshold-file",
-                    _zero_thresholds(tmp), "--load-cache", cache), ok_status=(0, 1)))
-            except (CommandError, ParseError) as exc:
-                fabric.failed["errors"] = str(exc)
-        if "routes" in wanted:
-            try:
-                fabric.routes = parse_dump_fts(run("routes", tools.argv(tools.dump_fts)))
-            except (CommandError, ParseError) as exc:
-                fabric.failed["routes"] = str(exc)
+        fabric.counters = optional("counters", tools.argv(
+            tools.ibqueryerrors, "--switch", "--counters", "--load-cache", cache),
+            parse_ibqueryerrors) or {}
+        fabric.errors = optional("errors", tools.argv(
+            tools.ibqueryerrors, "--switch", "--threshold-file", _zero_thresholds(tmp),
+            "--load-cache", cache), parse_ibqueryerrors, ok_status=(0, 1))
+        fabric.routes = optional("routes", tools.argv(tools.dump_fts), parse_dump_fts)
     fabric.duration = time.monotonic() - start
     fabric.at = time.time()
     return fabric
