@@ -110,7 +110,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                             f"IBSIM_SOCKNAME={sim.sockname}"]}}))
         exporter = Exporter(["--collector.disable-defaults", "--collector.fabric",
                              f"--config.file={tmp / 'exporter.yml'}", "--no-hotplug"],
-                            env={"PATH": sim.env()["PATH"]})
+                            env={"PATH": sim.env()["PATH"]}, cwd=tmp)
         proc, url = start_prometheus(
             tmp, [{"targets": [f"127.0.0.1:{exporter.port}"], "labels": {"instance": NODE}}])
         # Every cable up and its neighbour known before the faults, so that the unplugged
