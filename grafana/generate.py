@@ -4,8 +4,9 @@
     python grafana/generate.py            # rewrite grafana/gpunet-*.json
     python grafana/generate.py --check    # exit 1 naming each stale file
 
-Four dashboards (docs/dashboards.md): the fleet overview, one node, the NCCL probes
-(collectives), and the pair plan of fleet probes (pairs). Every panel and query uses the
+Five dashboards (docs/dashboards.md): the fleet overview, one node, the NCCL probes
+(collectives), the pair plan of fleet probes (pairs) and one InfiniBand fabric's switches
+(fabric). Every panel and query uses the
 ``datasource`` variable, every query filters by ``instance`` (a series without one, per job or
 per leaf, by ``job``), every counter is read through ``rate``/``increase`` over
 ``$__rate_interval``, and every panel has a unit; tests/test_grafana.py checks all of that and
@@ -1651,8 +1652,13 @@ def fabric_dashboard() -> Json:
         "degraded. Empty (grey): a port never connected since the exporter started. "
         "Switches with the same node description share a row: give them distinct names.",
         [target(fabric_named(port_health()), table=True)], "none",
-        transformations=[{"id": "groupingToMatrix", "options": {
-            "columnField": "port", "rowField": "name", "valueField": "Value"}}],
+        transformations=[
+            # ports in numeric order: the columns come in the order of the rows
+            {"id": "convertFieldType", "options": {"fields": {}, "conversions": [
+                {"targetField": "port", "destinationType": "number"}]}},
+            {"id": "sortBy", "options": {"fields": {}, "sort": [{"field": "port"}]}},
+            {"id": "groupingToMatrix", "options": {
+                "columnField": "port", "rowField": "name", "valueField": "Value"}}],
         mappings=FABRIC_HEALTH, thresholds=steps(("green", None), ("orange", 1),
                                                  ("red", 2)),
         cell="color-background", overrides=[cells], decimals=0), 24, 10)

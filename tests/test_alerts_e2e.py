@@ -392,17 +392,19 @@ def test_fleet_causes_inhibit_their_pair_alerts(bundle: Bundle) -> None:
 
 
 def test_every_dashboard_query_returns_data(bundle: Bundle) -> None:
-    """Every panel query of the dashboards but the pair plan's (tests/test_grafana_pairs.py),
-    variables substituted as Grafana would for the faulty node (or all nodes where the variable
-    is multi-valued), runs in Prometheus and returns at least one series."""
+    """Every panel query of the dashboards but the pair plan's (tests/test_grafana_pairs.py) and
+    the fabric's (tests/test_grafana_fabric.py), variables substituted as Grafana would for the
+    faulty node (or all nodes where the variable is multi-valued), runs in Prometheus and
+    returns at least one series."""
     test_health_matrix_records_every_node_and_class(bundle)  # recorded series exist
     gen = load_generator()
     variables = {"instance": FAULTY, "job": "gpunet", "__rate_interval": "30s",
                  "__interval": "1s", "__range": "5m", "datasource": "prometheus"}
     queries: list[tuple[str, str]] = []
     for filename, dashboard in gen.dashboards().items():
-        if filename == "gpunet-pairs.json":
-            continue  # needs fleet pair results: tests/test_grafana_pairs.py runs its queries
+        if filename in ("gpunet-pairs.json", "gpunet-fabric.json"):
+            continue  # need fleet pair results and a fabric sweep: test_grafana_pairs.py and
+            # test_grafana_fabric.py run their queries
         for title, expr in gen.queries(dashboard):
             promql = gen.substitute(expr, variables)
             assert "$" not in promql, f"{filename} {title}: unsubstituted variable: {promql}"

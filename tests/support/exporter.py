@@ -29,19 +29,21 @@ def exporter_binary() -> str:
 
 class Exporter:
     """The installed exporter on a free port. ``scheme``, ``verify``, ``auth`` and ``cert`` are
-    what requests needs to reach it when --web.config.file asks for TLS or basic auth."""
+    what requests needs to reach it when --web.config.file asks for TLS or basic auth; ``cwd``
+    its working directory (the simulator's libumad2sim leaves ./sys-<pid> trees there)."""
 
     def __init__(self, args: list[str], env: Mapping[str, str] | None = None,
                  scheme: str = "http", verify: str | bool = True,
                  auth: tuple[str, str] | None = None,
-                 cert: str | tuple[str, str] | None = None) -> None:
+                 cert: str | tuple[str, str] | None = None,
+                 cwd: str | Path | None = None) -> None:
         self.port = free_port()
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.requests_kw: dict[str, Any] = {"verify": verify, "auth": auth, "cert": cert}
         self.proc = subprocess.Popen(
             [exporter_binary(), f"--web.listen-address=127.0.0.1:{self.port}", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, **(env or {})})
+            env={**os.environ, **(env or {})}, cwd=cwd)
         wait_for(self._healthy, f"the exporter to answer {self.url}/-/healthy", timeout=20,
                  ignore=(requests.ConnectionError,))
 
