@@ -17,8 +17,9 @@ import pytest
 
 from gpunet_exporter.collectors.fabric import FabricCollector
 from gpunet_exporter.sources import ibdiag
-from tests.support import ibsim
-from tests.support.metrics import make_collector, samples_of, series, value
+
+from support import ibsim
+from support.metrics import make_collector, samples_of, series, value
 
 FIXTURES = Path(__file__).parent / "fixtures" / "fabric"
 GB = ibdiag.BYTES_PER_GBIT

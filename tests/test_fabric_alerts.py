@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.support import ibsim
-from tests.support.exporter import Exporter
-from tests.support.prometheus import api, query, start_prometheus, stop
+from support import ibsim
+from support.exporter import Exporter
+from support.prometheus import api, query, start_prometheus, stop
+from support.wait import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -72,29 +73,24 @@ def stack(tmp_path: Path) -> Iterator[dict]:
 
 def wait_evaluated(url: str, targets: list[str], timeout: float = 60) -> None:
     """Until both exporters' sweeps are in Prometheus and the alert rules ran after that."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            have = {r["metric"]["instance"]
-                    for r in query(url, "gpunet_fabric_sweep_success == 1")}
-        except requests.ConnectionError:  # Prometheus still starting
-            time.sleep(0.5)
-            continue
-        ratio = query(url, "gpunet_fabric_leaf_uplink_bytes_per_second")
-        if have == set(targets) and ratio:
-            break
-        time.sleep(0.5)
-    else:
-        raise AssertionError("the exporters' fabric sweeps never reached Prometheus")
+    def swept() -> bool:
+        have = {r["metric"]["instance"] for r in query(url, "gpunet_fabric_sweep_success == 1")}
+        return have == set(targets) and bool(
+            query(url, "gpunet_fabric_leaf_uplink_bytes_per_second"))
+
+    began = time.monotonic()
+    wait_for(swept, "the exporters' fabric sweeps to reach Prometheus", timeout=timeout,
+             interval=0.5, ignore=(requests.ConnectionError,))  # Prometheus still starting
     start = time.time()
-    while time.monotonic() < deadline:
+
+    def evaluated() -> bool:
         groups = api(url, "rules")["groups"]
         alerts = next(g for g in groups if g["name"] == "gpunet-alerts")
-        if all(r.get("lastEvaluation", "") and _ts(r["lastEvaluation"]) > start + 1
-               for r in alerts["rules"]):
-            return
-        time.sleep(0.5)
-    raise AssertionError("the alert rules did not evaluate")
+        return all(r.get("lastEvaluation", "") and _ts(r["lastEvaluation"]) > start + 1
+                   for r in alerts["rules"])
+
+    wait_for(evaluated, "the alert rules to evaluate after the sweeps",
+             timeout=max(1.0, timeout - (time.monotonic() - began)), interval=0.5)
 
 
 def _ts(text: str) -> float:

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 
+from support.wait import wait_for
+
 UMAD2SIM = "/usr/lib/x86_64-linux-gnu/umad2sim/libumad2sim.so"
 TOOLS = ("ibsim", "opensm", "ibnetdiscover", "iblinkinfo", "ibqueryerrors", "dump_fts",
          "smpquery")
@@ -174,11 +176,15 @@ class Sim:
         osm = self.workdir / "opensm"
         shutil.rmtree(osm, ignore_errors=True)
         osm.mkdir()
-        deadline = time.monotonic() + timeout
-        while "sim>" not in (self.workdir / "ibsim.log").read_text():
-            if self._ibsim.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("ibsim did not start: " + self.log()[-2000:])
-            time.sleep(0.05)
+        started = time.monotonic()
+        ibsim = self._ibsim
+
+        def prompt() -> bool:
+            if ibsim.poll() is not None:
+                raise RuntimeError("ibsim exited: " + self.log()[-2000:])
+            return "sim>" in (self.workdir / "ibsim.log").read_text()
+
+        wait_for(prompt, "ibsim's console prompt", timeout=timeout)
         osm_env = dict(env, OSM_TMP_DIR=str(osm), OSM_CACHE_DIR=str(osm))
         # Flushed after every line, so that wait_sm() sees each sweep as it ends.
         (osm / "opensm.conf").write_text("force_log_flush TRUE\n")
@@ -188,21 +194,20 @@ class Sim:
         with open(osm / "stdout", "wb") as out:
             self._opensm = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=osm,
                                             env=osm_env, start_new_session=True)
-        self.wait_sm(deadline)
+        self.wait_sm(max(1.0, timeout - (time.monotonic() - started)))
         return self
 
-    def wait_sm(self, deadline: float) -> None:
+    def wait_sm(self, timeout: float) -> None:
         """Until opensm has brought the subnet up."""
-        self.workdir / "opensm" / "opensm.log"
-        while True:
-            if self.heavy_sweeps():
-                return
-            if self._opensm is not None and self._opensm.poll() is not None:
+        opensm = self._opensm
+
+        def up() -> int:
+            if opensm is not None and opensm.poll() is not None:
                 raise RuntimeError("opensm exited: " + (self.workdir / "opensm" /
                                                         "stdout").read_text(errors="replace"))
-            if time.monotonic() > deadline:
-                raise RuntimeError("opensm did not bring the subnet up")
-            time.sleep(0.1)
+            return self.heavy_sweeps()
+
+        wait_for(up, "opensm to bring the subnet up", timeout=timeout, interval=0.1)
 
     def heavy_sweeps(self) -> int:
         """How many heavy sweeps (routing computed) opensm has finished."""
@@ -213,11 +218,8 @@ class Sim:
 
     def wait_resweep(self, since: int, timeout: float = 30) -> None:
         """Until opensm finishes a heavy sweep after the ``since``-th (a fault routed around)."""
-        deadline = time.monotonic() + timeout
-        while self.heavy_sweeps() <= since:
-            if time.monotonic() > deadline:
-                raise RuntimeError("opensm did not sweep again")
-            time.sleep(0.1)
+        wait_for(lambda: self.heavy_sweeps() > since, "opensm to sweep again", timeout=timeout,
+                 interval=0.1)
 
     def command(self, line: str) -> None:
         """A line for ibsim's console (``Unlink "L1"[9]``, ``PerformanceSet ...``)."""
