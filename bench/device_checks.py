@@ -34,11 +34,13 @@ script uses no NCCL at all.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
 import os
 import pstats
+import signal
 import statistics
 import subprocess
 import sys
@@ -676,6 +678,237 @@ def fleet(args: argparse.Namespace) -> int:
     return finish(out, checks, args.out, "fleet_check.json")
 
 
+# -- ras: NCCL's RAS service, captured and read live ---------------------------------------------
+
+RAS_JOB = """
+import os, signal, sys, time, torch, torch.distributed as dist
+stuck = False
+def on_usr1(*_):
+    global stuck
+    stuck = True
+signal.signal(signal.SIGUSR1, on_usr1)
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", device_id=torch.device("cuda:0"))
+x = torch.ones(1 << 16, device="cuda")
+dist.all_reduce(x)
+torch.cuda.synchronize()
+print("ready", torch.cuda.nccl.version(), flush=True)
+i = 0
+while True:
+    if stuck:  # alive (RAS answers) but launching nothing more: the others wait for it
+        print("stuck at", i, flush=True)
+        while True:
+            time.sleep(3600)
+    dist.all_reduce(x)
+    i += 1
+    if i % 20 == 0:
+        torch.cuda.synchronize()
+        time.sleep(0.005)
+"""
+# job -> (RAS port, what happens to rank 1). 28028 is NCCL's default: job A sets no NCCL_RAS_ADDR.
+RAS_JOBS = {"A": (28028, "stuck"), "B": (28029, "sigstop"), "C": (28030, "sigkill"),
+            "D": (28032, "sigkill")}
+# PyTorch's watchdog takes a process down when a peer's connection breaks (job D shows it: its
+# port goes quiet); job C turns that off so that its rank 0 lives on and RAS reports the dead one.
+RAS_KEEP_ALIVE = {"C"}
+RAS_IDLE_PORT = 28031
+
+
+def ras_converse(port: int, commands: list[str], timeout: float = 8) -> dict[str, Any]:
+    """One raw conversation: each command sent after the answer to the one before (STATUS: the
+    rest until the server closes). Every chunk received is kept with its time, for replay."""
+    import socket
+    rec: dict[str, Any] = {"port": port, "commands": commands, "chunks": [], "outcome": ""}
+    start = time.monotonic()
+    try:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=3)
+    except OSError as exc:
+        rec["outcome"] = f"connect: {exc!r}"
+        return rec
+    with sock:
+        buf = b""
+        for cmd in commands:
+            sock.sendall(cmd.encode() + b"\n")
+            rec["chunks"].append({"t": round(time.monotonic() - start, 4), "sent": cmd})
+            last = cmd.upper().endswith("STATUS")
+            while True:
+                if not last and b"\n" in buf:
+                    buf = buf.split(b"\n", 1)[1]
+                    break
+                sock.settimeout(max(0.01, start + timeout - time.monotonic()))
+                try:
+                    data = sock.recv(65536)
+                except (TimeoutError, OSError) as exc:
+                    rec["outcome"] = f"no answer to {cmd!r} after " \
+                        f"{time.monotonic() - start:.1f} s: {exc!r}"
+                    return rec
+                if not data:
+                    rec["outcome"] = "closed" if last else f"closed after {cmd!r}"
+                    rec["seconds"] = round(time.monotonic() - start, 3)
+                    if not last:
+                        return rec
+                    break
+                rec["chunks"].append({"t": round(time.monotonic() - start, 4),
+                                      "data": data.decode("utf-8", "replace")})
+                buf += data
+            if last:
+                break
+    return rec
+
+
+def ras(args: argparse.Namespace) -> int:
+    checks = Checks()
+    out: dict[str, Any] = {"nvidia_smi": sh("nvidia-smi", "-L"), "captures": {}, "scrapes": {}}
+    base_env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1", "NCCL_DEBUG": "INFO",
+                "NCCL_DEBUG_SUBSYS": "INIT,RAS", "MASTER_ADDR": "127.0.0.1",
+                "WORLD_SIZE": "2", "LOCAL_RANK": "0", "PYTHONUNBUFFERED": "1"}
+    logs = Path(tempfile.mkdtemp(prefix="ras-nccl-logs-"))
+    procs: dict[tuple[str, int], subprocess.Popen[str]] = {}
+    with tempfile.TemporaryDirectory() as tmp_:
+        tmp = Path(tmp_)
+        site = install(tmp)
+        sys.path.insert(0, str(site))
+        from gpunet_exporter.sources import ras as ras_src
+        for job, (port, _) in RAS_JOBS.items():
+            mport = free_port()
+            for rank in (0, 1):
+                env = {**base_env, "MASTER_PORT": str(mport), "RANK": str(rank),
+                       "NCCL_HOSTID": f"ras-{job}-{rank}",
+                       "NCCL_DEBUG_FILE": str(logs / f"{job}{rank}.%p.log")}
+                if port != 28028:
+                    env["NCCL_RAS_ADDR"] = f"localhost:{port}"
+                if job in RAS_KEEP_ALIVE:
+                    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+                procs[(job, rank)] = subprocess.Popen(
+                    [sys.executable, "-c", RAS_JOB], env=env, stdout=subprocess.PIPE, text=True)
+        cfg = tmp / "nccl.yml"
+        ports = [p for p, _ in RAS_JOBS.values()] + [RAS_IDLE_PORT]
+        cfg.write_text("nccl:\n  interval_seconds: 2\n  ports: [" +
+                       ", ".join(map(str, ports)) + "]\n")
+        eport = free_port()
+        exp = subprocess.Popen(
+            [sys.executable, "-m", "gpunet_exporter", f"--web.listen-address=127.0.0.1:{eport}",
+             "--collector.disable-defaults", "--collector.nccl", f"--config.file={cfg}",
+             "--no-hotplug", "--log.level=debug"],
+            env={**os.environ, "PYTHONPATH": str(site)}, stderr=subprocess.PIPE, text=True)
+        url = f"http://127.0.0.1:{eport}/metrics"
+        t0 = time.monotonic()
+
+        def snap(phase: str) -> dict[Any, float]:
+            s = scrape(url)
+            out["scrapes"][phase] = {f"{n}{dict(sorted(lbl))}": v for (n, lbl), v in s.items()
+                                     if n.startswith("gpunet_nccl_")}
+            return s
+
+        def capture(phase: str) -> None:
+            for job, (port, _) in RAS_JOBS.items():
+                for name, cmds in (("json", ["CLIENT PROTOCOL 2", "SET FORMAT json", "STATUS"]),
+                                   ("text", ["CLIENT PROTOCOL 2", "STATUS"])):
+                    tries = []
+                    for _ in range(4):  # SO_REUSEPORT: another connection, maybe another process
+                        rec = ras_converse(port, cmds)
+                        tries.append(rec)
+                        if rec["outcome"] == "closed":
+                            break
+                    out["captures"][f"{phase}/{job}/{name}"] = tries
+                    print(f"[{time.monotonic() - t0:6.1f}s] {phase} {job} {name}: "
+                          f"{[t['outcome'] for t in tries]}", flush=True)
+
+        try:
+            for (job, rank), pr in procs.items():
+                assert pr.stdout is not None
+                line = pr.stdout.readline()
+                print(f"job {job} rank {rank}: {line.strip()!r}", flush=True)
+                checks.eq(f"job {job} rank {rank} ready", line.startswith("ready"), True)
+            out["nccl_version"] = line.split()[-1] if line else ""
+            snap("start")  # the first scrape starts the collector's background rounds
+            time.sleep(5)
+            capture("healthy")
+            out["captures"]["healthy/A/verbose"] = [ras_converse(
+                28028, ["CLIENT PROTOCOL 2", "VERBOSE STATUS"])]
+            out["captures"]["healthy/A/errors"] = [ras_converse(
+                28028, ["CLIENT PROTOCOL 2", "SET FORMAT xml", "TIMEOUT x", "FOO"])]
+            time.sleep(5)
+            s = snap("healthy")
+            for job, (port, _) in RAS_JOBS.items():
+                p = str(port)
+                checks.eq(f"{job} healthy: query success", pick(
+                    s, "gpunet_nccl_ras_query_success", port=p), 1.0)
+                checks.eq(f"{job} healthy: listeners", pick(
+                    s, "gpunet_nccl_ras_listeners", port=p), 2.0)
+                checks.eq(f"{job} healthy: a running communicator", pick(
+                    s, "gpunet_nccl_communicators", port=p, status="running"), 1.0)
+                checks.eq(f"{job} healthy: answering processes", pick(
+                    s, "gpunet_nccl_job_processes", port=p, state="answering"), 2.0)
+                checks.eq(f"{job} healthy: stalled ranks", pick(
+                    s, "gpunet_nccl_stalled_ranks", port=p), 0.0)
+                checks.eq(f"{job} healthy: missing ranks", pick(
+                    s, "gpunet_nccl_communicator_ranks", port=p, state="missing"), 0.0)
+            checks.eq("idle port: listeners", pick(
+                s, "gpunet_nccl_ras_listeners", port=str(RAS_IDLE_PORT)), 0.0)
+            checks.eq("idle port: no query", pick(
+                s, "gpunet_nccl_ras_query_success", port=str(RAS_IDLE_PORT)), None)
+            for job, (_, fault) in RAS_JOBS.items():
+                pid = procs[(job, 1)].pid
+                os.kill(pid, {"stuck": signal.SIGUSR1, "sigstop": signal.SIGSTOP,
+                              "sigkill": signal.SIGKILL}[fault])
+            fault = time.monotonic()
+            out["fault_at"] = round(fault - t0, 1)
+            for phase, at in (("fault+5s", 5), ("fault+30s", 30), ("fault+75s", 75)):
+                time.sleep(max(0.0, fault + at - time.monotonic()))
+                capture(phase)
+                snap(phase)
+            s = snap("end")
+            checks.eq("A stuck: stalled ranks", (pick(
+                s, "gpunet_nccl_stalled_ranks", port="28028") or 0) >= 1, True)
+            checks.eq("A stuck: no missing rank", pick(
+                s, "gpunet_nccl_communicator_ranks", port="28028", state="missing"), 0.0)
+            for job in ("B", "C"):
+                p = str(RAS_JOBS[job][0])
+                checks.eq(f"{job}: a dead process", pick(
+                    s, "gpunet_nccl_job_processes", port=p, state="dead"), 1.0)
+                checks.eq(f"{job}: a dead rank", pick(
+                    s, "gpunet_nccl_missing_ranks", port=p, reason="dead"), 1.0)
+            checks.eq("B: listeners (the stopped one too)", pick(
+                s, "gpunet_nccl_ras_listeners", port="28029"), 2.0)
+            checks.eq("D: the job is gone", pick(
+                s, "gpunet_nccl_ras_listeners", port="28032"), 0.0)
+            s5 = out["scrapes"]["fault+5s"]
+            out["at_fault+5s"] = {k: v for k, v in s5.items() if "28029" in k or "28030" in k}
+            out["unanswered"] = {p: pick(s, "gpunet_nccl_ras_unanswered_connections_total",
+                                         port=str(p)) for p in ports}
+            for key, tries in out["captures"].items():
+                for rec in tries:
+                    if rec["outcome"] != "closed" or "STATUS" not in rec["commands"][-1]:
+                        continue
+                    last = max(i for i, c in enumerate(rec["chunks"]) if "sent" in c)
+                    body = "".join(c.get("data", "") for c in rec["chunks"][last + 1:])
+                    try:
+                        (ras_src.parse_json if key.endswith("json") else
+                         ras_src.parse_text)(body)
+                        ok = True
+                    except ValueError as exc:
+                        ok = False
+                        print(key, "does not parse:", exc)
+                    checks.eq(f"{key} parses", ok, True)
+        finally:
+            for pr in procs.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pr.pid, signal.SIGCONT)
+                pr.kill()
+                pr.wait(timeout=30)
+            exp.terminate()
+            _, err = exp.communicate(timeout=10)
+            out["exporter_log_tail"] = err.splitlines()[-60:]
+            if args.out:  # one file: the device tool brings back only a few
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                with open(Path(args.out) / "ras_nccl.log", "w") as fh:
+                    for log in sorted(logs.iterdir()):
+                        fh.write(f"==> {log.name} <==\n{log.read_text(errors='replace')}\n")
+    return finish(out, checks, args.out, "ras_check.json")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -689,8 +922,10 @@ def main() -> int:
     fl = sub.add_parser("fleet", help="gpunet-probe fleet with NCCL, simulated nodes on a GPU")
     fl.add_argument("--nodes", type=int, default=4)
     fl.add_argument("--out", help="directory for fleet_check.json")
+    ra = sub.add_parser("ras", help="NCCL RAS captures and the nccl collector, live")
+    ra.add_argument("--out", help="directory for ras_check.json and the NCCL logs")
     args = p.parse_args()
-    return {"gpu": gpu, "probe": probe, "fleet": fleet}[args.cmd](args)
+    return {"gpu": gpu, "probe": probe, "fleet": fleet, "ras": ras}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,8 @@ pfc:
   stats_source: ethtool             # a stand-in ethtool: the host has no such interfaces
   ethtool: {path: ETHTOOL}
   config: {sources: [sysfs]}        # MLNX_OFED qos/ files on mlx5_9's netdev; no host tools
+nccl:
+  ports: [1]                        # keep the host's NCCL jobs out: nothing listens on port 1
 """
 # Stand-in for `ethtool -S`: the synthetic mlx5 capture (PFC on priority 3) for mlx5_9's
 # netdev; for mlx5_8's it fails as ethtool does for a device it cannot read.

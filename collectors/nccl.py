@@ -1,0 +1,397 @@
+"""nccl collector: the health of the NCCL jobs running on this node, from NCCL's own RAS service
+(NCCL 2.24 and later; on by default: with no job it costs one refused connection per round).
+
+Every NCCL process joins its job's RAS network and listens for clients on ``localhost:28028``
+(``NCCL_RAS_ADDR``). In a background thread (a background.Refresher, every
+``interval_seconds``), this collector connects to each configured port and asks for a report
+(sources/ras.py: JSON where NCCL has it, 2.28.7 and later, else the text report), with a
+short handshake timeout, a timeout for the whole report and a bound on its size. When nothing
+listens it stops there. It exports, per port:
+
+- whether a RAS server listens (how many NCCL processes: they share the port) and answered,
+  with the report's age; a connection that a listener accepted but never answered is counted
+  (a stopped NCCL process keeps its listener; the next connection may reach another process);
+- the job: its processes (answering, unresponsive, considered dead), nodes and GPUs;
+- its communicators by status, and their ranks expected, seen and missing (by why);
+- ranks with an initialisation or asynchronous error;
+- the collective counts (JSON only): the largest skew between the ranks of one communicator per
+  operation, the communicators whose skew grew since the last report, the ranks left behind
+  whose count did not move while their communicator's leader's had (a stuck rank), and the
+  running communicators whose counts did not move at all (idle, or hung as a whole while RAS
+  still says RUNNING: NVIDIA/nccl issue 1730). Counts are compared across reports for that.
+
+No label carries a rank, a host, a process or a communicator hash: the numbers are per port.
+The design and its choices: docs/nccl-ras.md; the formats: docs/formats.md §11.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import Metric
+
+from gpunet_exporter.background import Fresh, Refresher, add_freshness, last_success_spec
+from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from gpunet_exporter.config import Settings, setting
+from gpunet_exporter.sources import ras
+
+_P = ("port",)
+_SRC = "NCCL RAS report (STATUS)"
+_JSON = "NCCL RAS JSON report (NCCL 2.28.7 and later)"
+_TCP = ("net/tcp", "net/tcp6")
+TCP_MAX = 64 << 20  # bytes of each table read at most (150 bytes a socket)
+
+LISTENERS = MetricSpec(
+    "gpunet_nccl_ras_listeners", "gauge",
+    "Sockets listening on the RAS port: one per NCCL process with RAS on this node (they share "
+    "the port through SO_REUSEPORT); 0 when the connection was refused (no NCCL job)", _P,
+    "processes", "/proc/net/tcp and tcp6 (LISTEN), connection refused")
+QUERY_SUCCESS = MetricSpec(
+    "gpunet_nccl_ras_query_success", "gauge",
+    "1 if the latest query of a listening RAS server got its report, 0 if it failed (no answer, "
+    "a broken or oversized answer); absent while nothing listens", _P, "boolean", _SRC)
+QUERY_LAST_SUCCESS = last_success_spec("gpunet_nccl_ras_query", "RAS report", _P)
+QUERY_DURATION = MetricSpec(
+    "gpunet_nccl_ras_query_duration_seconds", "gauge", "How long the latest query took", _P,
+    "seconds", "exporter clock")
+UNANSWERED = MetricSpec(
+    "gpunet_nccl_ras_unanswered_connections_total", "counter",
+    "Connections to the RAS port that were accepted but not answered within "
+    "nccl.handshake_seconds: a listener whose process does not run (stopped, or stuck), since "
+    "the exporter started", _P, "connections", "the RAS handshake (CLIENT PROTOCOL)")
+INFO = MetricSpec(
+    "gpunet_nccl_ras_info", "gauge",
+    "Always 1 after a report; the NCCL version of the process that answered and the report's "
+    "format (json from NCCL 2.28.7, else text)", ("port", "version", "format"), "",
+    "nccl_version, or the text report's first line")
+COLLECTION = MetricSpec(
+    "gpunet_nccl_ras_collection_duration_seconds", "gauge",
+    "How long RAS took to gather the report from the job's processes", _P, "seconds",
+    "collection_time_sec (text: the Communicators heading)")
+TIMEOUTS = MetricSpec(
+    "gpunet_nccl_ras_collection_timeouts", "gauge",
+    "Communication timeouts RAS met while gathering the report (a process not answering)", _P,
+    "timeouts", "timeouts_count (text: the TIMEOUT warning)")
+PROCESSES = MetricSpec(
+    "gpunet_nccl_job_processes", "gauge",
+    "Processes of the job, whole job: answering (they sent their communicators' data), "
+    "unresponsive (did not answer this report) and dead (RAS gave up on them after 60 s); JSON: "
+    "distinct host and pid of the ranks; text: the job summary and the DEAD error, "
+    "unresponsive not told apart", ("port", "state"), "processes", _SRC)
+NODES = MetricSpec(
+    "gpunet_nccl_job_nodes", "gauge", "Nodes of the job (distinct hosts of its ranks)", _P,
+    "nodes", _SRC)
+GPUS = MetricSpec(
+    "gpunet_nccl_job_gpus", "gauge", "GPUs of the job (distinct host and NVML device)", _P,
+    "GPUs", _SRC)
+COMMS = MetricSpec(
+    "gpunet_nccl_communicators", "gauge",
+    "Communicators of the job by status, as NCCL's report ranks its ranks' states: abort (a "
+    "rank aborted), finalize (a rank finalizing or destroying), init (a rank not initialised), "
+    "else running", ("port", "status"), "communicators", _SRC)
+RANKS = MetricSpec(
+    "gpunet_nccl_communicator_ranks", "gauge",
+    "Ranks of all the job's communicators together: expected (their sizes), seen (answered) and "
+    "missing", ("port", "state"), "ranks", _SRC)
+MISSING = MetricSpec(
+    "gpunet_nccl_missing_ranks", "gauge",
+    "Missing ranks of all the communicators by why: unreachable (their process did not answer "
+    "RAS), dead (their process is considered dead; JSON only, text counts them unreachable), "
+    "not_member (the process answered but no longer has the communicator: during init or "
+    "teardown)", ("port", "reason"), "ranks", _SRC)
+ERRORED = MetricSpec(
+    "gpunet_nccl_ranks_errored", "gauge",
+    "Ranks whose initialisation failed or that hold an asynchronous error (ncclCommGetAsyncError "
+    "other than success or in progress)", _P, "ranks",
+    "init_state and async_error (text: the ERROR entries)")
+SKEW = MetricSpec(
+    "gpunet_nccl_collective_skew_operations", "gauge",
+    "Largest difference, within one communicator, between the counts of collective operations "
+    "of one kind its ranks have launched (small and moving in a healthy job)",
+    ("port", "op"), "operations", f"{_JSON}: collective_counts")
+SKEW_GROWING = MetricSpec(
+    "gpunet_nccl_communicators_skew_growing", "gauge",
+    "Communicators whose largest collective-count skew grew since the previous report", _P,
+    "communicators", f"{_JSON}: collective_counts, two reports")
+STALLED = MetricSpec(
+    "gpunet_nccl_stalled_ranks", "gauge",
+    "Ranks behind their communicator's leader whose collective counts did not change since the "
+    "previous report while the leader's did, or that stayed behind with nothing moving (a stuck "
+    "rank: the others wait for it)", _P, "ranks", f"{_JSON}: collective_counts, two reports")
+IDLE = MetricSpec(
+    "gpunet_nccl_communicators_without_progress", "gauge",
+    "Running communicators that have run collectives but whose counts did not change at all "
+    "since the previous report: idle between phases, or hung as a whole while RAS still says "
+    "RUNNING (NVIDIA/nccl issue 1730)", _P, "communicators",
+    f"{_JSON}: collective_counts, two reports")
+
+SPECS = (LISTENERS, QUERY_SUCCESS, QUERY_LAST_SUCCESS, QUERY_DURATION, UNANSWERED, INFO,
+         COLLECTION, TIMEOUTS, PROCESSES, NODES, GPUS, COMMS, RANKS, MISSING, ERRORED, SKEW,
+         SKEW_GROWING, STALLED, IDLE)
+
+
+@dataclass(frozen=True)
+class NcclSettings(Settings):
+    interval_seconds: float = setting(
+        "how often each port is queried in the background; each query makes RAS gather data "
+        "from every process of the job, so on large jobs keep it long", default=30, minimum=1)
+    host: str = setting("address the RAS servers listen on (NCCL_RAS_ADDR's host)",
+                        default="localhost")
+    ports: tuple[int, ...] = setting(
+        "RAS ports to query: NCCL's default, plus those of jobs started with another "
+        "NCCL_RAS_ADDR (each is a label value)", default=(ras.DEFAULT_PORT,), minimum=1,
+        maximum=65535)
+    handshake_seconds: float = setting(
+        "how long a connection may wait for the protocol handshake, which a running RAS "
+        "thread answers at once", default=2, minimum=0.1)
+    timeout_seconds: float = setting(
+        "how long one query may take in all (RAS itself waits up to 10 s for slow processes)",
+        default=15, minimum=0.5)
+    attempts: int = setting(
+        "connections tried per query when one is accepted but not answered (the kernel hands "
+        "each to one of the job's processes on the node, a stopped one too), within "
+        "timeout_seconds", default=6, minimum=1, maximum=20)
+    max_reply_bytes: int = setting("longest report read; a longer one fails the query",
+                                   default=8 << 20, minimum=1024)
+    json: bool = setting("ask for the JSON report (NCCL 2.28.7 and later; the text report is "
+                         "read where the server does not know it)", default=True)
+
+
+@dataclass
+class _Report:
+    """What one query found, ready for a scrape."""
+
+    listeners: int
+    status: ras.Status | None = None
+    seconds: float = 0.0
+    derived: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Port:
+    fresh: Fresh[_Report] = field(default_factory=Fresh)
+    report: _Report | None = None  # the latest, good or not
+    unanswered: int = 0
+    # communicator key -> (rank -> total count, skew) of the previous JSON report
+    counts: dict[str, tuple[dict[int, int], int]] = field(default_factory=dict)
+
+
+class NcclCollector(Collector):
+    name = "nccl"
+    description = ("The NCCL jobs on this node, from NCCL's RAS service (in the background): "
+                   "processes and ranks missing or dead, communicators by status, errors, and "
+                   "collective counts that show a stuck rank")
+    default_enabled = True
+    metrics = SPECS
+    settings_type = NcclSettings
+    settings: NcclSettings
+
+    def __init__(self, ctx: CollectorContext) -> None:
+        super().__init__(ctx)
+        self._lock = threading.Lock()
+        self._ports = {int(p): _Port() for p in dict.fromkeys(self.settings.ports)}
+        self._refresher: Refresher[None] = Refresher(
+            "nccl", float(self.settings.interval_seconds), lambda: self.refresh(),
+            self.ctx.log_once)
+
+    # -- background ------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """One round: every port queried; runs in the background thread (tests call it)."""
+        for port, state in self._ports.items():
+            self._query(port, state)
+
+    def _listeners(self, port: int) -> int:
+        tables = []
+        for rel in _TCP:
+            try:
+                # Read to the end: procfs hands these out a few lines per read().
+                with open(self.ctx.procfs.path(rel), "rb") as fh:
+                    tables.append(fh.read(TCP_MAX).decode("ascii", "replace"))
+            except OSError as exc:
+                self.ctx.skip(rel, exc)
+        return ras.listeners(tables, port)
+
+    def _query(self, port: int, state: _Port) -> None:
+        cfg = self.settings
+        start = time.monotonic()
+        status: ras.Status | None = None
+        listeners = -1
+        error: Exception | None = None
+        for _ in range(cfg.attempts):
+            try:
+                status = ras.query(
+                    cfg.host, port, timeout=float(cfg.timeout_seconds),
+                    handshake_timeout=float(cfg.handshake_seconds),
+                    max_bytes=int(cfg.max_reply_bytes), json_format=bool(cfg.json))
+                break
+            except ras.Unanswered as exc:
+                error = exc
+                with self._lock:
+                    state.unanswered += 1
+            except ConnectionRefusedError:
+                listeners, error = 0, None
+                break
+            except (OSError, ras.RasError, ValueError) as exc:
+                error = exc
+                break
+            if time.monotonic() - start >= cfg.timeout_seconds:
+                break
+        if listeners < 0:
+            listeners = self._listeners(port)
+        seconds = time.monotonic() - start
+        report = _Report(listeners, status, seconds)
+        if status is not None:
+            report.derived = self._progress(state, status)
+        elif error is not None:
+            self.ctx.log_once(logging.WARNING, "NCCL RAS on port %d: %s", port, error)
+        with self._lock:
+            state.report = report
+            if status is not None:
+                state.fresh = state.fresh.succeeded(report)
+            elif listeners > 0 or error is not None:
+                state.fresh = state.fresh.failed()
+            else:  # no job: nothing was asked, so neither success nor failure
+                state.fresh = Fresh(None, None, state.fresh.last_success)
+
+    def _progress(self, state: _Port, status: ras.Status) -> dict[str, float]:
+        """The counts compared with the previous JSON report (runs in the background)."""
+        if status.communicators is None:
+            state.counts = {}
+            return {}
+        previous = state.counts
+        state.counts = {}
+        skew: dict[str, int] = {}
+        growing = stalled = idle = 0
+        compared = False
+        for comm in status.communicators:
+            totals = {r.rank: sum(r.counts.values()) for r in comm.ranks}
+            widest = 0
+            for op in {op for r in comm.ranks for op in r.counts}:
+                values = [r.counts.get(op, 0) for r in comm.ranks]
+                gap = max(values) - min(values)
+                widest = max(widest, gap)
+                if op in ras.OPS:
+                    skew[op] = max(skew.get(op, 0), gap)
+            state.counts[comm.key] = (totals, widest)
+            before = previous.get(comm.key)
+            if before is None or not totals:
+                continue
+            compared = True
+            old, old_widest = before
+            if widest > old_widest:
+                growing += 1
+            lead = max(totals.values())
+            moved = {r for r, n in totals.items() if r in old and n != old[r]}
+            if comm.status == "running" and lead > 0 and not moved and all(
+                    r in old for r in totals):
+                idle += 1
+            stalled += sum(1 for r, n in totals.items() if n < lead and old.get(r) == n)
+        out: dict[str, float] = {f"skew:{op}": float(v) for op, v in skew.items()}
+        for op in ras.OPS:
+            out.setdefault(f"skew:{op}", 0.0)
+        if compared:
+            out.update(growing=float(growing), stalled=float(stalled), idle=float(idle))
+        return out
+
+    # -- scrape ----------------------------------------------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        self._refresher.start()
+        self._refresher.wait_first(self.ctx.deadline)
+        fams = Families()
+        with self._lock:
+            ports = [(p, s.fresh, s.report, s.unanswered) for p, s in self._ports.items()]
+        for port, fresh, report, unanswered in ports:
+            lbl = str(port)
+            fams.add(UNANSWERED, [lbl], float(unanswered))
+            if report is None:
+                continue
+            fams.add(LISTENERS, [lbl], float(report.listeners))
+            if fresh.ok is not None:
+                add_freshness(fams, QUERY_SUCCESS, QUERY_LAST_SUCCESS, [lbl], fresh)
+                fams.add(QUERY_DURATION, [lbl], report.seconds)
+            good = fresh.value
+            if good is None or good.status is None or fresh.ok is not True:
+                continue  # a job's figures are those of the latest report only
+            _export(fams, lbl, good.status, good.derived)
+        return iter(fams)
+
+    def close(self) -> None:
+        self._refresher.stop()
+
+
+def _export(fams: Families, lbl: str, st: ras.Status, derived: dict[str, float]) -> None:
+    fams.add(INFO, [lbl, st.version, st.format], 1.0)
+    if st.collection_seconds is not None:
+        fams.add(COLLECTION, [lbl], st.collection_seconds)
+    if st.timeouts is not None:
+        fams.add(TIMEOUTS, [lbl], float(st.timeouts))
+    by_status = dict.fromkeys(ras.STATUSES, 0)
+    if st.communicators is not None:
+        procs: dict[str, set[tuple[str, int]]] = {"answering": set(), "unresponsive": set(),
+                                                   "dead": set()}
+        hosts: set[str] = set()
+        gpus: set[tuple[str, int]] = set()
+        expected = seen = errored = 0
+        missing = {"unreachable": 0, "dead": 0, "not_member": 0}
+        for comm in st.communicators:
+            by_status[comm.status] += 1
+            expected += comm.size
+            seen += len(comm.ranks)
+            for r in comm.ranks:
+                procs["answering"].add((r.host, r.pid))
+                hosts.add(r.host)
+                gpus.add((r.host, r.nvml_dev))
+                errored += r.errored
+            for m in comm.missing:
+                hosts.add(m.host)
+                gpus.add((m.host, m.nvml_dev))
+                if m.dead:
+                    missing["dead"] += 1
+                    procs["dead"].add((m.host, m.pid))
+                elif m.unresponsive:
+                    missing["unreachable"] += 1
+                    procs["unresponsive"].add((m.host, m.pid))
+                else:
+                    missing["not_member"] += 1
+        procs["unresponsive"] -= procs["dead"]
+        for state, members in procs.items():
+            fams.add(PROCESSES, [lbl, state], float(len(members)))
+        fams.add(NODES, [lbl], float(len(hosts)))
+        fams.add(GPUS, [lbl], float(len(gpus)))
+        missing_total = sum(missing.values())
+        for reason, n in missing.items():
+            fams.add(MISSING, [lbl, reason], float(n))
+        fams.add(ERRORED, [lbl], float(errored))
+        for op in ras.OPS:
+            fams.add(SKEW, [lbl, op], derived.get(f"skew:{op}", 0.0))
+        for key, spec in (("growing", SKEW_GROWING), ("stalled", STALLED), ("idle", IDLE)):
+            if key in derived:
+                fams.add(spec, [lbl], derived[key])
+    else:
+        expected = seen = 0
+        for n, size, status, _errors in st.groups:
+            by_status[status if status in by_status else "running"] += n
+            expected += n * size
+        missing_total = st.missing_ranks or 0
+        seen = expected - missing_total
+        fams.add(MISSING, [lbl, "unreachable"], float(missing_total))
+        fams.add(ERRORED, [lbl], float(st.errored_ranks or 0))
+        if st.processes is not None:
+            dead = st.dead_processes or 0
+            fams.add(PROCESSES, [lbl, "answering"], float(max(0, st.processes - dead)))
+            fams.add(PROCESSES, [lbl, "dead"], float(dead))
+        if st.nodes is not None:
+            fams.add(NODES, [lbl], float(st.nodes))
+        if st.gpus is not None:
+            fams.add(GPUS, [lbl], float(st.gpus))
+    for status, n in by_status.items():
+        fams.add(COMMS, [lbl, status], float(n))
+    fams.add(RANKS, [lbl, "expected"], float(expected))
+    fams.add(RANKS, [lbl, "seen"], float(seen))
+    fams.add(RANKS, [lbl, "missing"], float(missing_total))

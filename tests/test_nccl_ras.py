@@ -1,0 +1,346 @@
+"""The nccl collector and its RAS client, against reports captured from a live NCCL 2.28.9 job
+on an H100 (tests/fixtures/nccl_ras, SOURCES.md there) replayed by a stand-in RAS server on
+loopback (tests/support/ras_server.py): healthy, a rank stuck while alive, a stopped rank, a
+dead one, a killed one; text and JSON; slow, cut short, garbage, endless and silent servers,
+and listeners sharing a port as NCCL's processes do."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from gpunet_exporter.collectors.nccl import NcclCollector
+from gpunet_exporter.sources import ras
+
+from support.metrics import make_collector, samples_of, value
+from support.paths import FIXTURES
+from support.ras_server import Behaviour, serving
+
+DATA = FIXTURES / "nccl_ras"
+
+
+def fixture(name: str) -> str:
+    return (DATA / name).read_text(encoding="utf-8")
+
+
+def capture(name: str) -> dict[str, Any]:
+    conv: dict[str, Any] = json.loads(fixture("conversations.json"))[name]
+    return conv
+
+
+# -- the reports -------------------------------------------------------------------------------
+
+def test_healthy_json_report() -> None:
+    st = ras.parse_json(fixture("healthy.json"))
+    assert st.format == "json" and st.version == "2.28.9"
+    assert st.communicators is not None and len(st.communicators) == 1
+    comm = st.communicators[0]
+    assert comm.size == 2 and comm.status == "running" and not comm.missing
+    assert [r.rank for r in comm.ranks] == [0, 1]
+    assert {r.counts["AllReduce"] for r in comm.ranks} == {301}
+    assert set(comm.ranks[0].counts) == set(ras.OPS)
+    assert st.collection_seconds == 0.0 and st.timeouts == 0
+
+
+def test_missing_rank_json_of_nccl_2_28_9_is_repaired() -> None:
+    """2.28.9 writes a missing rank without the comma after nvml_dev: not JSON as it stands."""
+    text = fixture("stopped.json")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+    comm = ras.parse_json(text).communicators[0]  # type: ignore[index]
+    assert [(m.rank, m.unresponsive, m.dead) for m in comm.missing] == [(1, True, False)]
+    dead = ras.parse_json(fixture("dead.json")).communicators[0]  # type: ignore[index]
+    assert [(m.rank, m.unresponsive, m.dead) for m in dead.missing] == [(1, True, True)]
+
+
+def test_killed_peer_leaves_an_async_error() -> None:
+    comm = ras.parse_json(fixture("killed.json")).communicators[0]  # type: ignore[index]
+    assert [(r.rank, r.async_error, r.errored) for r in comm.ranks] == [(0, 6, True)]
+    assert comm.missing[0].dead
+
+
+@pytest.mark.parametrize("name, groups, dead, missing, errored", [
+    ("healthy.txt", [(1, 2, "running", "ok")], 0, 0, 0),
+    ("healthy-verbose.txt", [(1, 2, "running", "ok")], 0, 0, 0),
+    ("stuck.txt", [(1, 2, "running", "mismatch")], 0, 0, 0),
+    ("dead.txt", [(1, 2, "running", "incomplete")], 1, 1, 0),
+    ("killed.txt", [(1, 2, "running", "incomplete,error")], 1, 1, 1),
+])
+def test_text_reports(name: str, groups: list[tuple[int, int, str, str]], dead: int,
+                      missing: int, errored: int) -> None:
+    st = ras.parse_text(fixture(name))
+    assert (st.format, st.version) == ("text", "2.28.9")
+    assert st.groups == groups
+    assert (st.nodes, st.processes, st.gpus) == (1, 2, 2)
+    assert (st.dead_processes, st.missing_ranks, st.errored_ranks) == (dead, missing, errored)
+
+
+@pytest.mark.parametrize("text", [
+    "", "{", "[]", '{"communicators": {}}', '{"communicators": [{"ranks": [{"rank": "x"}]}]}',
+    '{"communicators": [{"ranks": [{"rank": 0, "status": {"abort_flag": 1}}]}]}',
+    '{"communicators": [{"missing_ranks": [7]}]}', '{"ras": []}',
+])
+def test_broken_json_is_a_value_error(text: str) -> None:
+    with pytest.raises(ValueError):
+        ras.parse_json(text)
+
+
+def test_text_that_is_no_report() -> None:
+    with pytest.raises(ValueError):
+        ras.parse_text("ERROR: Unknown command STATUS\n")
+
+
+def test_listeners_in_proc_net_tcp() -> None:
+    """The kernel's format (net/ipv4/tcp_ipv4.c get_tcp4_sock): state 0A is LISTEN."""
+    head = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  "
+            "timeout inode")
+    line = "   {n}: {local} 00000000:0000 {st} 00000000:00000000 00:00000000 00000000     0 0 1"
+    tcp = "\n".join([head, line.format(n=0, local="0100007F:6D7C", st="0A"),
+                     line.format(n=1, local="0100007F:6D7C", st="0A"),
+                     line.format(n=2, local="0100007F:6D7C", st="01"),  # a client's
+                     line.format(n=3, local="0100007F:6D7D", st="0A")])
+    tcp6 = "\n".join([head, line.format(n=0, local="00000000000000000000000001000000:6D7C",
+                                        st="0A")])
+    assert ras.listeners([tcp, tcp6], 28028) == 3
+    assert ras.listeners([tcp], 28029) == 1
+    assert ras.listeners([head], 28028) == 0
+
+
+# -- the protocol ------------------------------------------------------------------------------
+
+def test_stand_in_answers_as_the_capture() -> None:
+    """The stand-in's handshake and error lines are those NCCL 2.28.9 sent."""
+    conv = capture("errors")
+    sent = [c["sent"] for c in conv["chunks"] if "sent" in c]
+    want = [c["data"] for c in conv["chunks"] if "data" in c]
+    with serving(Behaviour(json=fixture("healthy.json"))) as srv, \
+            socket.create_connection(("127.0.0.1", srv.port), timeout=5) as sock:
+        got = []
+        for line in sent:
+            sock.sendall(line.encode() + b"\n")
+            got.append(sock.recv(4096).decode())
+    assert got == want
+
+
+def test_query_json_as_the_capture_asks() -> None:
+    conv = capture("json_status")
+    with serving(Behaviour(json=fixture("healthy.json"), chunk=200)) as srv:
+        rec = ras.Exchange()
+        st = ras.query("127.0.0.1", srv.port, timeout=10, record=rec)
+    assert rec.sent == [c["sent"] for c in conv["chunks"] if "sent" in c] == srv.commands
+    body = "".join(c["data"] for c in conv["chunks"] if "data" in c)
+    assert rec.reply.decode() == body  # handshake, OK and the report, byte for byte
+    assert st.format == "json" and st.communicators
+
+
+def test_old_nccl_without_json_gets_the_text_report() -> None:
+    with serving(Behaviour(json=None, text=fixture("dead.txt"))) as srv:
+        st = ras.query("127.0.0.1", srv.port, timeout=10)
+    assert srv.commands == ["CLIENT PROTOCOL 2", "SET FORMAT json", "STATUS"]
+    assert st.format == "text" and st.dead_processes == 1
+    with serving(Behaviour(json=fixture("healthy.json"), text=fixture("healthy.txt"))) as srv:
+        assert ras.query("127.0.0.1", srv.port, timeout=10, json_format=False).format == "text"
+    assert srv.commands == ["CLIENT PROTOCOL 2", "STATUS"]
+
+
+def test_slow_report_within_the_timeout() -> None:
+    with serving(Behaviour(json=fixture("healthy.json"), chunk=100, delay=0.02)) as srv:
+        st = ras.query("127.0.0.1", srv.port, timeout=30)
+    assert st.communicators is not None and len(st.communicators[0].ranks) == 2
+
+
+def test_misbehaving_servers() -> None:
+    report = fixture("healthy.json")
+    with serving(Behaviour(json=report, chunk=100, delay=0.5)) as srv, \
+            pytest.raises(ras.Unanswered):
+        ras.query("127.0.0.1", srv.port, timeout=1)
+    with serving(Behaviour(json=report, cut=len(report) // 2)) as srv, \
+            pytest.raises(ValueError):
+        ras.query("127.0.0.1", srv.port, timeout=10)
+    with serving(Behaviour(json=report, cut=0)) as srv, pytest.raises(ras.RasError):
+        ras.query("127.0.0.1", srv.port, timeout=10)
+    with serving(Behaviour(json=report, garbage=b"\x00\xffHTTP/1.1 400\n")) as srv, \
+            pytest.raises(ras.RasError, match="handshake"):
+        ras.query("127.0.0.1", srv.port, timeout=10)
+    with serving(Behaviour(json=report, endless=True)) as srv, \
+            pytest.raises(ras.RasError, match="longer than"):
+        ras.query("127.0.0.1", srv.port, timeout=30, max_bytes=1 << 20)
+    with serving(Behaviour(silent=True)) as srv, pytest.raises(ras.Unanswered):
+        ras.query("127.0.0.1", srv.port, timeout=10, handshake_timeout=0.2)
+    port = srv.port  # closed now
+    with pytest.raises(ConnectionRefusedError):
+        ras.query("127.0.0.1", port, timeout=5)
+
+
+# -- the collector -----------------------------------------------------------------------------
+
+@contextmanager
+def collector(ports: list[int], **config: Any) -> Iterator[NcclCollector]:
+    c = make_collector(NcclCollector, "/sys", {"host": "127.0.0.1", "ports": ports,
+                                               "handshake_seconds": 0.3, **config})
+    try:
+        assert isinstance(c, NcclCollector)
+        yield c
+    finally:
+        c.close()
+
+
+def scrape(c: NcclCollector) -> dict[Any, float]:
+    c.refresh()
+    c._refresher.stop()  # the scrape serves what refresh() found, nothing newer
+    return samples_of(list(c.collect()))
+
+
+def job(s: dict[Any, float], port: int) -> dict[str, float | None]:
+    p = str(port)
+    return {
+        "success": value(s, "gpunet_nccl_ras_query_success", port=p),
+        "listeners": value(s, "gpunet_nccl_ras_listeners", port=p),
+        "answering": value(s, "gpunet_nccl_job_processes", port=p, state="answering"),
+        "unresponsive": value(s, "gpunet_nccl_job_processes", port=p, state="unresponsive"),
+        "dead": value(s, "gpunet_nccl_job_processes", port=p, state="dead"),
+        "missing": value(s, "gpunet_nccl_communicator_ranks", port=p, state="missing"),
+        "unreachable": value(s, "gpunet_nccl_missing_ranks", port=p, reason="unreachable"),
+        "dead_ranks": value(s, "gpunet_nccl_missing_ranks", port=p, reason="dead"),
+        "errored": value(s, "gpunet_nccl_ranks_errored", port=p),
+        "running": value(s, "gpunet_nccl_communicators", port=p, status="running"),
+        "stalled": value(s, "gpunet_nccl_stalled_ranks", port=p),
+        "idle": value(s, "gpunet_nccl_communicators_without_progress", port=p),
+        "growing": value(s, "gpunet_nccl_communicators_skew_growing", port=p),
+        "skew": value(s, "gpunet_nccl_collective_skew_operations", port=p, op="AllReduce"),
+        "unanswered": value(s, "gpunet_nccl_ras_unanswered_connections_total", port=p),
+    }
+
+
+def moved(report: str, by: int) -> str:
+    """Synthetic, from a real report: every rank's AllReduce count ``by`` further on."""
+    doc = json.loads(report)
+    for comm in doc["communicators"]:
+        for r in comm["ranks"]:
+            r["collective_counts"]["AllReduce"] += by
+    return json.dumps(doc, indent=2)
+
+
+def test_healthy_job_moving_then_idle() -> None:
+    report = fixture("healthy.json")
+    with serving(Behaviour(json=report)) as srv, collector([srv.port]) as c:
+        first = job(scrape(c), srv.port)
+        assert first == {**first, "success": 1, "listeners": 1, "answering": 2,
+                         "unresponsive": 0, "dead": 0, "missing": 0, "errored": 0,
+                         "running": 1, "skew": 0}
+        assert first["stalled"] is None  # one report: nothing to compare yet
+        srv.behaviour = Behaviour(json=moved(report, 150))
+        second = job(scrape(c), srv.port)
+        assert (second["stalled"], second["idle"], second["growing"]) == (0, 0, 0)
+        third = job(scrape(c), srv.port)  # the same counts again: no collective ran
+        assert (third["stalled"], third["idle"]) == (0, 1)
+
+
+def test_stuck_rank_alive() -> None:
+    """Rank 1 stopped launching collectives (its process and RAS alive): 601 against 581."""
+    with serving(Behaviour(json=fixture("healthy.json"))) as srv, collector([srv.port]) as c:
+        scrape(c)
+        srv.behaviour = Behaviour(json=fixture("stuck-1.json"))
+        one = job(scrape(c), srv.port)
+        # rank 0 went from 301 to 601, rank 1 to 581: both moved, skew appeared
+        assert (one["skew"], one["growing"], one["stalled"], one["missing"]) == (20, 1, 0, 0)
+        srv.behaviour = Behaviour(json=fixture("stuck-2.json"))
+        two = job(scrape(c), srv.port)
+        assert (two["skew"], two["growing"], two["stalled"], two["idle"]) == (20, 0, 1, 1)
+        assert two["answering"] == 2 and two["missing"] == 0
+
+
+@pytest.mark.parametrize("name, want", [
+    ("stopped.json", {"answering": 1, "unresponsive": 1, "dead": 0, "missing": 1,
+                      "unreachable": 1, "dead_ranks": 0, "errored": 0}),
+    ("dead.json", {"answering": 1, "unresponsive": 0, "dead": 1, "missing": 1,
+                   "unreachable": 0, "dead_ranks": 1, "errored": 0}),
+    ("killed.json", {"answering": 1, "unresponsive": 0, "dead": 1, "missing": 1,
+                     "unreachable": 0, "dead_ranks": 1, "errored": 1}),
+    ("dead.txt", {"answering": 1, "unresponsive": None, "dead": 1, "missing": 1,
+                  "unreachable": 1, "dead_ranks": None, "errored": 0}),
+    ("killed.txt", {"answering": 1, "unresponsive": None, "dead": 1, "missing": 1,
+                    "unreachable": 1, "dead_ranks": None, "errored": 1}),
+    ("healthy.txt", {"answering": 2, "unresponsive": None, "dead": 0, "missing": 0,
+                     "unreachable": 0, "dead_ranks": None, "errored": 0}),
+])
+def test_faults(name: str, want: dict[str, float | None]) -> None:
+    b = Behaviour(json=fixture(name)) if name.endswith("json") else \
+        Behaviour(json=None, text=fixture(name))
+    with serving(b) as srv, collector([srv.port]) as c:
+        got = job(scrape(c), srv.port)
+    assert got["success"] == 1 and got["running"] == 1
+    assert {k: got[k] for k in want} == want
+    if name.endswith("txt"):
+        assert got["skew"] is None and got["stalled"] is None  # JSON only
+
+
+def test_a_stopped_process_shares_the_port() -> None:
+    """NCCL's processes all listen on the port (SO_REUSEPORT); the kernel hands a connection to
+    a stopped one as readily as to a running one. Queries go on until one answers."""
+    with serving(Behaviour(silent=True), reuse_port=True) as stopped, \
+            serving(Behaviour(json=fixture("stopped.json")), port=stopped.port,
+                    reuse_port=True), \
+            collector([stopped.port], attempts=20) as c:
+        got = job(scrape(c), stopped.port)
+    assert got["listeners"] == 2  # read from the real /proc/net/tcp
+    assert got["success"] == 1 and got["unresponsive"] == 1
+
+
+def test_only_a_silent_listener() -> None:
+    with serving(Behaviour(silent=True)) as srv, collector([srv.port], attempts=3) as c:
+        s = scrape(c)
+        got = job(s, srv.port)
+    assert (got["success"], got["listeners"], got["unanswered"]) == (0, 1, 3)
+    assert got["answering"] is None and got["running"] is None  # no job figures
+    assert value(s, "gpunet_nccl_ras_query_last_success_timestamp_seconds",
+                 port=str(srv.port)) is None
+
+
+def test_no_job_costs_one_refused_connection() -> None:
+    with serving(Behaviour()) as srv:
+        port = srv.port
+    with collector([port]) as c:
+        s = scrape(c)
+    got = job(s, port)
+    assert got["listeners"] == 0 and got["success"] is None and got["answering"] is None
+    assert c.ctx.unreadable == 0  # /proc/net/tcp not even read
+    assert {k[0] for k in s} == {"gpunet_nccl_ras_listeners",
+                                 "gpunet_nccl_ras_unanswered_connections_total"}
+
+
+def test_a_failed_query_drops_the_job_figures_and_keeps_its_age() -> None:
+    report = fixture("healthy.json")
+    with serving(Behaviour(json=report)) as srv, collector([srv.port]) as c:
+        before = scrape(c)
+        srv.behaviour = Behaviour(json=report, cut=100)
+        after = scrape(c)
+    p = str(srv.port)
+    stamp = "gpunet_nccl_ras_query_last_success_timestamp_seconds"
+    assert value(after, "gpunet_nccl_ras_query_success", port=p) == 0
+    assert value(after, stamp, port=p) == value(before, stamp, port=p)
+    assert value(after, "gpunet_nccl_job_processes", port=p, state="answering") is None
+
+
+def test_one_bad_port_costs_only_its_own_values() -> None:
+    with serving(Behaviour(json=fixture("dead.json"))) as good, \
+            serving(Behaviour(json="garbage", endless=True)) as bad, \
+            collector([good.port, bad.port], max_reply_bytes=65536) as c:
+        s = scrape(c)
+    assert job(s, good.port)["dead"] == 1
+    assert job(s, bad.port)["success"] == 0
+
+
+def test_reports_have_no_unbounded_labels() -> None:
+    """No rank, host, pid or hash in any label: only the port, fixed states and op names."""
+    with serving(Behaviour(json=fixture("killed.json"))) as srv, collector([srv.port]) as c:
+        s = scrape(c)
+    values = {v for k in s for name, v in k[1] if name not in ("port",)}
+    allowed = {"answering", "unresponsive", "dead", "expected", "seen", "missing", "unreachable",
+               "not_member", "json", "2.28.9", *ras.STATUSES, *ras.OPS}
+    assert values <= allowed, values - allowed
