@@ -504,6 +504,29 @@ ALERTS: tuple[Alert, ...] = (
           lambda t: "gpunet_probe_success == 0",
           "Probe rounds failing",
           f"Probe rounds {_SCOPE} fail (gpunet_probe_failures_total says why)."),
+    # --- the NCCL jobs running now, from NCCL's RAS service (issue 20) -------------------------
+    Alert("GpunetNcclRankDead", "collective", "warning", "0m",
+          lambda t: 'gpunet_nccl_job_processes{state="dead"} > 0',
+          "NCCL job process dead",
+          "{{ $value }} process(es) of the NCCL job on RAS port {{ $labels.port }} "
+          f"{_NODE} are considered dead: the job waits for them or is about to fail."),
+    Alert("GpunetNcclRankUnreachable", "collective", "warning", "1m",
+          lambda t: 'gpunet_nccl_missing_ranks{reason="unreachable"} > 0',
+          "NCCL ranks not answering",
+          "{{ $value }} rank(s) of the NCCL job on RAS port {{ $labels.port }} "
+          f"{_NODE} do not answer NCCL's RAS: their process is stopped, hung or cut off."),
+    Alert("GpunetNcclRankStalled", "collective", "warning", "2m",
+          lambda t: "gpunet_nccl_stalled_ranks > 0",
+          "NCCL rank stuck behind the others",
+          "{{ $value }} rank(s) of the NCCL job on RAS port {{ $labels.port }} "
+          f"{_NODE} launch no more collectives while their communicator's other ranks have "
+          "gone further: the others wait for them."),
+    Alert("GpunetNcclRasUnreachable", "collective", "warning", "5m",
+          lambda t: ("gpunet_nccl_ras_listeners > 0\n"
+                     "  and on (instance, job, port) gpunet_nccl_ras_query_success == 0"),
+          "NCCL's RAS service not answering",
+          "{{ $value }} NCCL process(es) listen on RAS port {{ $labels.port }} "
+          f"{_NODE} but none gave a report: the job's health is unknown."),
     # --- the pair plan across the fleet (issue 18) ---------------------------------------------
     Alert("GpunetFleetNodeSuspect", "collective", "warning", "5m",
           lambda t: (f"{NODE_PAIRS} >= {t['fleet']['suspect_min_pairs']}\n"
