@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client.core import Metric
@@ -161,14 +161,17 @@ class NcclSettings(Settings):
                          "read where the server does not know it)", default=True)
 
 
+_Sample = tuple[MetricSpec, list[str], float]
+
+
 @dataclass
 class _Report:
-    """What one query found, ready for a scrape."""
+    """What one query found, ready for a scrape: the job's samples are worked out once, in
+    the background, from the report (which may list thousands of ranks)."""
 
     listeners: int
-    status: ras.Status | None = None
     seconds: float = 0.0
-    derived: dict[str, float] = field(default_factory=dict)
+    samples: list[_Sample] | None = None  # None: no report
 
 
 @dataclass
@@ -244,9 +247,12 @@ class NcclCollector(Collector):
         if listeners < 0:
             listeners = self._listeners(port)
         seconds = time.monotonic() - start
-        report = _Report(listeners, status, seconds)
+        report = _Report(listeners, seconds)
         if status is not None:
-            report.derived = self._progress(state, status)
+            samples: list[_Sample] = []
+            _export(lambda *sample: samples.append(sample), str(port), status,
+                    self._progress(state, status))
+            report.samples = samples
         elif error is not None:
             self.ctx.log_once(logging.WARNING, "NCCL RAS on port %d: %s", port, error)
         with self._lock:
@@ -316,21 +322,24 @@ class NcclCollector(Collector):
                 add_freshness(fams, QUERY_SUCCESS, QUERY_LAST_SUCCESS, [lbl], fresh)
                 fams.add(QUERY_DURATION, [lbl], report.seconds)
             good = fresh.value
-            if good is None or good.status is None or fresh.ok is not True:
+            if good is None or good.samples is None or fresh.ok is not True:
                 continue  # a job's figures are those of the latest report only
-            _export(fams, lbl, good.status, good.derived)
+            for spec, labels, v in good.samples:
+                fams.add(spec, labels, v)
         return iter(fams)
 
     def close(self) -> None:
         self._refresher.stop()
 
 
-def _export(fams: Families, lbl: str, st: ras.Status, derived: dict[str, float]) -> None:
-    fams.add(INFO, [lbl, st.version, st.format], 1.0)
+def _export(add: Callable[[MetricSpec, list[str], float], None], lbl: str, st: ras.Status,
+            derived: dict[str, float]) -> None:
+    """The job's samples from one report (``derived``: what _progress compared)."""
+    add(INFO, [lbl, st.version, st.format], 1.0)
     if st.collection_seconds is not None:
-        fams.add(COLLECTION, [lbl], st.collection_seconds)
+        add(COLLECTION, [lbl], st.collection_seconds)
     if st.timeouts is not None:
-        fams.add(TIMEOUTS, [lbl], float(st.timeouts))
+        add(TIMEOUTS, [lbl], float(st.timeouts))
     by_status = dict.fromkeys(ras.STATUSES, 0)
     if st.communicators is not None:
         procs: dict[str, set[tuple[str, int]]] = {"answering": set(), "unresponsive": set(),
@@ -361,18 +370,18 @@ def _export(fams: Families, lbl: str, st: ras.Status, derived: dict[str, float])
                     missing["not_member"] += 1
         procs["unresponsive"] -= procs["dead"]
         for state, members in procs.items():
-            fams.add(PROCESSES, [lbl, state], float(len(members)))
-        fams.add(NODES, [lbl], float(len(hosts)))
-        fams.add(GPUS, [lbl], float(len(gpus)))
+            add(PROCESSES, [lbl, state], float(len(members)))
+        add(NODES, [lbl], float(len(hosts)))
+        add(GPUS, [lbl], float(len(gpus)))
         missing_total = sum(missing.values())
         for reason, n in missing.items():
-            fams.add(MISSING, [lbl, reason], float(n))
-        fams.add(ERRORED, [lbl], float(errored))
+            add(MISSING, [lbl, reason], float(n))
+        add(ERRORED, [lbl], float(errored))
         for op in ras.OPS:
-            fams.add(SKEW, [lbl, op], derived.get(f"skew:{op}", 0.0))
+            add(SKEW, [lbl, op], derived.get(f"skew:{op}", 0.0))
         for key, spec in (("growing", SKEW_GROWING), ("stalled", STALLED), ("idle", IDLE)):
             if key in derived:
-                fams.add(spec, [lbl], derived[key])
+                add(spec, [lbl], derived[key])
     else:
         expected = seen = 0
         for n, size, status, _errors in st.groups:
@@ -380,18 +389,18 @@ def _export(fams: Families, lbl: str, st: ras.Status, derived: dict[str, float])
             expected += n * size
         missing_total = st.missing_ranks or 0
         seen = expected - missing_total
-        fams.add(MISSING, [lbl, "unreachable"], float(missing_total))
-        fams.add(ERRORED, [lbl], float(st.errored_ranks or 0))
+        add(MISSING, [lbl, "unreachable"], float(missing_total))
+        add(ERRORED, [lbl], float(st.errored_ranks or 0))
         if st.processes is not None:
             dead = st.dead_processes or 0
-            fams.add(PROCESSES, [lbl, "answering"], float(max(0, st.processes - dead)))
-            fams.add(PROCESSES, [lbl, "dead"], float(dead))
+            add(PROCESSES, [lbl, "answering"], float(max(0, st.processes - dead)))
+            add(PROCESSES, [lbl, "dead"], float(dead))
         if st.nodes is not None:
-            fams.add(NODES, [lbl], float(st.nodes))
+            add(NODES, [lbl], float(st.nodes))
         if st.gpus is not None:
-            fams.add(GPUS, [lbl], float(st.gpus))
+            add(GPUS, [lbl], float(st.gpus))
     for status, n in by_status.items():
-        fams.add(COMMS, [lbl, status], float(n))
-    fams.add(RANKS, [lbl, "expected"], float(expected))
-    fams.add(RANKS, [lbl, "seen"], float(seen))
-    fams.add(RANKS, [lbl, "missing"], float(missing_total))
+        add(COMMS, [lbl, status], float(n))
+    add(RANKS, [lbl, "expected"], float(expected))
+    add(RANKS, [lbl, "seen"], float(seen))
+    add(RANKS, [lbl, "missing"], float(missing_total))

@@ -20,7 +20,6 @@ import json
 import re
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,8 +176,7 @@ class _Conn:
 
 def query(host: str, port: int, *, timeout: float, handshake_timeout: float = 2.0,
           max_bytes: int = 8 << 20, json_format: bool = True, ras_timeout: int | None = None,
-          record: Exchange | None = None,
-          connect: Callable[..., socket.socket] = socket.create_connection) -> Status:
+          record: Exchange | None = None) -> Status:
     """Ask the RAS server at ``host``:``port`` for its report.
 
     The handshake must be answered within ``handshake_timeout`` seconds (a RAS thread answers
@@ -192,7 +190,8 @@ def query(host: str, port: int, *, timeout: float, handshake_timeout: float = 2.
     record = record if record is not None else Exchange()
     start = time.monotonic()
     deadline = start + timeout
-    with connect((host, port), timeout=min(timeout, handshake_timeout)) as sock:
+    with socket.create_connection((host, port),
+                                  timeout=min(timeout, handshake_timeout)) as sock:
         conn = _Conn(sock, deadline, max_bytes, record)
         shake = start + handshake_timeout
         conn.send(f"CLIENT PROTOCOL {PROTOCOL}")
