@@ -196,6 +196,7 @@ class NcclCollector(Collector):
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)
         self._lock = threading.Lock()
+        self._round = threading.Lock()  # one round at a time: the thread's, or refresh()'s
         self._ports = {int(p): _Port() for p in dict.fromkeys(self.settings.ports)}
         self._refresher: Refresher[None] = Refresher(
             "nccl", float(self.settings.interval_seconds), lambda: self.refresh(),
@@ -204,9 +205,11 @@ class NcclCollector(Collector):
     # -- background ------------------------------------------------------------------------
 
     def refresh(self) -> None:
-        """One round: every port queried; runs in the background thread (tests call it)."""
-        for port, state in self._ports.items():
-            self._query(port, state)
+        """One round: every port queried; runs in the background thread (tests and the doctor,
+        which compares two reports, call it too: rounds never overlap)."""
+        with self._round:
+            for port, state in self._ports.items():
+                self._query(port, state)
 
     def _listeners(self, port: int) -> int:
         tables = []
