@@ -20,8 +20,11 @@ listens it stops there. It exports, per port:
   running communicators whose counts did not move at all (idle, or hung as a whole while RAS
   still says RUNNING: NVIDIA/nccl issue 1730). Counts are compared across reports for that.
 
-No label carries a rank, a host, a process or a communicator hash: the numbers are per port.
-The design and its choices: docs/nccl-ras.md; the formats: docs/formats.md §11.
+No label carries a rank, a host or a process, and by default no communicator hash: the
+numbers are per port. With ``per_communicator`` on, the JSON report's communicators also get
+series of their own, labelled with their hash, at most ``max_communicators`` of them (the most
+troubled first) and the rest counted. The design and its choices: docs/nccl-ras.md; the
+formats: docs/formats.md §11.
 """
 
 from __future__ import annotations
@@ -129,9 +132,51 @@ IDLE = MetricSpec(
     "RUNNING (NVIDIA/nccl issue 1730)", _P, "communicators",
     f"{_JSON}: collective_counts, two reports")
 
+
+# nccl.per_communicator (off by default): one series per communicator of a JSON report.
+_C = ("port", "communicator")
+_ONE = ("; with nccl.per_communicator, from JSON reports only (a text report has no "
+        "per-communicator details), for at most nccl.max_communicators communicators, the most "
+        "troubled first; communicator: its hash as the report prints it (with its secondary "
+        "hash where two share one)")
+C_EXPECTED = MetricSpec(
+    "gpunet_nccl_communicator_expected_ranks", "gauge",
+    "Ranks of the communicator (its size)" + _ONE, _C, "ranks", f"{_JSON}: size")
+C_MISSING = MetricSpec(
+    "gpunet_nccl_communicator_missing_ranks", "gauge",
+    "Missing ranks of the communicator by why, as gpunet_nccl_missing_ranks" + _ONE,
+    ("port", "communicator", "reason"), "ranks", f"{_JSON}: missing_ranks")
+C_STATUS = MetricSpec(
+    "gpunet_nccl_communicator_status", "gauge",
+    "1 for the communicator's status (as gpunet_nccl_communicators ranks it), 0 for the other "
+    "statuses" + _ONE, ("port", "communicator", "status"), "boolean",
+    f"{_JSON}: the ranks' status")
+C_ERRORED = MetricSpec(
+    "gpunet_nccl_communicator_errored_ranks", "gauge",
+    "Ranks of the communicator whose initialisation failed or that hold an asynchronous error, "
+    "as gpunet_nccl_ranks_errored" + _ONE, _C, "ranks",
+    f"{_JSON}: init_state and async_error")
+C_SKEW = MetricSpec(
+    "gpunet_nccl_communicator_skew_operations", "gauge",
+    "Largest difference between the counts of collective operations of one kind that the "
+    "communicator's ranks have launched, over all kinds" + _ONE, _C, "operations",
+    f"{_JSON}: collective_counts")
+C_STALLED = MetricSpec(
+    "gpunet_nccl_communicator_stalled_ranks", "gauge",
+    "Stalled ranks of the communicator, as gpunet_nccl_stalled_ranks; absent until the "
+    "communicator is in two successive reports" + _ONE, _C, "ranks",
+    f"{_JSON}: collective_counts, two reports")
+UNLABELLED = MetricSpec(
+    "gpunet_nccl_communicators_unlabelled", "gauge",
+    "Communicators of the latest report without gpunet_nccl_communicator_* series of their own: "
+    "those beyond nccl.max_communicators (the least troubled), or all of them in a text report "
+    "(it has no per-communicator details); nccl.per_communicator only", _P, "communicators",
+    _SRC)
+PER_COMM = (C_EXPECTED, C_MISSING, C_STATUS, C_ERRORED, C_SKEW, C_STALLED, UNLABELLED)
+
 SPECS = (LISTENERS, QUERY_SUCCESS, QUERY_LAST_SUCCESS, QUERY_DURATION, UNANSWERED, INFO,
          COLLECTION, TIMEOUTS, PROCESSES, NODES, GPUS, COMMS, RANKS, MISSING, ERRORED, SKEW,
-         SKEW_GROWING, STALLED, IDLE)
+         SKEW_GROWING, STALLED, IDLE, *PER_COMM)
 
 
 @dataclass(frozen=True)
@@ -159,9 +204,20 @@ class NcclSettings(Settings):
                                    default=8 << 20, minimum=1024)
     json: bool = setting("ask for the JSON report (NCCL 2.28.7 and later; the text report is "
                          "read where the server does not know it)", default=True)
+    per_communicator: bool = setting(
+        "export one series per communicator of the JSON report too "
+        "(`gpunet_nccl_communicator_*{communicator}`, labelled with its hash); off by default: "
+        "a job may hold thousands of communicators, each hash a new series", default=False)
+    max_communicators: int = setting(
+        "with `per_communicator`, most communicators per port given series of their own: those "
+        "with the most missing, stalled and errored ranks, then the widest skew (ties by hash); "
+        "the rest are counted in `gpunet_nccl_communicators_unlabelled`", default=64, minimum=1)
 
 
 _Sample = tuple[MetricSpec, list[str], float]
+# What _progress found per communicator key: its widest skew, and its stalled ranks (None
+# until it was in the previous report too).
+_Progress = dict[str, tuple[int, int | None]]
 
 
 @dataclass
@@ -253,8 +309,11 @@ class NcclCollector(Collector):
         report = _Report(listeners, seconds)
         if status is not None:
             samples: list[_Sample] = []
-            _export(lambda *sample: samples.append(sample), str(port), status,
-                    self._progress(state, status))
+            derived, per_comm = self._progress(state, status)
+            _export(lambda *sample: samples.append(sample), str(port), status, derived)
+            if cfg.per_communicator:
+                _per_communicator(lambda *sample: samples.append(sample), str(port), status,
+                                  per_comm, int(cfg.max_communicators))
             report.samples = samples
         elif error is not None:
             self.ctx.log_once(logging.WARNING, "NCCL RAS on port %d: %s", port, error)
@@ -267,14 +326,16 @@ class NcclCollector(Collector):
             else:  # no job: nothing was asked, so neither success nor failure
                 state.fresh = Fresh(None, None, state.fresh.last_success)
 
-    def _progress(self, state: _Port, status: ras.Status) -> dict[str, float]:
-        """The counts compared with the previous JSON report (runs in the background)."""
+    def _progress(self, state: _Port, status: ras.Status) -> tuple[dict[str, float], _Progress]:
+        """The counts compared with the previous JSON report (runs in the background): the
+        port's figures, and each communicator's."""
         if status.communicators is None:
             state.counts = {}
-            return {}
+            return {}, {}
         previous = state.counts
         state.counts = {}
         skew: dict[str, int] = {}
+        per_comm: _Progress = {}
         growing = stalled = idle = 0
         compared = False
         for comm in status.communicators:
@@ -287,6 +348,7 @@ class NcclCollector(Collector):
                 if op in ras.OPS:
                     skew[op] = max(skew.get(op, 0), gap)
             state.counts[comm.key] = (totals, widest)
+            per_comm[comm.key] = (widest, None)
             before = previous.get(comm.key)
             if before is None or not totals:
                 continue
@@ -299,13 +361,15 @@ class NcclCollector(Collector):
             if comm.status == "running" and lead > 0 and not moved and all(
                     r in old for r in totals):
                 idle += 1
-            stalled += sum(1 for r, n in totals.items() if n < lead and old.get(r) == n)
+            behind = sum(1 for r, n in totals.items() if n < lead and old.get(r) == n)
+            stalled += behind
+            per_comm[comm.key] = (widest, behind)
         out: dict[str, float] = {f"skew:{op}": float(v) for op, v in skew.items()}
         for op in ras.OPS:
             out.setdefault(f"skew:{op}", 0.0)
         if compared:
             out.update(growing=float(growing), stalled=float(stalled), idle=float(idle))
-        return out
+        return out, per_comm
 
     # -- scrape ----------------------------------------------------------------------------
 
@@ -363,14 +427,12 @@ def _export(add: Callable[[MetricSpec, list[str], float], None], lbl: str, st: r
             for m in comm.missing:
                 hosts.add(m.host)
                 gpus.add((m.host, m.nvml_dev))
-                if m.dead:
-                    missing["dead"] += 1
+                why = _why(m)
+                missing[why] += 1
+                if why == "dead":
                     procs["dead"].add((m.host, m.pid))
-                elif m.unresponsive:
-                    missing["unreachable"] += 1
+                elif why == "unreachable":
                     procs["unresponsive"].add((m.host, m.pid))
-                else:
-                    missing["not_member"] += 1
         procs["unresponsive"] -= procs["dead"]
         for state, members in procs.items():
             add(PROCESSES, [lbl, state], float(len(members)))
@@ -407,3 +469,49 @@ def _export(add: Callable[[MetricSpec, list[str], float], None], lbl: str, st: r
     add(RANKS, [lbl, "expected"], float(expected))
     add(RANKS, [lbl, "seen"], float(seen))
     add(RANKS, [lbl, "missing"], float(missing_total))
+
+
+def _why(m: ras.Missing) -> str:
+    """Why a rank is missing, as gpunet_nccl_missing_ranks's reason."""
+    if m.dead:
+        return "dead"
+    return "unreachable" if m.unresponsive else "not_member"
+
+
+def _per_communicator(add: Callable[[MetricSpec, list[str], float], None], lbl: str,
+                      st: ras.Status, progress: _Progress, limit: int) -> None:
+    """nccl.per_communicator: the series of at most ``limit`` communicators, those with the most
+    missing, stalled and errored ranks first, then the widest skew, ties by label (so that the
+    choice is stable); the rest counted."""
+    if st.communicators is None:  # a text report: groups of communicators, no hashes
+        add(UNLABELLED, [lbl], float(sum(n for n, *_ in st.groups)))
+        return
+    shared: dict[str, int] = {}
+    for comm in st.communicators:
+        shared[comm.hash] = shared.get(comm.hash, 0) + 1
+    rows = []
+    for comm in st.communicators:
+        # The hash alone where it names one communicator, else the whole key (unique; a
+        # well-formed hash never contains the key's "/").
+        name = comm.hash if comm.hash and shared[comm.hash] == 1 else comm.key
+        missing = {"unreachable": 0, "dead": 0, "not_member": 0}
+        for m in comm.missing:
+            missing[_why(m)] += 1
+        errored = sum(1 for r in comm.ranks if r.errored)
+        skew, stalled = progress.get(comm.key, (0, None))
+        order = (-sum(missing.values()), -(stalled or 0), -errored, -skew, name)
+        rows.append((order, name, comm, missing, errored, skew, stalled))
+    rows.sort(key=lambda row: row[0])
+    for _, name, comm, missing, errored, skew, stalled in rows[:limit]:
+        labels = [lbl, name]
+        add(C_EXPECTED, labels, float(comm.size))
+        for reason, n in missing.items():
+            add(C_MISSING, [lbl, name, reason], float(n))
+        status = comm.status
+        for s in ras.STATUSES:
+            add(C_STATUS, [lbl, name, s], 1.0 if s == status else 0.0)
+        add(C_ERRORED, labels, float(errored))
+        add(C_SKEW, labels, float(skew))
+        if stalled is not None:
+            add(C_STALLED, labels, float(stalled))
+    add(UNLABELLED, [lbl], float(max(0, len(rows) - limit)))

@@ -344,3 +344,132 @@ def test_reports_have_no_unbounded_labels() -> None:
     allowed = {"answering", "unresponsive", "dead", "expected", "seen", "missing", "unreachable",
                "not_member", "json", "2.28.9", *ras.STATUSES, *ras.OPS}
     assert values <= allowed, values - allowed
+
+
+# -- nccl.per_communicator ---------------------------------------------------------------------
+
+HEALTHY_HASH = "0x78973600cc059fdb"  # healthy.json and stuck-*.json: job A's communicator
+DEAD_HASH = "0xfc258c91b6dba877"  # stopped.json and dead.json: job B's
+
+
+def per_comm(s: dict[Any, float], name: str) -> dict[tuple[str, ...], float]:
+    """A gpunet_nccl_communicator_* family as {(communicator, other labels...): value}."""
+    out = {}
+    for (n, lbl), v in s.items():
+        if n == name:
+            labels = dict(lbl)
+            labels.pop("port")
+            out[(labels.pop("communicator"), *(labels[k] for k in sorted(labels)))] = v
+    return out
+
+
+def test_per_communicator_is_off_by_default() -> None:
+    with serving(Behaviour(json=fixture("dead.json"))) as srv, collector([srv.port]) as c:
+        s = scrape(c)
+    assert c.settings.per_communicator is False
+    assert {k[0] for k in s if k[0].startswith("gpunet_nccl_communicator_")} == {
+        "gpunet_nccl_communicator_ranks"}
+    assert not [k for k in s if k[0] == "gpunet_nccl_communicators_unlabelled"]
+    assert not [lbl for k in s for lbl in k[1] if lbl[0] == "communicator"]
+
+
+def test_per_communicator_healthy() -> None:
+    with serving(Behaviour(json=fixture("healthy.json"))) as srv, \
+            collector([srv.port], per_communicator=True) as c:
+        s = scrape(c)
+    p = str(srv.port)
+    assert per_comm(s, "gpunet_nccl_communicator_expected_ranks") == {(HEALTHY_HASH,): 2}
+    assert per_comm(s, "gpunet_nccl_communicator_status") == {
+        (HEALTHY_HASH, st): float(st == "running") for st in ras.STATUSES}
+    assert per_comm(s, "gpunet_nccl_communicator_missing_ranks") == {
+        (HEALTHY_HASH, why): 0 for why in ("unreachable", "dead", "not_member")}
+    assert per_comm(s, "gpunet_nccl_communicator_errored_ranks") == {(HEALTHY_HASH,): 0}
+    assert per_comm(s, "gpunet_nccl_communicator_skew_operations") == {(HEALTHY_HASH,): 0}
+    assert per_comm(s, "gpunet_nccl_communicator_stalled_ranks") == {}  # one report only
+    assert value(s, "gpunet_nccl_communicators_unlabelled", port=p) == 0
+
+
+def test_per_communicator_dead_rank() -> None:
+    with serving(Behaviour(json=fixture("dead.json"))) as srv, \
+            collector([srv.port], per_communicator=True) as c:
+        s = scrape(c)
+    assert per_comm(s, "gpunet_nccl_communicator_missing_ranks") == {
+        (DEAD_HASH, "dead"): 1, (DEAD_HASH, "unreachable"): 0, (DEAD_HASH, "not_member"): 0}
+    assert per_comm(s, "gpunet_nccl_communicator_expected_ranks") == {(DEAD_HASH,): 2}
+
+
+def test_per_communicator_stuck_rank() -> None:
+    with serving(Behaviour(json=fixture("stuck-1.json"))) as srv, \
+            collector([srv.port], per_communicator=True) as c:
+        first = scrape(c)
+        srv.behaviour = Behaviour(json=fixture("stuck-2.json"))
+        second = scrape(c)
+    assert per_comm(first, "gpunet_nccl_communicator_stalled_ranks") == {}
+    assert per_comm(second, "gpunet_nccl_communicator_stalled_ranks") == {(HEALTHY_HASH,): 1}
+    assert per_comm(second, "gpunet_nccl_communicator_skew_operations") == {(HEALTHY_HASH,): 20}
+
+
+def test_per_communicator_text_report_counts_them_unlabelled() -> None:
+    with serving(Behaviour(json=None, text=fixture("dead.txt"))) as srv, \
+            collector([srv.port], per_communicator=True) as c:
+        s = scrape(c)
+    assert not [k for k in s if k[0].startswith("gpunet_nccl_communicator_")
+                and k[0] != "gpunet_nccl_communicator_ranks"]
+    assert value(s, "gpunet_nccl_communicators_unlabelled", port=str(srv.port)) == 1
+
+
+def several() -> str:
+    """Synthetic, from a real report: five communicators of job A's. 0xc lost rank 1 (dead),
+    both ranks of 0xe hold an asynchronous error, 0xd has a skew of 50, 0xa and 0xb are
+    healthy."""
+    doc = json.loads(fixture("healthy.json"))
+    base = doc["communicators"][0]
+    comms = []
+    for h in ("0xb", "0xe", "0xa", "0xd", "0xc"):
+        comm = json.loads(json.dumps(base))
+        comm["hash"] = h
+        comms.append(comm)
+    by = {c["hash"]: c for c in comms}
+    gone = by["0xc"]["ranks"].pop()
+    gone["status"] = {"unresponsive": True, "considered_dead": True}
+    del gone["collective_counts"]
+    by["0xc"]["missing_ranks"] = [gone]
+    for r in by["0xe"]["ranks"]:
+        r["status"]["async_error"] = 6
+    by["0xd"]["ranks"][0]["collective_counts"]["AllReduce"] += 50
+    doc["communicators"] = comms
+    return json.dumps(doc, indent=2)
+
+
+@pytest.mark.parametrize("limit, labelled", [
+    (1, ["0xc"]), (2, ["0xc", "0xe"]), (3, ["0xc", "0xe", "0xd"]),
+    (4, ["0xc", "0xe", "0xd", "0xa"]), (64, ["0xc", "0xe", "0xd", "0xa", "0xb"]),
+])
+def test_per_communicator_keeps_the_most_troubled(limit: int, labelled: list[str]) -> None:
+    """Missing ranks before errored ones before skew, ties by hash; the rest counted."""
+    with serving(Behaviour(json=several())) as srv, \
+            collector([srv.port], per_communicator=True, max_communicators=limit) as c:
+        s = scrape(c)
+    assert value(s, "gpunet_nccl_communicators", port=str(srv.port), status="running") == 5
+    for name in ("expected_ranks", "errored_ranks", "skew_operations"):
+        assert sorted(per_comm(s, f"gpunet_nccl_communicator_{name}")) == sorted(
+            (h,) for h in labelled)
+    assert value(s, "gpunet_nccl_communicators_unlabelled", port=str(srv.port)) == 5 - len(
+        labelled)
+    errored = per_comm(s, "gpunet_nccl_communicator_errored_ranks")
+    assert errored.get(("0xe",), 2) == 2 and errored.get(("0xc",), 0) == 0
+    skew = per_comm(s, "gpunet_nccl_communicator_skew_operations")
+    assert skew.get(("0xd",), 50) == 50
+
+
+def test_per_communicator_shared_hash_takes_the_secondary() -> None:
+    """Two communicators with one primary hash are told apart by their secondary hash."""
+    doc = json.loads(fixture("healthy.json"))
+    twin = json.loads(json.dumps(doc["communicators"][0]))
+    twin["secondary_hash"] = "0x1:0x2"
+    doc["communicators"].append(twin)
+    with serving(Behaviour(json=json.dumps(doc))) as srv, \
+            collector([srv.port], per_communicator=True) as c:
+        s = scrape(c)
+    assert set(per_comm(s, "gpunet_nccl_communicator_expected_ranks")) == {
+        (f"{HEALTHY_HASH}/0xf3a508a388abac92:0xfe50d8ba0ff213b1",), (f"{HEALTHY_HASH}/0x1:0x2",)}

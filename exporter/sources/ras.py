@@ -78,10 +78,11 @@ class Missing:
 
 @dataclass
 class Communicator:
-    key: str  # hash and secondary hash: unique, kept in memory only (never a label)
+    key: str  # hash and secondary hash: unique within the report
     size: int
     ranks: list[Rank]
     missing: list[Missing]
+    hash: str = ""  # the primary hash as the report prints it (0x and hex digits), else ""
 
     @property
     def status(self) -> str:
@@ -249,6 +250,8 @@ def _list(value: Any, what: str) -> list[Any]:
 # NCCL 2.28.9 writes a missing rank's "nvml_dev" without the comma before its "status"
 # (jsonWriteMissingRank; fixed in later releases): the one repair made before parsing.
 _NO_COMMA = re.compile(r'("nvml_dev": -?\d+)(\s*\n\s*"status")')
+# A communicator's hash as NCCL 2.28.9's JSON prints it: 0x and the hex digits of a uint64_t.
+_HASH = re.compile(r"0x[0-9a-fA-F]{1,16}")
 
 
 def parse_json(text: str) -> Status:
@@ -284,10 +287,12 @@ def parse_json(text: str) -> Status:
                 rank=_int(m, "rank"), host=str(m.get("host", "")), pid=_int(m, "pid", -1),
                 nvml_dev=_int(m, "nvml_dev", -1), unresponsive=_bool(st, "unresponsive"),
                 dead=_bool(st, "considered_dead")))
-        key = f"{c.get('hash', '')}/{c.get('secondary_hash', '')}"
+        primary = str(c.get("hash", ""))
+        key = f"{primary[:64]}/{str(c.get('secondary_hash', ''))[:64]}"
         if any(k.key == key for k in comms):
             key += f"/{i}"
-        comms.append(Communicator(key=key, size=_int(c, "size"), ranks=ranks, missing=missing))
+        comms.append(Communicator(key=key, size=_int(c, "size"), ranks=ranks, missing=missing,
+                                  hash=primary if _HASH.fullmatch(primary) else ""))
     ras = _obj(doc.get("ras", {}), "ras")
     seconds = ras.get("collection_time_sec")
     return Status(
