@@ -784,7 +784,7 @@ def ras(args: argparse.Namespace) -> int:
                     [sys.executable, "-c", RAS_JOB], env=env, stdout=subprocess.PIPE, text=True)
         cfg = tmp / "nccl.yml"
         ports = [p for p, _ in RAS_JOBS.values()] + [RAS_IDLE_PORT]
-        cfg.write_text("nccl:\n  interval_seconds: 2\n  ports: [" +
+        cfg.write_text("nccl:\n  interval_seconds: 2\n  per_communicator: true\n  ports: [" +
                        ", ".join(map(str, ports)) + "]\n")
         eport = free_port()
         exp = subprocess.Popen(
@@ -874,6 +874,39 @@ def ras(args: argparse.Namespace) -> int:
                 s, "gpunet_nccl_ras_listeners", port="28029"), 2.0)
             checks.eq("D: the job is gone", pick(
                 s, "gpunet_nccl_ras_listeners", port="28032"), 0.0)
+            # nccl.per_communicator: job A's one communicator, by its hash, with the stuck rank.
+            stalled = {dict(lbl)["communicator"]: v for (n, lbl), v in s.items()
+                       if n == "gpunet_nccl_communicator_stalled_ranks"
+                       and dict(lbl)["port"] == "28028"}
+            out["per_communicator_A"] = stalled
+            checks.eq("A per communicator: one, stalled 1", list(stalled.values()), [1.0])
+            checks.eq("A per communicator: labelled by its hash", all(
+                c.startswith("0x") for c in stalled), True)
+            # The doctor on the same jobs: their trouble as findings, each job as a note, and
+            # an exit code that a job's trouble does not set (GPU checks only).
+            doc = subprocess.run(
+                [sys.executable, "-m", "gpunet_exporter", "doctor", "--json", "--state-file=",
+                 "--interval", "1", "--collector.disable-defaults", "--collector.nccl",
+                 "--collector.gpu", f"--config.file={cfg}"],
+                env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True,
+                timeout=180)
+            out["doctor"] = {"rc": doc.returncode, "stdout": doc.stdout[-6000:],
+                             "stderr": doc.stderr[-2000:]}
+            try:
+                result = json.loads(doc.stdout)
+            except ValueError:
+                result = {}
+            found = {(f["alert"], f["where"]) for f in result.get("findings", [])}
+            for alert, port in (("GpunetNcclRankStalled", 28028), ("GpunetNcclRankDead", 28029),
+                                ("GpunetNcclRankDead", 28030)):
+                checks.eq(f"doctor: {alert} on {port}",
+                          (alert, f"NCCL job on RAS port {port}") in found, True)
+            notes = {n["where"] for n in result.get("notes", [])}
+            checks.eq("doctor: jobs A, B and C described", {
+                f"NCCL job on RAS port {p}" for p in (28028, 28029, 28030)} <= notes, True)
+            checks.eq("doctor: a job's trouble leaves the exit code alone",
+                      doc.returncode != 1 or any(f["cause"] != "nccl_job" for f in
+                                                 result.get("findings", [])), True)
             s5 = out["scrapes"]["fault+5s"]
             out["at_fault+5s"] = {k: v for k, v in s5.items() if "28029" in k or "28030" in k}
             out["unanswered"] = {p: pick(s, "gpunet_nccl_ras_unanswered_connections_total",

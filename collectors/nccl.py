@@ -63,9 +63,9 @@ QUERY_DURATION = MetricSpec(
     "seconds", "exporter clock")
 UNANSWERED = MetricSpec(
     "gpunet_nccl_ras_unanswered_connections_total", "counter",
-    "Connections to the RAS port that were accepted but not answered within "
-    "nccl.handshake_seconds: a listener whose process does not run (stopped, or stuck), since "
-    "the exporter started", _P, "connections", "the RAS handshake (CLIENT PROTOCOL)")
+    "Connections to the RAS port that were not answered, or not even accepted (a full accept "
+    "queue), within nccl.handshake_seconds: a listener whose process does not run (stopped, or "
+    "stuck), since the exporter started", _P, "connections", "the RAS handshake (CLIENT PROTOCOL)")
 INFO = MetricSpec(
     "gpunet_nccl_ras_info", "gauge",
     "Always 1 after a report; the NCCL version of the process that answered and the report's "

@@ -703,6 +703,77 @@ def port_legend(what: str) -> str:
     return "{{device}}/{{port}} " + what
 
 
+# --- NCCL jobs, from NCCL's RAS service (collectors/nccl.py; both the node and collectives
+# dashboards show them)
+
+RAS_ANSWER = mapping((1, "answered", "green"), (0, "NO ANSWER", "red"))
+JOB_COLUMNS = (  # (column, metric, matchers)
+    ("listening", "gpunet_nccl_ras_listeners", ()),
+    ("answered", "gpunet_nccl_ras_query_success", ()),
+    ("nodes", "gpunet_nccl_job_nodes", ()),
+    ("GPUs", "gpunet_nccl_job_gpus", ()),
+    ("processes", "gpunet_nccl_job_processes", ('state="answering"',)),
+    ("dead", "gpunet_nccl_job_processes", ('state="dead"',)),
+    ("ranks missing", "gpunet_nccl_communicator_ranks", ('state="missing"',)),
+    ("ranks errored", "gpunet_nccl_ranks_errored", ()),
+    ("ranks stalled", "gpunet_nccl_stalled_ranks", ()),
+)
+
+
+def nccl_jobs_table(*, h_title: str = "NCCL jobs") -> Json:
+    """One row per node and RAS port: the job as RAS reported it last."""
+    bad = steps(("green", None), ("red", 1))
+    return table(
+        h_title, "Each NCCL job on the selected nodes, one row per node and RAS port (28028 "
+        "unless the job set NCCL_RAS_ADDR), from NCCL's RAS service (NCCL 2.24 or later; the "
+        "nccl collector). listening: NCCL processes listening on this node (0: no job); "
+        "answered: whether RAS gave a report (NO ANSWER while processes listen: a stopped or "
+        "hung process, GpunetNcclRasUnreachable); nodes, GPUs and answering processes are the "
+        "whole job's; dead, ranks missing, errored and stalled should be 0 (red: "
+        "GpunetNcclRankDead, GpunetNcclRankUnreachable, GpunetNcclRankStalled). Every node of a "
+        "job reports the same job.",
+        [target(f"max by (instance, job, port) ({sel(metric, *m)})", table=True)
+         for _, metric, m in JOB_COLUMNS], "short",
+        rename={f"Value #{chr(ord('A') + i)}": col for i, (col, _, _) in enumerate(JOB_COLUMNS)},
+        order=["instance", "port", *(col for col, _, _ in JOB_COLUMNS)], decimals=0,
+        overrides=[override("answered", ("mappings", RAS_ANSWER),
+                            ("custom.cellOptions", {"type": "color-text"})),
+                   *(override(col, ("thresholds", bad),
+                              ("custom.cellOptions", {"type": "color-text"}))
+                     for col in ("dead", "ranks missing", "ranks errored", "ranks stalled"))])
+
+
+def nccl_job_panels(lay: Layout, legend: str) -> None:
+    """The jobs' trouble over time (legend: how a series names its node and port)."""
+    lay.add(timeseries("NCCL processes by state", "The job's processes as RAS sees them: "
+                       "answering, unresponsive (did not answer this report) and dead (RAS "
+                       "gave up on them after 60 s; GpunetNcclRankDead). Dead or unresponsive "
+                       "processes stall the whole job.",
+                       [target(sel("gpunet_nccl_job_processes"), legend + " {{state}}")],
+                       "short"), 12, 8)
+    lay.add(timeseries("NCCL missing and stuck ranks", "Ranks missing from their "
+                       "communicators by reason (unreachable: their process did not answer; "
+                       "dead; not_member: during init or teardown), ranks holding an error, and "
+                       "stalled ranks: behind their communicator's leader with counts that did "
+                       "not move between two reports (GpunetNcclRankStalled).",
+                       [target(sel("gpunet_nccl_missing_ranks"), legend + " missing {{reason}}"),
+                        target(sel("gpunet_nccl_ranks_errored"), legend + " errored"),
+                        target(sel("gpunet_nccl_stalled_ranks"), legend + " stalled")],
+                       "short"), 12, 8)
+    lay.add(timeseries("NCCL collective-count skew", "Per operation, the largest difference "
+                       "within one communicator between the counts of collectives its ranks "
+                       "launched. Small and moving is healthy; a flat, non-zero skew is a rank "
+                       "left behind while the others wait.",
+                       [target(sel("gpunet_nccl_collective_skew_operations"),
+                               legend + " {{op}}")], "short"), 12, 8)
+    lay.add(state_timeline("NCCL RAS answered", "Whether the latest query of a listening RAS "
+                           "port got a report. NO ANSWER: the processes listen but none "
+                           "answered (stopped, hung); the job's figures are then missing, not "
+                           "healthy.",
+                           [target(sel("gpunet_nccl_ras_query_success"), legend)],
+                           mappings=RAS_ANSWER), 12, 8)
+
+
 def node() -> Json:
     lay = Layout()
     lay.row("Summary")
@@ -1015,6 +1086,10 @@ def node() -> Json:
                   "short", rename={"Value": "processes"}, thresholds=OK_RED,
                   cell="color-text", order=["instance", "variable", "issue"]), 24, 6)
 
+    lay.row("NCCL jobs (RAS)")
+    lay.add(nccl_jobs_table(h_title="NCCL jobs on this node"), 24, 5)
+    nccl_job_panels(lay, "port {{port}}")
+
     lay.row("Exporter", collapsed=True)
     lay.add(state_timeline("Collector success", "Per collector, whether the last scrape "
                            "finished without an exception in time. FAILED: its metrics are "
@@ -1211,6 +1286,31 @@ def collectives() -> Json:
                            [target(sel("gpunet_probe_socket_fallback", *probe), who)],
                            mappings=mapping((0, "no", "green"), (1, "FALLBACK", "red"))),
             12, 7)
+
+    lay.row("NCCL jobs (RAS): the jobs running now")
+    lay.add(stat("Nodes with a dead NCCL process", "Nodes whose NCCL job has a process RAS "
+                 "considers dead (GpunetNcclRankDead). Every node of a job reports it.",
+                 [target(count_or_zero("max by (instance) ("
+                                       + sel("gpunet_nccl_job_processes", 'state="dead"')
+                                       + ") > 0"))], "short", thresholds=OK_RED), 6, 4)
+    lay.add(stat("Nodes with a stuck NCCL rank", "Nodes whose NCCL job has ranks behind "
+                 "the others whose counts stopped (GpunetNcclRankStalled).",
+                 [target(count_or_zero("max by (instance) ("
+                                       + sel("gpunet_nccl_stalled_ranks") + ") > 0"))],
+                 "short", thresholds=OK_RED), 6, 4)
+    lay.add(stat("Nodes with missing NCCL ranks", "Nodes whose NCCL job has ranks that do "
+                 "not answer RAS (GpunetNcclRankUnreachable).",
+                 [target(count_or_zero("max by (instance) ("
+                                       + sel("gpunet_nccl_missing_ranks", 'reason="unreachable"')
+                                       + ") > 0"))], "short", thresholds=OK_RED), 6, 4)
+    lay.add(stat("RAS not answering", "Node ports where NCCL processes listen but RAS gave no "
+                 "report (GpunetNcclRasUnreachable): that job's health is unknown.",
+                 [target(count_or_zero(sel("gpunet_nccl_ras_listeners") + " > 0 and on "
+                                       "(instance, job, port) "
+                                       + sel("gpunet_nccl_ras_query_success") + " == 0"))],
+                 "short", thresholds=OK_ORANGE), 6, 4)
+    lay.add(nccl_jobs_table(), 24, 7)
+    nccl_job_panels(lay, "{{instance}} port {{port}}")
 
     lay.row("Probe health")
     lay.add(state_timeline("Last round succeeded", "FAILED (red): the last round gave no "

@@ -48,11 +48,13 @@ from support.bundle_node import (
     NIC_PCIE_DEGRADED,
     RETRANSMITTING,
     build_node,
+    start_ras_jobs,
 )
 from support.dashboards import load_generator
 from support.exporter import Exporter, free_port
 from support.paths import REPO
 from support.prometheus import query, start, start_prometheus, stop
+from support.ras_server import Server
 from support.wait import wait_for
 
 
@@ -95,6 +97,7 @@ class Bundle:
     webhook: Webhook
     qos_netdev: str
     nodes: dict[str, tuple[list[str], dict[str, str]]]  # instance -> exporter args, env
+    ras_ports: dict[str, list[int]]  # instance -> its NCCL jobs' RAS ports
     sentinels: int = 0  # alerts posted by flushed() so far
 
 
@@ -112,6 +115,7 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bundle]:
     tmp = tmp_path_factory.mktemp("bundle")
     procs: list[subprocess.Popen[bytes]] = []
     exporters: list[Exporter] = []
+    ras: list[Server] = []  # the nodes' NCCL jobs: stand-in RAS servers
     hook = Webhook()
     server = hook.start()
     done = threading.Event()
@@ -119,10 +123,15 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bundle]:
         qos_netdev = ""
         targets = []
         nodes = {}
+        ras_ports: dict[str, list[int]] = {}
         for name in (HEALTHY, FAULTY):
             (tmp / name).mkdir()
-            args, env, qos_netdev = build_node(tmp / name, faulty=name == FAULTY)
+            jobs = start_ras_jobs(name == FAULTY)
+            ras += jobs
+            args, env, qos_netdev = build_node(tmp / name, faulty=name == FAULTY,
+                                               ras_ports=[j.port for j in jobs])
             nodes[name] = (args, env)
+            ras_ports[name] = [j.port for j in jobs]
             e = Exporter([*args, "--no-hotplug"], env=env)
             exporters.append(e)
             targets.append({"targets": [f"127.0.0.1:{e.port}"], "labels": {"instance": name}})
@@ -156,13 +165,15 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bundle]:
         prom_proc, prom = start_prometheus(tmp, targets, f"127.0.0.1:{am_port}")
         procs.append(prom_proc)
         wait_until("both targets up", lambda: len(query(prom, 'up{job="gpunet"} == 1')) == 2)
-        yield Bundle(prom, f"http://127.0.0.1:{am_port}", hook, qos_netdev, nodes)
+        yield Bundle(prom, f"http://127.0.0.1:{am_port}", hook, qos_netdev, nodes, ras_ports)
     finally:
         done.set()
         for p in procs:
             stop(p)
         for e in exporters:
             e.stop()
+        for job in ras:
+            job.stop()
         server.shutdown()
 
 
@@ -204,6 +215,10 @@ EXPECTED = {
     "GpunetRdmaDeviceMissing": ("/pager", {"kind": "rdma_device"}),
     "GpunetPfcConfigUnreadable": ("/ticket", {}),  # on mlx5_8's netdev, asserted below
     "GpunetRoceRetransmissions": ("/ticket", {"device": RETRANSMITTING, "port": "1"}),
+    # Its three NCCL jobs (bundle_node.RAS_JOBS), each on its own RAS port, asserted below.
+    "GpunetNcclRankDead": ("/ticket", {}),
+    "GpunetNcclRankStalled": ("/ticket", {}),
+    "GpunetNcclRasUnreachable": ("/ticket", {}),
 }
 # Firing in Prometheus on the faulty node, silenced by the shipped inhibition rules: NCCL on
 # sockets and GDR not ready silence the slow-collective alerts and "GDR inactive".
@@ -237,6 +252,9 @@ def test_expected_alerts_reach_the_webhook(bundle: Bundle) -> None:
     assert got["GpunetInterfacePhyErrors"][1]["labels"]["interface"] == bundle.qos_netdev
     assert "runs at 200 Gb/s" in got["GpunetPortRateBelowExpected"][1]["annotations"][
         "description"]
+    ports = [str(p) for p in bundle.ras_ports[FAULTY]]  # dead, stuck, stopped
+    assert [got[name][1]["labels"]["port"] for name in (
+        "GpunetNcclRankDead", "GpunetNcclRankStalled", "GpunetNcclRasUnreachable")] == ports
 
 
 def test_caused_alerts_fire_but_are_inhibited(bundle: Bundle) -> None:
@@ -274,7 +292,8 @@ def test_healthy_node_raises_nothing(bundle: Bundle) -> None:
     # The same rules saw the healthy node's series: it is not silent for lack of data.
     for expr in ("gpunet_infiniband_port_rate_degraded", "gpunet_pfc_enabled",
                  "gpunet_probe_socket_fallback", "gpunet_topology_gdr_ready",
-                 "gpunet_topology_nccl_env_findings"):
+                 "gpunet_topology_nccl_env_findings", "gpunet_nccl_ras_query_success",
+                 "gpunet_nccl_stalled_ranks", "gpunet_nccl_job_processes"):
         assert query(bundle.prometheus, f'{expr}{{instance="{HEALTHY}"}}'), expr
     # Its GPU process's settings were audited and counted, as settings only (issue 16).
     for expr in ('gpunet_topology_nccl_env_settings{variable="NCCL_SOCKET_IFNAME", '
@@ -453,9 +472,14 @@ def test_doctor_agrees_with_prometheus(bundle: Bundle) -> None:
         assert all(result["checked"].values()) and "probe" in result["checked"]
         # The healthy node's job settings are notes: shown, never a finding or exit code 1.
         notes = {n["where"]: n["message"] for n in result["notes"]}
+        # Each NCCL job that answered RAS is described (the faulty node's stopped one is not).
+        jobs = {f"NCCL job on RAS port {p}" for p in bundle.ras_ports[node][:2]}
+        assert {w for w in notes if w.startswith("NCCL job")} == jobs, notes
         if node == HEALTHY:
-            assert set(notes) == {"NCCL_SOCKET_IFNAME", "NCCL_ALGO"}, notes
+            assert set(notes) - jobs == {"NCCL_SOCKET_IFNAME", "NCCL_ALGO"}, notes
             assert notes["NCCL_SOCKET_IFNAME"].startswith("1 GPU processes set it "
                                                           "(non_rdma_netdev): bootstrap")
+            (job,) = jobs
+            assert "2 of 2 ranks answered" in notes[job] and "dead" not in notes[job]
         else:
-            assert notes == {}
+            assert set(notes) == jobs

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,15 @@ import pytest
 from gpunet_exporter.health import doctor as doctor_module
 
 from support import sysfs_tree as st
-from support.bundle_node import HEALTHY_JOB_ENV, HEALTHY_JOB_PID, build_node
+from support.bundle_node import (
+    HEALTHY_JOB_ENV,
+    HEALTHY_JOB_PID,
+    RAS,
+    build_node,
+    start_ras_jobs,
+)
 from support.exporter import exporter_binary
+from support.ras_server import Behaviour, Server
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -29,9 +37,15 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 
 @pytest.fixture(scope="module")
-def faulty(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], dict[str, str]]:
-    args, env, _ = build_node(tmp_path_factory.mktemp("faulty"), faulty=True)
-    return args, env
+def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[str], dict[str, str]]]:
+    jobs = start_ras_jobs(faulty=True)  # its NCCL jobs: a dead process, a stuck rank, a stopped one
+    try:
+        args, env, _ = build_node(tmp_path_factory.mktemp("faulty"), faulty=True,
+                                  ras_ports=[j.port for j in jobs])
+        yield args, env
+    finally:
+        for job in jobs:
+            job.stop()
 
 
 def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]]) -> None:
@@ -39,12 +53,13 @@ def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]
     out = run(*args, env=env)
     assert out.returncode == 1, out.stderr
     text = out.stdout
-    assert text.startswith("19 findings on this node:")
+    assert text.startswith("22 findings on this node:")
     # Causes in the report's order, each with its findings, device and confirming command.
     positions = [text.index(title) for title in (
         "NCCL on TCP sockets", "GPUDirect RDMA off", "Degraded or flapping link",
         "PFC or ECN misconfigured", "MTU", "GPU and NIC placement", "Degraded GPU PCIe link",
-        "GPU faults", "Slow collectives", "GPUs waiting", "RDMA devices, ports or netdevs gone")]
+        "GPU faults", "Slow collectives", "GPUs waiting", "RDMA devices, ports or netdevs gone",
+        "NCCL jobs running now")]
     assert positions == sorted(positions)
     assert "[critical] mlx5_5 port 1: runs at 200 Gb/s, expected 400 Gb/s" in text
     assert "confirm: cat /sys/class/infiniband/mlx5_5/ports/1/rate" in text
@@ -71,7 +86,7 @@ def test_thresholds_file_changes_the_verdict(faulty: tuple[list[str], dict[str, 
     out = run(*args, "--json", f"--thresholds={tmp_path / 't.yml'}", env=env)
     result: dict[str, Any] = json.loads(out.stdout)
     alerts = {f["alert"] for f in result["findings"]}
-    assert len(alerts) == 17
+    assert len(alerts) == 20
     assert "GpunetPfcDisabledOnRocePriority" not in alerts
     assert "GpunetAllreduceLatencyHigh" not in alerts
     assert result["exit_code"] == out.returncode == 1
@@ -149,7 +164,7 @@ def test_checks_name_real_alerts_and_causes() -> None:
     names = set(doctor_module.SEVERITY)
     source = Path(doctor_module.__file__).read_text()
     used = set(re.findall(r'"(Gpunet[A-Za-z]+)"', source))
-    assert used <= names and len(used) == 46
+    assert used <= names and len(used) == 50
     causes = set(re.findall(r'c\.add\("(\w+)"', source))
     assert causes <= set(doctor_module.CAUSES)
 
@@ -490,3 +505,97 @@ def test_settings_are_notes_not_findings(tmp_path: Path) -> None:
     assert [(f["alert"], f["where"]) for f in result["findings"]] == [
         ("GpunetNcclEnvDisablesFastPath", "NCCL_IB_DISABLE")]
     assert {n["where"] for n in result["notes"]} == {"NCCL_SOCKET_IFNAME", "NCCL_ALGO"}
+
+
+def test_nccl_jobs_in_operators_words(faulty: tuple[list[str], dict[str, str]]) -> None:
+    """The faulty node's three NCCL jobs (stand-in RAS servers replaying the GPU machine's
+    captures): a dead process, a rank stuck 20 operations behind (counts compared across the
+    two reports the doctor asks for) and a port whose one listener never answers; each a finding
+    of its alert, and the two jobs that answered described in notes."""
+    args, env = faulty
+    result = json.loads(run(*args, "--json", "--no-collector.probe", env=env).stdout)
+    config = Path(next(a for a in args if a.startswith("--config.file=")).split("=", 1)[1])
+    ports = re.search(r"ports: \[(.*?)\]", config.read_text()).group(1).split(", ")
+    dead, stuck, stopped = (f"NCCL job on RAS port {p}" for p in ports)
+    jobs = {(f["alert"], f["where"]): f["message"] for f in result["findings"]
+            if f["cause"] == "nccl_job"}
+    assert jobs == {
+        ("GpunetNcclRankDead", dead): "1 process of the job is considered dead by RAS: the job "
+                                      "waits for it or is about to fail",
+        ("GpunetNcclRankStalled", stuck): "1 rank launches no more collectives, up to 20 "
+                                          "operations behind the other ranks of the "
+                                          "communicator, which wait for them",
+        ("GpunetNcclRasUnreachable", stopped): "1 NCCL process listens on the port but none gave "
+                                               "a report (12 connections accepted and never "
+                                               "answered: a stopped or hung process); the "
+                                               "job's health is unknown",
+    }
+    notes = {n["where"]: n["message"] for n in result["notes"]}
+    assert notes[dead] == ("NCCL 2.28.9: 2 processes on 1 node with 1 GPU; 1 communicator "
+                           "running; 1 of 2 ranks answered; 1 process dead, 1 communicator "
+                           "without progress since the previous report (idle, or hung as a "
+                           "whole)")
+    assert notes[stuck].endswith("2 of 2 ranks answered; 1 rank stuck, 1 communicator without "
+                                 "progress since the previous report (idle, or hung as a whole)")
+    assert stopped not in notes
+
+
+def _ras(port: str, *, listeners: float, ok: float | None, **values: float
+         ) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """One port's nccl collector readings: ``values`` maps a metric (without gpunet_nccl_) and
+    label state or reason, joined by ':', to its value."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {
+        "gpunet_nccl_ras_listeners": [({"port": port}, listeners)]}
+    if ok is not None:
+        out["gpunet_nccl_ras_query_success"] = [({"port": port}, ok)]
+    for key, v in values.items():
+        name, _, label = key.partition(":")
+        lbl = {"port": port}
+        if label:
+            lbl["reason" if name == "missing_ranks" else "state"] = label
+        out.setdefault(f"gpunet_nccl_{name}", []).append((lbl, v))
+    return out
+
+
+@pytest.mark.parametrize("readings,alerts,note", [
+    # No job: nothing listens, nothing asked; no finding, no note.
+    (_ras("28028", listeners=0, ok=None), set(), False),
+    # A text report (NCCL before 2.28.7): two ranks unreachable, nothing dead.
+    (_ras("28028", listeners=4, ok=1, **{"missing_ranks:unreachable": 2,
+                                          "job_processes:answering": 6, "job_nodes": 2}),
+     {"GpunetNcclRankUnreachable"}, True),
+    # Listening, the query failed: unreachable RAS, and no job figures judged from old values.
+    (_ras("28028", listeners=2, ok=0, **{"job_processes:dead": 1}),
+     {"GpunetNcclRasUnreachable"}, False),
+    # A healthy job: a note only.
+    (_ras("28028", listeners=2, ok=1, **{"job_processes:answering": 2, "stalled_ranks": 0}),
+     set(), True),
+])
+def test_nccl_job_findings_follow_the_alerts(
+        readings: dict[str, list[tuple[dict[str, str], float]]], alerts: set[str],
+        note: bool) -> None:
+    c = _snapshots(5.0, readings, readings)
+    doctor_module.check_nccl_jobs(c)
+    assert {f.alert for f in c.findings} == alerts
+    assert all(f.cause == "nccl_job" and f.where == "NCCL job on RAS port 28028"
+               for f in c.findings)
+    assert [n.where for n in c.notes] == (["NCCL job on RAS port 28028"] if note else [])
+
+
+def test_a_jobs_trouble_is_listed_but_does_not_fail_the_node(tmp_path: Path) -> None:
+    """A healthy node running a job one of whose processes died elsewhere: the finding is
+    listed, yet the exit code stays 0 (every node of the job reports the same dead process; a
+    health check must not drain them all)."""
+    job = Server(Behaviour(json=(RAS / "dead.json").read_text())).start()
+    try:
+        args, env, _ = build_node(tmp_path, faulty=False, ras_ports=[job.port])
+        out = run(*args, "--json", "--no-collector.probe", env=env)
+        text = run(*args, "--no-collector.probe", env=env).stdout
+    finally:
+        job.stop()
+    result = json.loads(out.stdout)
+    assert [(f["alert"], f["cause"]) for f in result["findings"]] == [
+        ("GpunetNcclRankDead", "nccl_job")]
+    assert (out.returncode, result["status"], result["exit_code"]) == (0, "healthy", 0)
+    assert text.startswith("1 finding on this node:")
+    assert "the job's, not the node's: no effect on the exit code" in text

@@ -19,7 +19,8 @@ from gpunet_exporter.sources import ras
 
 from support.metrics import make_collector, samples_of, value
 from support.paths import FIXTURES
-from support.ras_server import Behaviour, serving
+from support.ras_server import Behaviour, Server, serving
+from support.wait import wait_for
 
 DATA = FIXTURES / "nccl_ras"
 
@@ -300,6 +301,32 @@ def test_only_a_silent_listener() -> None:
     assert got["answering"] is None and got["running"] is None  # no job figures
     assert value(s, "gpunet_nccl_ras_query_last_success_timestamp_seconds",
                  port=str(srv.port)) is None
+
+
+def test_a_full_accept_queue_is_unanswered_too() -> None:
+    """A process stopped long enough: its accept queue filled with connections it never took
+    (the collector's own, round after round), and the kernel drops new ones. Those count as
+    unanswered and the next attempt goes on (it may reach another process of the job)."""
+    srv = Server(Behaviour(silent=True), backlog=0).start()
+    held = []
+    try:
+        def full() -> bool:  # fill the queue until a connection is no longer accepted
+            try:
+                held.append(socket.create_connection(("127.0.0.1", srv.port), timeout=0.2))
+            except TimeoutError:
+                return True
+            return False
+
+        wait_for(full, "the silent listener's accept queue full", timeout=10, interval=0)
+        with pytest.raises(ras.Unanswered, match="accept queue"):
+            ras.query("127.0.0.1", srv.port, timeout=5, handshake_timeout=0.2)
+        with collector([srv.port], attempts=3) as c:
+            got = job(scrape(c), srv.port)
+        assert (got["success"], got["listeners"], got["unanswered"]) == (0, 1, 3)
+    finally:
+        for sock in held:
+            sock.close()
+        srv.stop()
 
 
 def test_no_job_costs_one_refused_connection() -> None:

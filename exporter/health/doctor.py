@@ -32,6 +32,7 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from gpunet_exporter.collector import Collector
+from gpunet_exporter.collectors.nccl import NcclCollector
 from gpunet_exporter.collectors.probe import ProbeSettings
 from gpunet_exporter.config import ConfigError, read_regular
 from gpunet_exporter.health import rules
@@ -62,11 +63,17 @@ CAUSES = {
     "collective": "Slow collectives or a straggler",
     "gpu_wait": "GPUs waiting (starved, or in the network-bound band)",
     "inventory": "RDMA devices, ports or netdevs gone",
+    "nccl_job": "NCCL jobs running now (NCCL's RAS service; the job's, not the node's: no "
+                "effect on the exit code)",
 }
 # Findings that say something could not be checked rather than that something is wrong: alone,
 # they make the exit code 2 (could not check), not 1, and each also gives a `problems` entry.
 COULD_NOT_CHECK = frozenset({"GpunetPfcConfigUnreadable"})
 SEVERITY = {a.name: a.severity for a in rules.ALERTS}
+# Causes that say something of a job rather than of this node: listed, never the exit code. RAS
+# reports the whole job from every node, so a rank killed on one node (out of memory, a user's
+# bug) would otherwise fail the health check of every node of the job and drain them all.
+JOB_CAUSES = frozenset({"nccl_job"})
 
 
 @dataclass(frozen=True)
@@ -663,10 +670,107 @@ def check_inventory(c: Check) -> None:
                   "ls /sys/class/infiniband; ibv_devices; lspci -d 15b3:")
 
 
+def _plural(n: float, one: str, many: str = "") -> str:
+    return f"{n:.0f} {one if n == 1 else (many or one + 's')}"
+
+
+def _verb(n: float, one: str, many: str) -> str:
+    return one if n == 1 else many
+
+
+def check_nccl_jobs(c: Check) -> None:
+    """The NCCL jobs on this node, as NCCL's RAS service reports them (the nccl collector; the
+    doctor asks for a second report just before its second reading, so that the collective
+    counts are compared): the four GpunetNccl* alerts as findings, and each job that answered
+    described in a note."""
+    b = c.b
+    for lbl, listening in b.all("gpunet_nccl_ras_listeners"):
+        port = lbl["port"]
+        where = f"NCCL job on RAS port {port}"
+        confirm = f"ncclras -p {port}  # NCCL's RAS client (-v: per rank, -f json)"
+        ok = b.get("gpunet_nccl_ras_query_success", port=port)
+        if listening > 0 and ok == 0:
+            silent = b.get("gpunet_nccl_ras_unanswered_connections_total", port=port) or 0
+            why = (f" ({_plural(silent, 'connection')} accepted and never answered: a stopped "
+                   "or hung process)") if silent else ""
+            c.add("nccl_job", "GpunetNcclRasUnreachable", where,
+                  f"{_plural(listening, 'NCCL process', 'NCCL processes')} "
+                  f"{_verb(listening, 'listens', 'listen')} on the port but none gave a "
+                  f"report{why}; the job's health is unknown",
+                  f"ss -ltnp 'sport = :{port}'  # who listens; then ps -o pid,stat,cmd -p PID "
+                  f"(stat T: stopped); {confirm}")
+        if ok != 1:
+            continue
+        get = _reader(b, port)
+        dead = get("gpunet_nccl_job_processes", state="dead")
+        errored = get("gpunet_nccl_ranks_errored")
+        if dead > 0:
+            c.add("nccl_job", "GpunetNcclRankDead", where,
+                  f"{_plural(dead, 'process', 'processes')} of the job "
+                  f"{_verb(dead, 'is', 'are')} considered dead by RAS"
+                  + (f"; {_plural(errored, 'rank')} of the others {_verb(errored, 'holds', 'hold')}"
+                     " an error" if errored else "")
+                  + f": the job waits for {_verb(dead, 'it', 'them')} or is about to fail",
+                  confirm)
+        unreachable = get("gpunet_nccl_missing_ranks", reason="unreachable")
+        if unreachable > 0:
+            c.add("nccl_job", "GpunetNcclRankUnreachable", where,
+                  f"{_plural(unreachable, 'rank')} {_verb(unreachable, 'does', 'do')} not answer "
+                  "RAS: their process is stopped, hung or cut off", confirm)
+        stalled = get("gpunet_nccl_stalled_ranks")
+        if stalled > 0:
+            skew = max((v for _, v in b.all("gpunet_nccl_collective_skew_operations",
+                                            port=port)), default=0.0)
+            c.add("nccl_job", "GpunetNcclRankStalled", where,
+                  f"{_plural(stalled, 'rank')} {_verb(stalled, 'launches', 'launch')} no more "
+                  f"collectives, up to {_plural(skew, 'operation')} behind the other ranks of "
+                  "the communicator, which wait for them", confirm)
+        c.notes.append(Note(where, _job_summary(b, port)))
+
+
+def _reader(b: Snapshot, port: str) -> Callable[..., float]:
+    """The value of one of the port's series (0 when absent)."""
+    def get(name: str, **match: str) -> float:
+        return b.get(name, port=port, **match) or 0.0
+    return get
+
+
+def _job_summary(b: Snapshot, port: str) -> str:
+    """One job in operators' words: who runs it, how its communicators stand, what is wrong."""
+    get = _reader(b, port)
+
+    version = next((lbl.get("version", "") for lbl, _ in b.all("gpunet_nccl_ras_info",
+                                                               port=port)), "")
+    procs = {state: get("gpunet_nccl_job_processes", state=state)
+             for state in ("answering", "unresponsive", "dead")}
+    comms = {lbl["status"]: v for lbl, v in b.all("gpunet_nccl_communicators", port=port) if v}
+    expected = get("gpunet_nccl_communicator_ranks", state="expected")
+    seen = get("gpunet_nccl_communicator_ranks", state="seen")
+    parts = [f"NCCL {version}: " if version else "",
+             _plural(sum(procs.values()), "process", "processes"),
+             f" on {_plural(get('gpunet_nccl_job_nodes'), 'node')}"
+             f" with {_plural(get('gpunet_nccl_job_gpus'), 'GPU')}; "]
+    parts.append(", ".join(f"{_plural(n, 'communicator')} {status}"
+                           for status, n in sorted(comms.items())) or "no communicator")
+    parts.append(f"; {seen:.0f} of {expected:.0f} ranks answered")
+    trouble = [_plural(n, f"process {state}", f"processes {state}")
+               for state, n in procs.items() if state != "answering" and n]
+    if errored := get("gpunet_nccl_ranks_errored"):
+        trouble.append(_plural(errored, "rank with an error", "ranks with an error"))
+    if stalled := get("gpunet_nccl_stalled_ranks"):
+        trouble.append(_plural(stalled, "rank stuck", "ranks stuck"))
+    if idle := get("gpunet_nccl_communicators_without_progress"):
+        trouble.append(_plural(idle, "communicator") + " without progress since the "
+                       "previous report (idle, or hung as a whole)")
+    if trouble:
+        parts.append("; " + ", ".join(trouble))
+    return "".join(parts)
+
+
 CHECKS: tuple[Callable[[Check], None], ...] = (
     check_transport, check_job_rdma_idle, check_links, check_pfc, check_mtu, check_placement,
     check_gpus, check_collectives, check_phy, check_retransmissions, check_gpu_utilization,
-    check_flap_history, check_inventory)
+    check_flap_history, check_inventory, check_nccl_jobs)
 
 
 def _progress(quiet: bool, message: str) -> None:
@@ -775,6 +879,11 @@ def main(argv: Sequence[str]) -> int:
             _wait_for_probe(collectors["probe"], args.probe_wait, quiet)
         _progress(quiet, f"reading counters again in {args.interval:g} s for their rates")
         time.sleep(args.interval)
+        nccl = collectors.get("nccl")
+        if isinstance(nccl, NcclCollector):
+            # A second RAS report now: what shows a stuck rank is counts compared across two.
+            _progress(quiet, "asking NCCL's RAS service for a second report")
+            nccl.refresh()
         b = Snapshot(scraper.collect())
     finally:
         scraper.close()
@@ -795,8 +904,10 @@ def main(argv: Sequence[str]) -> int:
     findings = check.findings
     # Info findings (a hint such as the network-bound band, routed to no receiver by the
     # example Alertmanager configuration) are listed but do not fail a health check; nor do
-    # findings that say something could not be checked (they are problems: exit 2).
-    faults = [f for f in findings if f.severity != "info" and f.alert not in COULD_NOT_CHECK]
+    # findings that say something could not be checked (they are problems: exit 2), nor those
+    # of a job (JOB_CAUSES).
+    faults = [f for f in findings if f.severity != "info" and f.alert not in COULD_NOT_CHECK
+              and f.cause not in JOB_CAUSES]
     code = 1 if faults else (2 if problems else 0)
     if args.json:
         print(json.dumps({"status": ("findings", "healthy", "could_not_check")[

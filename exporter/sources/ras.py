@@ -185,14 +185,20 @@ def query(host: str, port: int, *, timeout: float, handshake_timeout: float = 2.
     ``json_format``: ask for JSON, and take text where the server does not know it (NCCL before
     2.28.7). ``ras_timeout``: the TIMEOUT command (how long RAS waits for each leg of its own
     collection). An answer longer than ``max_bytes`` is refused. Raises OSError when nothing
-    listens, Unanswered when the server is silent, RasError when it says something else, and
+    listens, Unanswered when the server is silent (or its accept queue is full), RasError when
+    it says something else, and
     ValueError when the report does not parse.
     """
     record = record if record is not None else Exchange()
     start = time.monotonic()
     deadline = start + timeout
-    with socket.create_connection((host, port),
-                                  timeout=min(timeout, handshake_timeout)) as sock:
+    try:
+        sock = socket.create_connection((host, port), timeout=min(timeout, handshake_timeout))
+    except TimeoutError:
+        # The kernel drops the SYN when the listener's accept queue is full: a stopped process
+        # whose queue filled with earlier connections (ours too) that it never accepted.
+        raise Unanswered("connection not accepted in time (a full accept queue)") from None
+    with sock:
         conn = _Conn(sock, deadline, max_bytes, record)
         shake = start + handshake_timeout
         conn.send(f"CLIENT PROTOCOL {PROTOCOL}")

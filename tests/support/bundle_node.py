@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from gpunet_exporter.probe import results
 from support import fake_nvml
 from support import sysfs_tree as st
 from support.paths import FIXTURES
+from support.ras_server import Behaviour, Server
 
 HEALTHY, FAULTY = "gpu-healthy", "gpu-faulty"
 HEALTHY_JOB_PID = 4242
@@ -82,7 +84,21 @@ pfc:
 probe:
   command: [{python}, {runner}]   # a stand-in runner: writes the node's results, then idles
   state_dir: {state}
+nccl: {{host: 127.0.0.1, ports: {ras_ports}, interval_seconds: 1, handshake_seconds: 0.2}}
 """
+# The NCCL jobs each node runs, as stand-in RAS servers (support.ras_server) replaying the
+# captures of tests/fixtures/nccl_ras: the healthy node's job is healthy; the faulty node runs
+# three jobs: one whose rank was killed (a dead process; the survivor holds an asynchronous
+# error), one with a rank stuck behind the other (its collective count does not move) and one
+# whose one process on this node is stopped (its listener accepts and never answers).
+RAS = FIXTURES / "nccl_ras"
+RAS_JOBS = {False: ("healthy",), True: ("dead", "stuck-1", "silent")}
+
+
+def start_ras_jobs(faulty: bool) -> list[Server]:
+    """The node's stand-in RAS servers, started on free loopback ports (stop each when done)."""
+    return [Server(Behaviour(silent=True) if job == "silent" else Behaviour(
+        json=(RAS / f"{job}.json").read_text())).start() for job in RAS_JOBS[faulty]]
 
 
 def probe_result(scope: str, *, socket: bool) -> dict[str, Any]:
@@ -146,7 +162,8 @@ PHY_COUNTERS = """\
 """
 
 
-def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str]:
+def build_node(root: Path, faulty: bool, ras_ports: Sequence[int] = (1,)
+               ) -> tuple[list[str], dict[str, str], str]:
     """Arguments (those the exporter and the doctor share) and environment for one node; returns
     also the RoCE netdev whose PFC configuration the test inspects.
 
@@ -156,7 +173,10 @@ def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str
     mlx5_7's own PCIe link trained down to x8, and the RoCE netdev of mlx5_8 at MTU 1500 (below
     the RoCE minimum and not the expected 9000: two alerts) whose QoS configuration cannot be
     read and whose out_of_sequence counter rises while the bundle runs, and an RDMA device
-    (MISSING_DEVICE) in the learned inventory that the tree no longer has."""
+    (MISSING_DEVICE) in the learned inventory that the tree no longer has.
+
+    ``ras_ports``: the ports of the node's NCCL jobs (start_ras_jobs), listed as listening in its
+    /proc/net/tcp and queried by the nccl collector; the default, port 1, has no job."""
     sysfs = st.build_dgx_h100_gpus(root)
     qos_netdev = st.make_ofed_qos(sysfs, QOS_DEVICE)  # its netdev's name; ECN files for panels
     scenario = fake_nvml.h200x2()
@@ -178,6 +198,7 @@ def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str
         scenario["devices"][0]["processes"] = [4242]
         devinfo = st.DGX_IBV_DEVINFO
     procfs = st.build_procfs(root, nvidia=st.NVRM_PROPRIETARY if faulty else st.NVRM_OPEN)
+    st.write_tcp_listeners(procfs, [p for p in ras_ports if p != 1])
     if not faulty:
         # A good job's settings, not faults (issue 16): bootstrap on the management bond, a forced
         # algorithm. The healthy node must still raise nothing, in Prometheus and in the doctor;
@@ -217,7 +238,7 @@ def build_node(root: Path, faulty: bool) -> tuple[list[str], dict[str, str], str
     config = root / "config.yml"
     config.write_text(CONFIG.format(ethtool=ethtool, state=root / "probe", mlnx_qos=mlnx_qos,
                                     ibv_devinfo=ibv_devinfo, python=sys.executable,
-                                    runner=runner))
+                                    runner=runner, ras_ports=list(ras_ports)))
     # The inventory the exporter learns (the doctor reads it, never writes it); the faulty
     # node's learned earlier an RDMA device that has since fallen off the bus.
     inventory = root / "inventory.json"

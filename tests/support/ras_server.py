@@ -34,6 +34,7 @@ class Server:
     behaviour: Behaviour
     port: int = 0
     reuse_port: bool = False
+    backlog: int = 16  # listen()'s: a silent server's queue holds backlog + 1 connections
     connections: int = 0
     commands: list[str] = field(default_factory=list)
     _sock: socket.socket | None = None
@@ -46,7 +47,7 @@ class Server:
         if self.reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(("127.0.0.1", self.port))
-        sock.listen(16)
+        sock.listen(self.backlog)
         sock.settimeout(0.1)
         self.port = sock.getsockname()[1]
         self._sock = sock

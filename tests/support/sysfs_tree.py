@@ -31,7 +31,7 @@ import argparse
 import os
 import shutil
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -958,6 +958,24 @@ def write_process(proc: Path, pid: int, environ: Mapping[str, str] | bytes,
     pid_dir.mkdir(parents=True, exist_ok=True)
     (pid_dir / "stat").write_text(f"{pid} ({comm}) {' '.join(fields)}\n")
     (pid_dir / "environ").write_bytes(raw)
+
+
+# /proc/net/tcp's heading and a LISTEN line (state 0A), as tcp4_seq_show() prints them
+# (net/ipv4/tcp_ipv4.c); addresses are hex, the IPv4 address in host (little-endian) order.
+TCP_HEADER = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  "
+              "timeout inode                                                     \n")
+TCP6_HEADER = ("  sl  local_address                         remote_address                        "
+               "st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n")
+
+
+def write_tcp_listeners(proc: Path, ports: Sequence[int]) -> None:
+    """/proc/net/tcp with one socket listening on 127.0.0.1 on each port (an NCCL process's RAS
+    listener), and an empty /proc/net/tcp6."""
+    lines = [f"{i:4d}: 0100007F:{port:04X} 00000000:0000 0A 00000000:00000000 00:00000000 "
+             f"00000000  1000        0 {64300 + i} 1 000000007e6108dc 100 0 0 10 0"
+             for i, port in enumerate(ports)]
+    _write(proc, {"net/tcp": TCP_HEADER + "".join(f"{line}\n" for line in lines),
+                  "net/tcp6": TCP6_HEADER})
 
 
 def main() -> None:
