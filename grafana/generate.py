@@ -779,7 +779,7 @@ def node() -> Json:
     lay.row("Summary")
     lay.add(stat("Firing gpunet alerts by class", "How many Gpunet alerts fire on this node, "
                  "per problem class (rows below: link and congestion = ports, links, PFC; "
-                 "transport = RDMA counters; gpu; topology; collective = probes). Needs the "
+                 "transport = RDMA counters; gpu; topology; collective = probes and NCCL jobs). Needs the "
                  "rules in alerts/ loaded.",
                  [target(sel(ALERT_RULE), "{{class}}")], "short", thresholds=OK_RED,
                  text_mode="value_and_name"), 24, 3)

@@ -708,7 +708,7 @@ def check_nccl_jobs(c: Check) -> None:
             c.add("nccl_job", "GpunetNcclRankDead", where,
                   f"{_plural(dead, 'process', 'processes')} of the job "
                   f"{_verb(dead, 'is', 'are')} considered dead by RAS"
-                  + (f"; {_plural(errored, 'rank')} of the others {_verb(errored, 'holds', 'hold')}"
+                  + (f"; {_plural(errored, 'other rank')} {_verb(errored, 'holds', 'hold')}"
                      " an error" if errored else "")
                   + f": the job waits for {_verb(dead, 'it', 'them')} or is about to fail",
                   confirm)
