@@ -779,8 +779,8 @@ def node() -> Json:
     lay.row("Summary")
     lay.add(stat("Firing gpunet alerts by class", "How many Gpunet alerts fire on this node, "
                  "per problem class (rows below: link and congestion = ports, links, PFC; "
-                 "transport = RDMA counters; gpu; topology; collective = probes and NCCL jobs). Needs the "
-                 "rules in alerts/ loaded.",
+                 "transport = RDMA counters; gpu; topology; collective = probes and NCCL "
+                 "jobs). Needs the rules in alerts/ loaded.",
                  [target(sel(ALERT_RULE), "{{class}}")], "short", thresholds=OK_RED,
                  text_mode="value_and_name"), 24, 3)
     lay.add(stat("Exporter", "Whether Prometheus reached the exporter on its last scrape.",
@@ -1288,21 +1288,18 @@ def collectives() -> Json:
             12, 7)
 
     lay.row("NCCL jobs (RAS): the jobs running now")
-    lay.add(stat("Nodes with a dead NCCL process", "Nodes whose NCCL job has a process RAS "
-                 "considers dead (GpunetNcclRankDead). Every node of a job reports it.",
-                 [target(count_or_zero("max by (instance) ("
-                                       + sel("gpunet_nccl_job_processes", 'state="dead"')
-                                       + ") > 0"))], "short", thresholds=OK_RED), 6, 4)
-    lay.add(stat("Nodes with a stuck NCCL rank", "Nodes whose NCCL job has ranks behind "
-                 "the others whose counts stopped (GpunetNcclRankStalled).",
-                 [target(count_or_zero("max by (instance) ("
-                                       + sel("gpunet_nccl_stalled_ranks") + ") > 0"))],
-                 "short", thresholds=OK_RED), 6, 4)
-    lay.add(stat("Nodes with missing NCCL ranks", "Nodes whose NCCL job has ranks that do "
-                 "not answer RAS (GpunetNcclRankUnreachable).",
-                 [target(count_or_zero("max by (instance) ("
-                                       + sel("gpunet_nccl_missing_ranks", 'reason="unreachable"')
-                                       + ") > 0"))], "short", thresholds=OK_RED), 6, 4)
+    for title, description, expr in (
+            ("Nodes with a dead NCCL process", "Nodes whose NCCL job has a process RAS "
+             "considers dead (GpunetNcclRankDead). Every node of a job reports it.",
+             sel("gpunet_nccl_job_processes", 'state="dead"')),
+            ("Nodes with a stuck NCCL rank", "Nodes whose NCCL job has ranks behind the others "
+             "whose counts stopped (GpunetNcclRankStalled).", sel("gpunet_nccl_stalled_ranks")),
+            ("Nodes with missing NCCL ranks", "Nodes whose NCCL job has ranks that do not "
+             "answer RAS (GpunetNcclRankUnreachable).",
+             sel("gpunet_nccl_missing_ranks", 'reason="unreachable"'))):
+        lay.add(stat(title, description,
+                     [target(count_or_zero(f"max by (instance) ({expr}) > 0"))], "short",
+                     thresholds=OK_RED), 6, 4)
     lay.add(stat("RAS not answering", "Node ports where NCCL processes listen but RAS gave no "
                  "report (GpunetNcclRasUnreachable): that job's health is unknown.",
                  [target(count_or_zero(sel("gpunet_nccl_ras_listeners") + " > 0 and on "
