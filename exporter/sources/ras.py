@@ -271,6 +271,7 @@ def parse_json(text: str) -> Status:
             raise ValueError(f"not JSON: {exc}") from None
     doc = _obj(raw, "the report")
     comms: list[Communicator] = []
+    keys: set[str] = set()
     for i, raw in enumerate(_list(doc.get("communicators", []), "communicators")):
         c = _obj(raw, f"communicators[{i}]")
         ranks = []
@@ -295,8 +296,9 @@ def parse_json(text: str) -> Status:
                 dead=_bool(st, "considered_dead")))
         primary = str(c.get("hash", ""))
         key = f"{primary[:64]}/{str(c.get('secondary_hash', ''))[:64]}"
-        if any(k.key == key for k in comms):
+        if key in keys:
             key += f"/{i}"
+        keys.add(key)
         comms.append(Communicator(key=key, size=_int(c, "size"), ranks=ranks, missing=missing,
                                   hash=primary if _HASH.fullmatch(primary) else ""))
     ras = _obj(doc.get("ras", {}), "ras")
