@@ -42,6 +42,6 @@ venv=.venv
 "$venv/bin/pip" install -q ".[test,probe]"  # probe: torch==2.13.0, CPU build, gloo tests
 export PATH="$PWD/$venv/bin:$PATH"
 
-echo "run.sh: ruff"; ruff check exporter collectors tests bench grafana examples
+echo "run.sh: ruff"; ruff check exporter collectors tests bench grafana examples kubernetes
 echo "run.sh: mypy"; mypy
 echo "run.sh: pytest"; exec python -m pytest "$@"
