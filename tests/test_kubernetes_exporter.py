@@ -166,6 +166,13 @@ def load_config(docs: list[dict[str, Any]], tmp_path: Path) -> tuple[dict[str, A
     return cfg, (enabled, settings)
 
 
+def seconds(duration: str) -> float:
+    """A Prometheus duration of one unit (30s, 1m) in seconds."""
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    number = duration.rstrip("smh")
+    return float(number) * units[duration[len(number):]]
+
+
 def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
@@ -267,6 +274,12 @@ def test_the_example_overlay(tmp_path: Path) -> None:
     text = (EXPORTER / "kustomization.yaml").read_text()
     for c in OPTIONAL:  # each one is there to switch on
         assert f"# - components/{c} " in text, c
+    # the image placeholder of the fleet probes' kustomization, replaced the same way
+    images = yaml.safe_load((EXPORTER / "kustomization.yaml").read_text())["images"]
+    assert images == yaml.safe_load((KUBE / "kustomization.yaml").read_text())["images"]
+    assert {c["image"] for d in docs if d["kind"] == "DaemonSet"
+            for c in d["spec"]["template"]["spec"]["containers"]} == {
+        f"{images[0]['newName']}:{images[0]['newTag']}"}
 
 
 def kustomize_dir_copy(tmp_path: Path) -> list[dict[str, Any]]:
@@ -427,6 +440,10 @@ def test_the_servicemonitor_scrapes_the_service(render: Any) -> None:
     assert port["targetPort"] == "metrics"
     assert one_item(exporter(docs)["ports"], name="metrics")["containerPort"] == port["port"]
     assert sm["spec"]["endpoints"][0]["path"] == parse_args(docs).telemetry_path
+    # Prometheus waits longer than the exporter's own deadline, and scrapes again after it
+    endpoint = sm["spec"]["endpoints"][0]
+    scrape_timeout = seconds(endpoint["scrapeTimeout"])
+    assert parse_args(docs).scrape_timeout < scrape_timeout < seconds(endpoint["interval"])
     # the targets' job is the one the rules are generated for: up{job="gpunet"}
     job = svc["metadata"]["labels"][sm["spec"]["jobLabel"]]
     assert job == thresholds.defaults()["job"]
