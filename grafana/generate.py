@@ -720,11 +720,11 @@ JOB_COLUMNS = (  # (column, metric, matchers)
 )
 
 
-def nccl_jobs_table(*, h_title: str = "NCCL jobs") -> Json:
+def nccl_jobs_table(title: str = "NCCL jobs") -> Json:
     """One row per node and RAS port: the job as RAS reported it last."""
     bad = steps(("green", None), ("red", 1))
     return table(
-        h_title, "Each NCCL job on the selected nodes, one row per node and RAS port (28028 "
+        title, "Each NCCL job on the selected nodes, one row per node and RAS port (28028 "
         "unless the job set NCCL_RAS_ADDR), from NCCL's RAS service (NCCL 2.24 or later; the "
         "nccl collector). listening: NCCL processes listening on this node (0: no job); "
         "answered: whether RAS gave a report (NO ANSWER while processes listen: a stopped or "
@@ -1087,7 +1087,7 @@ def node() -> Json:
                   cell="color-text", order=["instance", "variable", "issue"]), 24, 6)
 
     lay.row("NCCL jobs (RAS)")
-    lay.add(nccl_jobs_table(h_title="NCCL jobs on this node"), 24, 5)
+    lay.add(nccl_jobs_table("NCCL jobs on this node"), 24, 5)
     nccl_job_panels(lay, "port {{port}}")
 
     lay.row("Exporter", collapsed=True)

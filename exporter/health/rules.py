@@ -779,10 +779,15 @@ HEADER = """\
 """
 
 
-def render(t: T) -> str:
-    body = yaml.dump(rule_groups(t), Dumper=_Dumper, sort_keys=False, width=100,
+def dump_yaml(doc: Any) -> str:
+    """YAML as the rules file writes it: keys in order, multi-line strings as literal blocks
+    (kubernetes/generate_manifests.py writes its manifests with it too)."""
+    return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=100,
                      default_flow_style=False, allow_unicode=True)
-    return HEADER + body
+
+
+def render(t: T) -> str:
+    return HEADER + dump_yaml(rule_groups(t))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 
+from support.prometheus import stop
 from support.wait import wait_for
 
 UMAD2SIM = "/usr/lib/x86_64-linux-gnu/umad2sim/libumad2sim.so"
@@ -260,14 +261,8 @@ class Sim:
 
     def stop(self) -> None:
         for proc in (self._opensm, self._ibsim):
-            if proc is None or proc.poll() is not None:
-                continue
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            if proc is not None and proc.poll() is None:
+                stop(proc)
         if self._ibsim is not None and self._ibsim.stdin is not None:
             with contextlib.suppress(OSError):
                 self._ibsim.stdin.close()

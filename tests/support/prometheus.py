@@ -22,7 +22,8 @@ def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
+def stop(proc: subprocess.Popen[Any]) -> None:
+    """Terminate a process, killing it when it has not ended within 15 s."""
     proc.terminate()
     try:
         proc.wait(timeout=15)
