@@ -23,6 +23,12 @@ command -v ibsim >/dev/null || need_apt+=(ibsim-utils)
 command -v opensm >/dev/null || need_apt+=(opensm)
 command -v ibnetdiscover >/dev/null || need_apt+=(infiniband-diags)
 python3 -c 'import ensurepip' 2>/dev/null || need_apt+=(python3-venv)
+# The container image (tests/test_image.py): a Debian root filesystem as its base, built with
+# buildah, run with podman through runc (crun refuses hosts with cgroups v1 and v2 at once)
+command -v mmdebstrap >/dev/null || need_apt+=(mmdebstrap)
+command -v buildah >/dev/null || need_apt+=(buildah)
+command -v podman >/dev/null || need_apt+=(podman)
+command -v runc >/dev/null || need_apt+=(runc)
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "run.sh: installing Debian packages: ${need_apt[*]}"
