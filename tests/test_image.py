@@ -10,12 +10,20 @@ image as its unprivileged user with a read-only root filesystem and no writable 
 the example tree of a faulty DGX H100 node mounted where the image's default flags look
 (/host/sys), and the exporter is scraped over loopback.
 
+The Kubernetes manifests' containers run from the image as the kubelet would run them
+(`kubelet_flags`: their users, groups and capabilities, read-only root, hostPaths, ConfigMaps and
+emptyDirs as podman flags): the fleet probe pods' init container hands the host folder over,
+their probe container (root with IPC_LOCK only, group 65534) writes pairs.json into it and locks
+more memory than containerd's 8 MiB limit, and the example overlay's DaemonSet serves it.
+
 Root only (buildah's chroot isolation and podman without user namespaces mount file systems);
 tests/run.sh installs buildah, mmdebstrap, podman and runc. `pytest -s` prints the time of
 each step and the image's size (docs/container.md quotes them)."""
 
 from __future__ import annotations
 
+import copy
+import errno
 import json
 import os
 import re
@@ -39,7 +47,8 @@ import yaml
 from gpunet_exporter import DEFAULT_PORT
 
 from support.exporter import free_port
-from support.metrics import parse, value
+from support.kube import kustomize
+from support.metrics import Samples, parse, value
 from support.paths import REPO
 from support.wait import wait_for
 
@@ -409,3 +418,284 @@ def test_it_stops_cleanly_on_sigterm(exporter: Running) -> None:
     assert "received SIGTERM, shutting down" in logs
     assert "Traceback" not in logs, logs
     print("steps: " + ", ".join(f"{k} {v:.1f} s" for k, v in STEPS.seconds.items()))
+
+
+# -- the Kubernetes manifests' containers, run from the image ----------------------------------
+
+KUBE = REPO / "kubernetes"
+# containerd's RLIMIT_MEMLOCK under its systemd unit (systemd's default LimitMEMLOCK, 8 MiB),
+# which every container of a Kubernetes node inherits: Kubernetes has no field to raise it.
+MEMLOCK = 8 << 20
+CAP_IPC_LOCK = 1 << 14
+
+
+def kubelet_flags(docs: list[dict[str, Any]], pod: dict[str, Any], c: dict[str, Any],
+                  nodes: dict[str, Path], folder: Path) -> list[str]:
+    """podman flags for container ``c`` of ``pod`` as a kubelet with containerd runs it: the
+    user and group (the container's over the pod's; no group: the user's own, as containerd
+    takes it from the image), the capabilities dropped and added (never ambient: Kubernetes
+    has none, so an added capability of a non-root user would not take effect, and this fails
+    on one), a read-only root, no new privileges, the host PID namespace, the environment's
+    values, and the volumes: a hostPath as the test folder ``nodes`` maps its node path to, a
+    ConfigMap written out from ``docs`` under ``folder``, an emptyDir as a tmpfs of mode 0777.
+    Not the network: the caller says which. The entrypoint stays the image's unless ``c`` has
+    a command."""
+    psc, sc = pod.get("securityContext", {}), c["securityContext"]
+    uid = sc.get("runAsUser", psc.get("runAsUser"))
+    gid = sc.get("runAsGroup", psc.get("runAsGroup"))
+    assert uid is not None, "every container of the manifests says its user"
+    assert not (sc.get("runAsNonRoot", psc.get("runAsNonRoot")) and uid == 0)
+    caps = sc["capabilities"]
+    assert caps["drop"] == ["ALL"]
+    assert uid == 0 or not caps.get("add"), f"{c['name']}: capabilities for uid {uid} are inert"
+    flags = [f"--user={uid}" + ("" if gid is None else f":{gid}"), "--cap-drop=ALL",
+             *(f"--cap-add={cap}" for cap in caps.get("add", []))]
+    assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+    flags.append("--security-opt=no-new-privileges")
+    if sc.get("readOnlyRootFilesystem"):
+        flags += ["--read-only", "--read-only-tmpfs=false"]
+    if pod.get("hostPID"):
+        flags.append("--pid=host")
+    for e in c.get("env", []):
+        if "value" in e:
+            flags.append(f"--env={e['name']}={e['value']}")
+    if "command" in c:
+        flags.append("--entrypoint=" + json.dumps(c["command"]))
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for m in c.get("volumeMounts", []):
+        v, ro = volumes[m["name"]], bool(m.get("readOnly"))
+        if "hostPath" in v:
+            flags.append(f"--volume={nodes[v['hostPath']['path']]}:{m['mountPath']}"
+                         + (":ro" if ro else ""))
+        elif "configMap" in v:
+            [cm] = [d for d in docs if d["kind"] == "ConfigMap"
+                    and d["metadata"]["name"] == v["configMap"]["name"]]
+            out = folder / f"configmap-{cm['metadata']['name']}"
+            out.mkdir(mode=0o755, exist_ok=True)
+            for name, text in cm["data"].items():
+                (out / name).write_text(text, encoding="utf-8")
+                (out / name).chmod(0o644)
+            flags.append(f"--volume={out}:{m['mountPath']}:ro")
+        else:
+            size = v["emptyDir"].get("sizeLimit")
+            flags.append(f"--mount=type=tmpfs,destination={m['mountPath']},tmpfs-mode=0777"
+                         + (f",tmpfs-size={quantity(size)}" if size else "")
+                         + (",ro=true" if ro else ""))
+    return flags
+
+
+def quantity(text: str) -> int:
+    """A Kubernetes quantity in bytes (the binary suffixes the manifests use: 16Mi, 1Gi)."""
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    return int(text[:-2]) * units[text[-2:]] if text[-2:] in units else int(text)
+
+
+@dataclass(frozen=True)
+class Manifests:
+    exporter: list[dict[str, Any]]  # the example overlay, kubernetes/exporter/
+    fleet: list[dict[str, Any]]  # the fleet probes, kubernetes/
+
+    def daemonset(self) -> dict[str, Any]:
+        [ds] = [d for d in self.exporter if d["kind"] == "DaemonSet"]
+        return dict(ds["spec"]["template"]["spec"])
+
+    def fleet_pod(self) -> dict[str, Any]:
+        [cron] = [d for d in self.fleet if d["kind"] == "CronJob"]
+        return dict(cron["spec"]["jobTemplate"]["spec"]["template"]["spec"])
+
+
+@pytest.fixture(scope="module")
+def manifests(tmp_path_factory: pytest.TempPathFactory) -> Manifests:
+    home = tmp_path_factory.mktemp("kubectl-home")
+    return Manifests(kustomize(KUBE / "exporter", home), kustomize(KUBE, home))
+
+
+def container_named(pod: dict[str, Any], name: str, init: bool = False) -> dict[str, Any]:
+    [c] = [c for c in pod["initContainers" if init else "containers"] if c["name"] == name]
+    return dict(c)
+
+
+def podman_once(image: Image, flags: list[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """One container of ``image`` run to its end in a network namespace of its own; not
+    checked."""
+    return subprocess.run(image.store.podman(
+        "run", "--rm", "--pull=never", "--network=none", "--ulimit=nofile=4096:4096",
+        "--ulimit=nproc=4096:4096", *flags, image.tag, *args),
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+PROBE_STATE = "/var/lib/gpunet-exporter/probe"
+
+
+def hand_over(image: Image, manifests: Manifests, folder: Path, tmp: Path) -> None:
+    """The fleet probe pods' init container, run on ``folder`` as the node's probe folder."""
+    pod = manifests.fleet_pod()
+    init = container_named(pod, "probe-state-owner", init=True)
+    out = podman_once(image, kubelet_flags(manifests.fleet, pod, init, {PROBE_STATE: folder},
+                                           tmp))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def owner_and_mode(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return st.st_uid, st.st_gid, st.st_mode & 0o7777
+
+
+@pytest.fixture(scope="module")
+def probe_folder(image: Image, manifests: Manifests,
+                 tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The node's /var/lib/gpunet-exporter/probe as the kubelet makes it for a hostPath of
+    type DirectoryOrCreate (root's, 0755), after the fleet probe pods' init container."""
+    folder = tmp_path_factory.mktemp("node") / "probe"
+    folder.mkdir(mode=0o755)
+    os.chown(folder, 0, 0)
+    hand_over(image, manifests, folder, tmp_path_factory.mktemp("init"))
+    return folder
+
+
+def test_the_init_container_gives_the_probe_folder_to_the_exporter(
+        image: Image, manifests: Manifests, probe_folder: Path, tmp_path: Path) -> None:
+    """As root with only CHOWN: the kubelet's folder becomes 65534's, group-writable; run again
+    it changes nothing, and a folder another user owns (the systemd unit's exporter) is left
+    as it is."""
+    assert owner_and_mode(probe_folder) == (65534, 65534, 0o775)
+    hand_over(image, manifests, probe_folder, tmp_path)
+    assert owner_and_mode(probe_folder) == (65534, 65534, 0o775)
+    other = tmp_path / "theirs"
+    other.mkdir(mode=0o700)
+    os.chown(other, 4321, 4321)
+    hand_over(image, manifests, other, tmp_path)
+    assert owner_and_mode(other) == (4321, 4321, 0o700)
+
+
+# Run in the fleet probe container's place: pairs.json written as `gpunet-probe fleet` writes
+# it, then 64 MiB locked as RDMA memory registration locks it, and what the process had.
+FLEET_STAND_IN = """
+import ctypes, json, mmap, os, resource, time
+from gpunet_exporter.probe import pairs
+pairs.write(os.environ["STATE"], pairs.Pairs(node="node-a", plan="ring",
+    round_timestamp=time.time(), pairs=(pairs.Pair(peer="node-b", ok=True,
+    latency_seconds=2.5e-05, bus_bandwidth_bytes_per_second=4.6e10, transport="IB",
+    gdr=True),)))
+buf = mmap.mmap(-1, 64 << 20)
+libc = ctypes.CDLL(None, use_errno=True)
+address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+rc = libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(len(buf)))
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+print(json.dumps({"mlock": rc, "errno": ctypes.get_errno(),
+                  "memlock": resource.getrlimit(resource.RLIMIT_MEMLOCK)[0],
+                  "locked_kib": int(status["VmLck"].split()[0]),
+                  "uid": os.getuid(), "gid": os.getgid(),
+                  "cap_eff": int(status["CapEff"], 16), "cap_amb": int(status["CapAmb"], 16)}))
+"""
+
+
+def fleet_stand_in(image: Image, manifests: Manifests, folder: Path, tmp: Path,
+                   without: str | None = None) -> dict[str, Any]:
+    pod = manifests.fleet_pod()
+    c = container_named(pod, "probe")
+    c.pop("command")  # torchrun: the image has no torch; the stand-in runs in its place
+    if without:
+        sc = copy.deepcopy(c["securityContext"])
+        sc["capabilities"]["add"].remove(without)
+        c["securityContext"] = sc
+    flags = kubelet_flags(manifests.fleet, pod, c, {PROBE_STATE: folder}, tmp)
+    out = podman_once(image, [*flags, f"--ulimit=memlock={MEMLOCK}:{MEMLOCK}",
+                              f"--env=STATE={PROBE_STATE}",
+                              '--entrypoint=["/opt/gpunet-exporter/bin/python", "-c"]'],
+                      FLEET_STAND_IN)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_the_fleet_probe_container_writes_the_folder_and_locks_memory(
+        image: Image, manifests: Manifests, probe_folder: Path, tmp_path: Path) -> None:
+    """Root in group 65534 with IPC_LOCK alone: it writes pairs.json into the handed-over
+    folder through the group (no DAC_OVERRIDE) and locks 64 MiB past the 8 MiB limit, which
+    the same container without IPC_LOCK cannot."""
+    got = fleet_stand_in(image, manifests, probe_folder, tmp_path)
+    assert (got["uid"], got["gid"]) == (0, 65534)
+    assert got["cap_eff"] == CAP_IPC_LOCK and got["cap_amb"] == 0
+    assert got["memlock"] == MEMLOCK
+    assert got["mlock"] == 0 and got["locked_kib"] >= 64 << 10, got
+    written = probe_folder / "pairs.json"
+    assert owner_and_mode(written) == (0, 65534, 0o644)
+    elsewhere = tmp_path / "elsewhere"  # root's: this one's pairs.json stays out of the way
+    elsewhere.mkdir()
+    without = fleet_stand_in(image, manifests, elsewhere, tmp_path, without="IPC_LOCK")
+    assert without["cap_eff"] == 0 and without["memlock"] == MEMLOCK
+    assert without["mlock"] == -1 and without["errno"] in (errno.ENOMEM, errno.EPERM), without
+
+
+GET = ("import sys, urllib.request; "
+       "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())")
+
+
+def test_the_daemonset_runs_the_image_as_rendered(
+        image: Image, manifests: Manifests, probe_folder: Path, tmp_path: Path) -> None:
+    """The example overlay's DaemonSet (fleet-results on): its arguments, environment, user,
+    capabilities and volumes, the config.yml of its ConfigMap, the example tree as the node's
+    /sys and the handed-over probe folder. One difference from a node: a network namespace of
+    its own rather than the host's, so that the fixed port 19400 meets nothing on this machine
+    (the tree, not the host's netdevs, is what is read). Its liveness and readiness probes are
+    answered, and it serves the tree's values and the pair the fleet probe wrote."""
+    if not (probe_folder / "pairs.json").exists():
+        fleet_stand_in(image, manifests, probe_folder, tmp_path)  # run alone (-k)
+    pod = manifests.daemonset()
+    c = container_named(pod, "exporter")
+    nodes = {"/sys": TREE / "sys", "/proc": Path("/proc"), PROBE_STATE: probe_folder}
+    name = f"gpunet-daemonset-test-{uuid.uuid4().hex[:8]}"
+    flags = kubelet_flags(manifests.exporter, pod, c, nodes, tmp_path)
+    run(image.store.podman("run", "--detach", "--name", name, "--pull=never", "--network=none",
+                           "--log-driver=k8s-file", "--ulimit=nofile=4096:4096",
+                           "--ulimit=nproc=4096:4096", *flags, image.tag, *c["args"]))
+    try:
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+
+        def get(path: str) -> str | None:
+            out = subprocess.run(image.store.podman(
+                "exec", name, "/opt/gpunet-exporter/bin/python", "-c", GET,
+                f"http://127.0.0.1:{ports['metrics']}{path}"),
+                capture_output=True, text=True, timeout=60)
+            return out.stdout if out.returncode == 0 else None
+
+        for probe in ("livenessProbe", "readinessProbe"):
+            http = c[probe]["httpGet"]
+            assert http["port"] in ports
+            wait_for(lambda path=http["path"]: get(path) is not None,
+                     f"the DaemonSet's {probe} ({http['path']})", timeout=60)
+
+        def pair_served() -> Samples | None:  # pairs.json is read in the background
+            s = parse(get("/metrics") or "")
+            return s if value(s, "gpunet_fleet_pair_success", peer="node-b") is not None \
+                else None
+
+        s = wait_for(pair_served, "the fleet probe's pair in the exporter's metrics")
+        for device in ("mlx5_0", "mlx5_5"):
+            assert value(s, "gpunet_infiniband_port_rate_bytes_per_second", device=device,
+                         port="1") == rate(device)
+        assert value(s, "gpunet_fleet_pair_success", peer="node-b") == 1
+        assert value(s, "gpunet_fleet_pair_bus_bandwidth_bytes_per_second",
+                     peer="node-b") == 4.6e10
+        for collector in ("infiniband", "link", "gpu", "topology", "nccl", "probe"):
+            assert value(s, "gpunet_scrape_collector_success", collector=collector) == 1, \
+                collector
+        # the one file it writes, on its emptyDir, with the root read-only
+        inventory = yaml.safe_load(
+            next(d for d in manifests.exporter if d["kind"] == "ConfigMap"
+                 and d["metadata"]["name"].startswith("gpunet-exporter-config"))[
+                "data"]["config.yml"])["infiniband"]["inventory_state_file"]
+        wait_for(lambda: subprocess.run(image.store.podman("exec", name, "test", "-s",
+                                                           inventory)).returncode == 0,
+                 f"the exporter to write {inventory}")
+        pid = int(json.loads(run(image.store.podman("inspect", name)).stdout)[0]["State"]["Pid"])
+        status = dict(line.split(":", 1) for line in
+                      Path(f"/proc/{pid}/status").read_text().splitlines())
+        assert status["Uid"].split() == [NOBODY] * 4 and int(status["CapEff"], 16) == 0
+        grace = pod["terminationGracePeriodSeconds"]
+        run(image.store.podman("stop", "--time", str(grace), name), timeout=grace + 60)
+        state = json.loads(run(image.store.podman("inspect", name)).stdout)[0]["State"]
+        assert state["ExitCode"] == 0
+    finally:
+        subprocess.run(image.store.podman("rm", "--force", "--time", "10", name),
+                       capture_output=True, timeout=120)

