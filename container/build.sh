@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build the exporter's container image from Containerfile (docs/container.md): first the wheels,
+# Build the exporter's container image from Containerfile (docs/container.md), or with
+# IMAGE=probe the probe's from container/Containerfile.probe on top of it: first the wheels,
 # here, with this machine's pip (the image installs them offline: no pip download, no private
 # CA, no compiler inside the build), then the image with buildah, podman or docker.
 #
@@ -9,8 +10,12 @@
 # (buildah as root without a container runtime) or `--pull=never`.
 #
 # Environment (all optional):
+#   IMAGE          exporter (default) or probe: the exporter's image with the `probe` extra
+#                  (PyTorch: some GBs with CUDA), FROM the exporter's image of the same version
+#                  (EXPORTER, default gpunet-exporter:VERSION), which must be built first
 #   BUILDER        buildah, podman or docker (default: the first of them installed)
-#   TAG            the image's name (default gpunet-exporter:VERSION, VERSION the project's)
+#   TAG            the image's name (default gpunet-exporter:VERSION, VERSION the project's;
+#                  gpunet-exporter-probe:VERSION for IMAGE=probe)
 #   BASE           the base image (default: the Containerfile's, debian:bookworm-slim)
 #   PYTHON         the Python whose pip makes the wheels here (default python3)
 #   IMAGE_PYTHON   the base image's Python, X.Y (default 3.11: Debian 12's)
@@ -24,6 +29,13 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 context=${BUILD_CONTEXT:-$repo}
 python=${PYTHON:-python3}
 image_python=${IMAGE_PYTHON:-3.11}
+
+case "${IMAGE:-exporter}" in
+  exporter) containerfile=$repo/Containerfile; extra= ; name=gpunet-exporter ;;
+  probe) containerfile=$repo/container/Containerfile.probe; extra=[probe]
+    name=gpunet-exporter-probe ;;
+  *) echo "build.sh: IMAGE must be exporter or probe, not $IMAGE" >&2; exit 2 ;;
+esac
 
 case "${ARCH:-$(uname -m)}" in
   amd64 | x86_64) arch=x86_64 ;;
@@ -59,15 +71,18 @@ platforms+=(--platform "manylinux2014_${arch}")
 abi=cp${image_python/./}
 "$python" -m pip download --quiet --only-binary=:all: --dest "$wheels" \
   --implementation cp --python-version "$image_python" --abi "$abi" --abi abi3 --abi none \
-  "${platforms[@]}" "$project_wheel"
+  "${platforms[@]}" "$project_wheel$extra"
 echo "build.sh: wheels for CPython $image_python on $arch in $wheels:"
 for w in "$wheels"/*.whl; do echo "  ${w##*/}"; done
 
 # 2. The image.
 version=$(basename "$project_wheel" | cut -d- -f2)
-tag=${TAG:-gpunet-exporter:$version}
-args=(-f "$repo/Containerfile" -t "$tag" --build-arg "VERSION=$version")
+tag=${TAG:-$name:$version}
+args=(-f "$containerfile" -t "$tag" --build-arg "VERSION=$version")
 if [ -n "${BASE:-}" ]; then args+=(--build-arg "BASE=$BASE"); fi
+if [ "$name" = gpunet-exporter-probe ]; then
+  args+=(--build-arg "EXPORTER=${EXPORTER:-gpunet-exporter:$version}")
+fi
 echo "build.sh: ${build[*]} ${args[*]} $* $context"
 "${build[@]}" "${args[@]}" "$@" "$context"
 echo "build.sh: built $tag"

@@ -47,7 +47,7 @@ import yaml
 from gpunet_exporter import DEFAULT_PORT
 
 from support.exporter import free_port
-from support.kube import kustomize
+from support.kube import kustomize, render_exporter
 from support.metrics import Samples, parse, value
 from support.paths import REPO
 from support.wait import wait_for
@@ -91,6 +91,13 @@ class Steps:
 
 
 STEPS = Steps()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def print_steps() -> Iterator[None]:
+    """Each step's time, printed after the module (`pytest -s`)."""
+    yield
+    print("\nsteps: " + ", ".join(f"{k} {v:.1f} s" for k, v in STEPS.seconds.items()))
 
 
 def run(cmd: list[str], timeout: float = 120, **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -159,6 +166,47 @@ class Image:
     base_size: int
 
 
+def project_version() -> str:
+    found = re.search(r'^version = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.M)
+    assert found
+    return found.group(1)
+
+
+VERSION = project_version()
+
+
+def build(store: Store, context: Path, image: str, env: dict[str, str], step: str) -> str:
+    """container/build.sh with buildah (chroot isolation, nothing pulled) into ``store``, for
+    ``image`` (exporter or probe); its output. The wheels' time and the build's go to STEPS."""
+    env = {**os.environ, **env, "BUILDER": "buildah", "IMAGE": image, "PYTHON": sys.executable,
+           "BUILD_CONTEXT": str(context)}
+    cmd = [str(REPO / "container" / "build.sh"), *store.flags(), "--isolation", "chroot",
+           "--pull=never"]
+    lines: list[str] = []
+    start = time.monotonic()
+    wheels = f"{WHEELS}, {image}"
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          stdin=subprocess.DEVNULL, env=env, start_new_session=True) as proc:
+        # A mirror that stops answering: the script and the builder under it are killed.
+        deadline = threading.Timer(BUILD_TIMEOUT, os.killpg, (proc.pid, signal.SIGKILL))
+        deadline.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:  # the wheels are made when the builder's line comes
+                if line.startswith("build.sh: buildah ") and wheels not in STEPS.seconds:
+                    STEPS.seconds[wheels] = time.monotonic() - start
+                    start = time.monotonic()
+                lines.append(line)
+            rc = proc.wait()
+        finally:
+            deadline.cancel()
+    STEPS.seconds[step] = time.monotonic() - start
+    log = "".join(lines)
+    assert rc == 0, f"container/build.sh exited {rc} (killed after {BUILD_TIMEOUT} s: " \
+                    f"-9):\n{log[-6000:]}"
+    return log
+
+
 @pytest.fixture(scope="session")
 def base_rootfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A minbase Debian 12 root filesystem as a tarball, made once a session."""
@@ -186,40 +234,14 @@ def image(base_rootfs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                               "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                               work))
             run(store.buildah("commit", "--quiet", "--rm", work, BASE))
-        context = tmp_path_factory.mktemp("context")
-        version = re.search(r'^version = "(.+)"$', (REPO / "pyproject.toml").read_text(),
-                            re.M).group(1)
-        env = {**os.environ, "BUILDER": "buildah", "BASE": BASE, "PYTHON": sys.executable,
-               "BUILD_CONTEXT": str(context)}
-        cmd = [str(REPO / "container" / "build.sh"), *store.flags(), "--isolation", "chroot",
-               "--pull=never"]
-        lines: list[str] = []
-        start = time.monotonic()
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              stdin=subprocess.DEVNULL, env=env, start_new_session=True) as proc:
-            # A mirror that stops answering: the script and the builder under it are killed.
-            deadline = threading.Timer(BUILD_TIMEOUT, os.killpg, (proc.pid, signal.SIGKILL))
-            deadline.start()
-            try:
-                assert proc.stdout is not None
-                for line in proc.stdout:  # the wheels are made when the builder's line comes
-                    if line.startswith("build.sh: buildah ") and WHEELS not in STEPS.seconds:
-                        STEPS.seconds[WHEELS] = time.monotonic() - start
-                        start = time.monotonic()
-                    lines.append(line)
-                rc = proc.wait()
-            finally:
-                deadline.cancel()
-        STEPS.seconds["buildah bud, apt included (build.sh)"] = time.monotonic() - start
-        log = "".join(lines)
-        assert rc == 0, f"container/build.sh exited {rc} (killed after {BUILD_TIMEOUT} s: " \
-                        f"-9):\n{log[-6000:]}"
-        tag = f"gpunet-exporter:{version}"
-        assert lines[-1].strip() == f"build.sh: built {tag}", log[-2000:]
+        log = build(store, tmp_path_factory.mktemp("context"), "exporter",
+                    {"BASE": BASE}, "buildah bud, apt included (build.sh)")
+        tag = f"gpunet-exporter:{VERSION}"
+        assert log.splitlines()[-1].strip() == f"build.sh: built {tag}", log[-2000:]
         # The apt step ran here, from Debian, not from anything in the base.
         assert re.search(r"Setting up infiniband-diags .*\n", log), log[-6000:]
         info = store.inspect(f"localhost/{tag}")
-        yield Image(store, f"localhost/{tag}", version, info["Config"], int(info["Size"]),
+        yield Image(store, f"localhost/{tag}", VERSION, info["Config"], int(info["Size"]),
                     int(store.inspect(BASE)["Size"]))
     finally:
         subprocess.run(store.podman("rmi", "--all", "--force"), capture_output=True,
@@ -417,7 +439,6 @@ def test_it_stops_cleanly_on_sigterm(exporter: Running) -> None:
     assert state["ExitCode"] == 0, logs
     assert "received SIGTERM, shutting down" in logs
     assert "Traceback" not in logs, logs
-    print("steps: " + ", ".join(f"{k} {v:.1f} s" for k, v in STEPS.seconds.items()))
 
 
 # -- the Kubernetes manifests' containers, run from the image ----------------------------------
@@ -698,4 +719,103 @@ def test_the_daemonset_runs_the_image_as_rendered(
         assert state["ExitCode"] == 0
     finally:
         subprocess.run(image.store.podman("rm", "--force", "--time", "10", name),
+                       capture_output=True, timeout=120)
+
+
+# -- the probe's image and the DaemonSet's probe component -------------------------------------
+
+@pytest.fixture(scope="module")
+def probe_image(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Image:
+    """container/Containerfile.probe built by `IMAGE=probe container/build.sh` on the exporter's
+    image: the `probe` extra's wheels, which are PyTorch's CPU build on this machine (pip's
+    find-links), CUDA's from PyPI elsewhere."""
+    log = build(image.store, tmp_path_factory.mktemp("probe-context"), "probe",
+                {"EXPORTER": image.tag}, "buildah bud, the probe's image (build.sh)")
+    tag = f"gpunet-exporter-probe:{VERSION}"
+    assert log.splitlines()[-1].strip() == f"build.sh: built {tag}", log[-2000:]
+    info = image.store.inspect(f"localhost/{tag}")
+    return Image(image.store, f"localhost/{tag}", VERSION, info["Config"], int(info["Size"]),
+                 image.size)
+
+
+def test_the_probe_image_is_the_exporter_s_with_torch(probe_image: Image, image: Image,
+                                                      manifests: Manifests,
+                                                      tmp_path: Path) -> None:
+    cfg = probe_image.config
+    assert cfg["User"] == f"{NOBODY}:{NOBODY}"
+    assert cfg["Entrypoint"] == image.config["Entrypoint"] and cfg["Cmd"] == image.config["Cmd"]
+    env = dict(e.split("=", 1) for e in cfg["Env"])
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+    assert cfg["Labels"]["org.opencontainers.image.version"] == VERSION
+    out = podman_once(probe_image, ["--read-only", "--read-only-tmpfs=false", "--entrypoint",
+                                    "/opt/gpunet-exporter/bin/python"], "-c",
+                      "import torch, torch.distributed as d; print(torch.__version__, "
+                      "d.is_available(), d.is_gloo_available())")
+    assert out.returncode == 0, out.stdout + out.stderr
+    version, available, gloo = out.stdout.split()
+    assert version.startswith("2.") and available == gloo == "True"
+    # the fleet probe pods' command (torchrun, found on the PATH) with their privileges
+    pod = manifests.fleet_pod()
+    flags = kubelet_flags(manifests.fleet, pod, container_named(pod, "probe"),
+                          {PROBE_STATE: tmp_path}, tmp_path)
+    out = podman_once(probe_image, flags, "--help")
+    assert out.returncode == 0 and "--rdzv-backend" in out.stdout, out.stdout + out.stderr
+    print(f"image {probe_image.tag}: {probe_image.size / 1e6:.1f} MB")
+
+
+def test_the_probe_component_runs_rounds_in_the_probe_image(
+        probe_image: Image, tmp_path: Path) -> None:
+    """The DaemonSet with the probe component, from the probe's image as its images: would
+    make it: its runner (gpunet-probe as a child of the exporter, uid 65534, read-only root,
+    the host's PID namespace, /dev/shm on its emptyDir) runs rounds into the handed-over host
+    folder and the exporter serves them. With `probe.backend: gloo` and two ranks on CPU, the
+    same code as NCCL's on GPUs (no GPU here); the rest of the ConfigMap as rendered."""
+    docs = render_exporter(tmp_path / "render", "probe")
+    [cm] = [d for d in docs if d["kind"] == "ConfigMap"
+            and d["metadata"]["name"].startswith("gpunet-exporter-config")]
+    cfg = yaml.safe_load(cm["data"]["config.yml"])
+    assert cfg["probe"]["runner"] == "intra"
+    cfg["probe"].update({"backend": "gloo", "nprocs": 2, "sizes": [4096], "warmup": 1,
+                         "iterations": 4, "scopes": ["intra"], "interval_seconds": 5})
+    cm["data"]["config.yml"] = yaml.safe_dump(cfg)
+    [ds] = [d for d in docs if d["kind"] == "DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    folder = tmp_path / "node" / "probe"
+    folder.mkdir(parents=True, mode=0o755)  # the kubelet's, root's
+    init = container_named(pod, "probe-state-owner", init=True)
+    out = podman_once(probe_image, kubelet_flags(docs, pod, init, {PROBE_STATE: folder},
+                                                 tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert owner_and_mode(folder) == (65534, 65534, 0o775)
+    c = container_named(pod, "exporter")
+    nodes = {"/sys": TREE / "sys", "/proc": Path("/proc"), PROBE_STATE: folder}
+    name = f"gpunet-probe-test-{uuid.uuid4().hex[:8]}"
+    run(probe_image.store.podman(
+        "run", "--detach", "--name", name, "--pull=never", "--network=none",
+        "--log-driver=k8s-file", "--ulimit=nofile=4096:4096", "--ulimit=nproc=4096:4096",
+        *kubelet_flags(docs, pod, c, nodes, tmp_path), probe_image.tag, *c["args"]))
+    try:
+        port = next(p["containerPort"] for p in c["ports"] if p["name"] == "metrics")
+
+        def round_served() -> Samples | None:
+            out = subprocess.run(probe_image.store.podman(
+                "exec", name, "/opt/gpunet-exporter/bin/python", "-c", GET,
+                f"http://127.0.0.1:{port}/metrics"), capture_output=True, text=True, timeout=60)
+            if out.returncode != 0:
+                return None
+            s = parse(out.stdout)
+            return s if value(s, "gpunet_probe_success", scope="intra") is not None else None
+
+        def logs() -> str:
+            log = folder / "runner.log"
+            return log.read_text(errors="replace")[-4000:] if log.exists() else "(no runner.log)"
+
+        with STEPS.step("the probe component's first round served"):
+            s = wait_for(round_served, "a probe round served by the exporter", timeout=180)
+        assert value(s, "gpunet_probe_success", scope="intra") == 1, logs()
+        assert value(s, "gpunet_probe_world_size", scope="intra") == 2
+        result = folder / "intra.json"
+        assert result.stat().st_uid == 65534 and json.loads(result.read_text())["success"]
+    finally:
+        subprocess.run(probe_image.store.podman("rm", "--force", "--time", "10", name),
                        capture_output=True, timeout=120)

@@ -40,7 +40,7 @@ from gpunet_exporter.health import thresholds
 from gpunet_exporter.options import build_parser, config_schema, resolve
 from gpunet_exporter.registry import discover
 
-from support.kube import kustomize
+from support.kube import kustomize, render_exporter
 from support.paths import REPO
 
 KUBE = REPO / "kubernetes"
@@ -81,12 +81,7 @@ def kustomize_dir(folder: Path) -> list[dict[str, Any]]:
 @cache
 def _render(parts: tuple[str, ...], root: str) -> str:
     folder = Path(root) / ("render-" + "-".join(parts or ("base",)))
-    folder.mkdir()
-    up = os.path.relpath(EXPORTER, folder)  # kustomize takes relative paths only
-    doc = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-           "resources": [f"{up}/base"], "components": [f"{up}/components/{p}" for p in parts]}
-    (folder / "kustomization.yaml").write_text(yaml.safe_dump(doc), encoding="utf-8")
-    return yaml.safe_dump_all(kustomize_dir(folder))
+    return yaml.safe_dump_all(render_exporter(folder, *parts))
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ Python); one on PATH is used where that is missing."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from support.paths import REPO
+
+EXPORTER = REPO / "kubernetes" / "exporter"
 
 
 def kubectl() -> str:
@@ -28,3 +33,14 @@ def kustomize(folder: Path, home: Path) -> list[dict[str, Any]]:
                          timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(home)})
     assert out.returncode == 0, f"kubectl kustomize {folder}: {out.stderr}"
     return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def render_exporter(folder: Path, *components: str) -> list[dict[str, Any]]:
+    """kubernetes/exporter/'s base with ``components`` (their names under components/), rendered
+    through a kustomization written in ``folder``, which must not exist yet."""
+    folder.mkdir(parents=True)
+    up = os.path.relpath(EXPORTER, folder)  # kustomize takes relative paths only
+    doc = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+           "resources": [f"{up}/base"], "components": [f"{up}/components/{c}" for c in components]}
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump(doc), encoding="utf-8")
+    return kustomize(folder, folder / ".home")
