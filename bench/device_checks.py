@@ -389,6 +389,33 @@ def _labels(s: dict[Any, float], name: str, key: str) -> list[str]:
     return sorted(dict(lbl)[key] for (n, lbl), v in s.items() if n == name and v)
 
 
+def tree_rss(root: int) -> tuple[int, int, int]:
+    """Resident bytes of ``root`` and every process under it, their count, and the largest
+    one's bytes (VmRSS from /proc; processes gone meanwhile are skipped)."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            parent[int(d.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    tree, grew = {root}, True
+    while grew:
+        more = {p for p, pp in parent.items() if pp in tree} - tree
+        tree |= more
+        grew = bool(more)
+    sizes = []
+    for pid in tree:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    sizes.append(int(line.split()[1]) * 1024)
+        except OSError:
+            continue
+    return sum(sizes), len(sizes), max(sizes, default=0)
+
+
 def probe_exporter(site: Path, tmp: Path, rounds: int, checks: Checks) -> dict[str, Any]:
     """The exporter with the probe collector at its defaults (a round every 4 s): on one GPU
     the runner runs the net scope only, two ranks on the GPU with their own NCCL_HOSTID."""
@@ -405,8 +432,16 @@ def probe_exporter(site: Path, tmp: Path, rounds: int, checks: Checks) -> dict[s
     during, idle, seen = [], [], []
     deadline = time.monotonic() + 240
     s: dict[Any, float] = {}
+    rss_peak, rss_largest, rss_procs, rss_idle = 0, 0, 0, None
     try:
         while time.monotonic() < deadline:
+            # the pod's memory with the probe component: the exporter, its runner and the ranks
+            total, count, largest = tree_rss(exp.pid)
+            if count == 1:
+                rss_idle = total
+            if total > rss_peak:
+                rss_peak, rss_procs = total, count
+            rss_largest = max(rss_largest, largest)
             t0 = time.perf_counter()
             try:
                 s = scrape(url)
@@ -453,6 +488,9 @@ def probe_exporter(site: Path, tmp: Path, rounds: int, checks: Checks) -> dict[s
         "scrape_ms_median_during_rounds": statistics.median(during) * 1e3 if during else None,
         "scrape_ms_median_between_rounds": statistics.median(idle) * 1e3 if idle else None,
         "scrapes_during_rounds": len(during), "scrapes_between_rounds": len(idle),
+        "tree_rss_peak_MB": rss_peak / 1e6, "tree_processes_at_peak": rss_procs,
+        "largest_process_rss_MB": rss_largest / 1e6,
+        "exporter_alone_rss_MB": None if rss_idle is None else rss_idle / 1e6,
         "exporter_log_tail": err.splitlines()[-10:],
     }
     print(json.dumps({k: v for k, v in out.items() if k != "exporter_log_tail"}, indent=1))
@@ -465,6 +503,8 @@ def probe_exporter(site: Path, tmp: Path, rounds: int, checks: Checks) -> dict[s
               0.0 if out["rdma_ports"] == 0 else 1.0)
     checks.eq("net: no link ratio without an RDMA port", out["link_ratio"], None)
     checks.eq("net: nobody named in a fair run", out["straggler_named"], [])
+    checks.eq("memory: the process tree's peak (reported; the probe component's limits)",
+              round(rss_peak / 1e6), "recorded", rss_procs > 1)
     return out
 
 
