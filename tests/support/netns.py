@@ -213,13 +213,28 @@ def run_in(node: Node, argv: Sequence[str], **popen_kw: Any) -> subprocess.Popen
     return subprocess.Popen(["ip", "netns", "exec", node.ns, *argv], **popen_kw)
 
 
+RATE_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1}
+
+
+def _bits(rate: str) -> float:
+    """tc's rate ("400mbit", "1gbit", "5000bit") in bits per second."""
+    for unit, scale in RATE_UNITS.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * scale
+    raise ValueError(f"rate {rate!r}: a number and kbit, mbit, gbit or bit")
+
+
 def _limit(rate: str | None, delay: str | None) -> list[str]:
-    """A leaf qdisc: tbf for a rate alone, netem when a delay is asked for (with its rate)."""
+    """A leaf qdisc: tbf for a rate alone, netem when a delay is asked for (with its rate).
+    tbf's bucket holds 5 ms at the rate, at least 64 KiB (a veth's GSO packet): a smaller one
+    at gigabit rates starves the link between the qdisc's timer wake-ups (1600mbit with 64 KiB
+    gave half its rate)."""
     if delay:
         return ["netem", "delay", delay, *(["rate", rate] if rate else [])]
     if not rate:
         raise ValueError("a rate, a delay or both")
-    return ["tbf", "rate", rate, "burst", "64kb", "latency", "50ms"]
+    burst = max(64 * 1024, int(_bits(rate) / 8 * 0.005))
+    return ["tbf", "rate", rate, "burst", str(burst), "latency", "50ms"]
 
 
 def shape_node(node: Node, rate: str | None = None, delay: str | None = None) -> None:
