@@ -21,6 +21,7 @@ from gpunet_exporter.probe import fleet, pairs, plan, results
 
 from support import fleet as launch
 from support.exporter import free_port
+from support.wait import wait_for
 
 
 def args(*extra: str, state: Path | str = "/nonexistent") -> argparse.Namespace:
@@ -157,6 +158,40 @@ def test_barrier_waits_for_everyone_and_gives_up_after_its_timeout() -> None:
     assert together(ranks[:2], "r1", 0.5) == [False, False]
     assert ranks[0].expected == ranks[1].expected == 2
     assert together(ranks[:2], "r2", 10) == [True, True]
+
+
+def test_a_barrier_that_times_out_releases_everyone_waiting_there() -> None:
+    """Four ranks, one dead. Rank 2 arrives with a deadline far off (it came late: its pair
+    with the dead node ran to the pair timeout); ranks 0 and 1 give up first, and rank 2
+    leaves with them, not at its own deadline, knowing three arrived: the next barrier of the
+    three passes."""
+    torch_dist = pytest.importorskip("torch.distributed")
+    store = torch_dist.HashStore()
+    store.set_timeout(timedelta(seconds=5))
+    ranks = [fleet.Barriers(store, 4) for _ in range(3)]
+    late: list[bool] = []
+    waiter = threading.Thread(target=lambda: late.append(ranks[2].wait("r0", 600)), daemon=True)
+    waiter.start()
+    wait_for(lambda: store.add(fleet.PREFIX + "r0", 0) == 1, "rank 2 at the barrier")
+    early: list[bool] = []
+    givers = [threading.Thread(target=lambda b=b: early.append(b.wait("r0", 0.5)))
+              for b in ranks[:2]]
+    for t in givers:
+        t.start()
+    for t in givers:
+        t.join()
+    waiter.join(timeout=60)  # released with them: not 600 s
+    assert not waiter.is_alive(), "rank 2 stayed at a barrier the others gave up on"
+    assert early == [False, False] and late == [False]
+    assert [b.expected for b in ranks] == [3, 3, 3]
+    done: list[bool] = []
+    threads = [threading.Thread(target=lambda b=b: done.append(b.wait("r1", 10)))
+               for b in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert done == [True, True, True]
 
 
 # -- bad input -----------------------------------------------------------------------------

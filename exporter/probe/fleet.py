@@ -21,7 +21,8 @@ the little there is to share, in O(N) requests, so a few thousand nodes cost the
    cluster mode, results in ``<state_dir>/fleet/<peer>/inter.json``), killed after
    ``--pair-timeout``. Then every node waits at the round's barrier, so a round's pairs run at
    once and the next round starts clean. A node that never arrives costs only its own pairs:
-   the barrier gives up after the pair timeout and the rounds go on.
+   the barrier gives up after the pair timeout, releasing every node waiting there at once, and
+   the rounds go on.
 3. Each node puts its view in the store and reads its peers' views: a pair is ok only when both
    ends say so. Each node writes ``<state_dir>/pairs.json`` atomically (exporter/probe/pairs.py);
    a repair plan merges its pairs into the file there, other plans replace it, a node with no
@@ -370,30 +371,42 @@ def _take(store: Store, key: str, timeout: float) -> Any:
 class Barriers:
     """Barriers of the fleet's ranks in the store, O(1) requests per rank. After a barrier that
     timed out, the next ones wait only for as many ranks as had arrived at it: one dead node
-    costs one barrier's timeout, not one per round."""
+    costs one barrier's timeout, not one per round.
+
+    The first rank whose wait times out releases the barrier for every rank waiting there,
+    with the count that had arrived, so that they all leave together and agree on the count.
+    Each leaving at its own deadline would spread them by their arrival times (up to a pair
+    timeout: the dead node's partner arrives last), and the next round's pairs would start as
+    far apart and miss their rendezvous."""
 
     def __init__(self, store: Store, world: int) -> None:
         self.store = store
         self.expected = world
 
     def wait(self, name: str, timeout: float) -> bool:
-        """Wait until the expected ranks arrived at ``name``; False when ``timeout`` ran out
-        (then fewer are expected from here on). StoreBroken when the store is gone."""
-        key = PREFIX + name
+        """Wait until the expected ranks arrived at ``name``, or until ``timeout`` ran out here
+        or at another rank; False when not all of them arrived (then fewer are expected from
+        here on). StoreBroken when the store is gone."""
+        key, done = PREFIX + name, PREFIX + name + "/done"
+        timed_out = False
         try:
-            if self.store.add(key, 1) >= self.expected:
-                self.store.set(key + "/done", b"1")
-            self.store.wait([key + "/done"], timedelta(seconds=timeout))
+            arrived = self.store.add(key, 1)
+            if arrived >= self.expected:
+                self.store.set(done, str(arrived))
+            self.store.wait([done], timedelta(seconds=timeout))
         except (RuntimeError, TimeoutError) as exc:  # torch's DistStoreError is a RuntimeError
             if not isinstance(exc, TimeoutError) and "timeout" not in str(exc).lower():
                 raise StoreBroken(f"the rendezvous store is gone: {exc}") from exc
-        else:
-            return True
+            timed_out = True
         try:
-            self.expected = max(1, min(self.expected, self.store.add(key, 0)))
-        except RuntimeError as exc:
+            if timed_out:
+                self.store.set(done, str(self.store.add(key, 0)))
+            released = int(self.store.get(done))
+        except (RuntimeError, ValueError) as exc:
             raise StoreBroken(f"the rendezvous store is gone: {exc}") from exc
-        return False
+        everyone = released >= self.expected
+        self.expected = max(1, min(self.expected, released))
+        return everyone
 
 
 class StoreBroken(Exception):
