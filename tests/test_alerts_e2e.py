@@ -259,13 +259,15 @@ def test_expected_alerts_reach_the_webhook(bundle: Bundle) -> None:
 
 def test_caused_alerts_fire_but_are_inhibited(bundle: Bundle) -> None:
     test_expected_alerts_reach_the_webhook(bundle)  # the causes are in Alertmanager
+    # All at once: the expected ones too. A rate alert over a counter the fixture bumps (e.g.
+    # GpunetRoceRetransmissions) can miss one evaluation on a loaded machine, and a single read
+    # then lacked it although it had reached the webhook (seen in a full run under load).
     def caused() -> set[str]:
         names = {r["metric"]["alertname"] for r in query(
             bundle.prometheus, f'ALERTS{{alertstate="firing", instance="{FAULTY}"}}')}
-        return names if names >= INHIBITED | UNROUTED else set()
+        return names if names >= set(EXPECTED) | INHIBITED | UNROUTED else set()
 
-    firing = wait_until("the caused alerts firing in Prometheus", caused)
-    assert firing >= set(EXPECTED) | INHIBITED | UNROUTED
+    firing = wait_until("the expected and the caused alerts firing in Prometheus", caused)
 
     def suppressed() -> set[str]:
         alerts = requests.get(f"{bundle.alertmanager}/api/v2/alerts", timeout=10).json()
