@@ -72,6 +72,9 @@ ADDED_LIMIT = 150 << 20
 IMAGE_LIMIT = 256 << 20
 TOOLS = ("buildah", "mmdebstrap", "podman", "runc")
 WHEELS = "wheels (build.sh)"
+# podman's default limits (2^20) are above what a runner without CAP_SYS_RESOURCE may set; the
+# exporter needs few of either.
+ULIMITS = ["--ulimit=nofile=4096:4096", "--ulimit=nproc=4096:4096"]
 BUILD_TIMEOUT = 600  # seconds; the build takes about 20 s with the mirror near
 
 
@@ -249,6 +252,10 @@ def image(base_rootfs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         store.remove()
 
 
+GET = ("import sys, urllib.request; "
+       "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())")
+
+
 @dataclass
 class Running:
     image: Image
@@ -277,6 +284,14 @@ class Running:
         r.raise_for_status()
         return r.text
 
+    def get_inside(self, path: str) -> str | None:
+        """GET ``url + path`` from inside the container (its own network namespace); None
+        when that fails."""
+        out = subprocess.run(self.podman("exec", self.name, "/opt/gpunet-exporter/bin/python",
+                                         "-c", GET, self.url + path),
+                             capture_output=True, text=True, timeout=60)
+        return out.stdout if out.returncode == 0 else None
+
 
 @pytest.fixture(scope="module")
 def exporter(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
@@ -297,10 +312,7 @@ def exporter(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         with STEPS.step("podman run (vfs copies the image)"):
             run(store.podman(
                 "run", "--detach", "--name", name, "--pull=never", "--network=host",
-                "--read-only", "--read-only-tmpfs=false", "--log-driver=k8s-file",
-                # podman's default limits (2^20) are above what a runner without
-                # CAP_SYS_RESOURCE may set; the exporter needs few of either.
-                "--ulimit=nofile=4096:4096", "--ulimit=nproc=4096:4096",
+                "--read-only", "--read-only-tmpfs=false", "--log-driver=k8s-file", *ULIMITS,
                 f"--volume={TREE / 'sys'}:/host/sys:ro", "--volume=/proc:/host/proc:ro",
                 f"--volume={TREE / 'mlnx_qos'}:/host/mlnx_qos:ro",
                 f"--volume={conf}:/etc/gpunet-exporter/gpunet.yml:ro",
@@ -516,10 +528,6 @@ class Manifests:
     exporter: list[dict[str, Any]]  # the example overlay, kubernetes/exporter/
     fleet: list[dict[str, Any]]  # the fleet probes, kubernetes/
 
-    def daemonset(self) -> dict[str, Any]:
-        [ds] = [d for d in self.exporter if d["kind"] == "DaemonSet"]
-        return dict(ds["spec"]["template"]["spec"])
-
     def fleet_pod(self) -> dict[str, Any]:
         [cron] = [d for d in self.fleet if d["kind"] == "CronJob"]
         return dict(cron["spec"]["jobTemplate"]["spec"]["template"]["spec"])
@@ -531,6 +539,18 @@ def manifests(tmp_path_factory: pytest.TempPathFactory) -> Manifests:
     return Manifests(kustomize(KUBE / "exporter", home), kustomize(KUBE, home))
 
 
+def daemonset_pod(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    [ds] = [d for d in docs if d["kind"] == "DaemonSet"]
+    return dict(ds["spec"]["template"]["spec"])
+
+
+def exporter_config_map(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ConfigMap of the exporter's config.yml (its name has kustomize's hash appended)."""
+    [cm] = [d for d in docs if d["kind"] == "ConfigMap"
+            and d["metadata"]["name"].startswith("gpunet-exporter-config")]
+    return cm
+
+
 def container_named(pod: dict[str, Any], name: str, init: bool = False) -> dict[str, Any]:
     [c] = [c for c in pod["initContainers" if init else "containers"] if c["name"] == name]
     return dict(c)
@@ -540,21 +560,43 @@ def podman_once(image: Image, flags: list[str], *args: str) -> subprocess.Comple
     """One container of ``image`` run to its end in a network namespace of its own; not
     checked."""
     return subprocess.run(image.store.podman(
-        "run", "--rm", "--pull=never", "--network=none", "--ulimit=nofile=4096:4096",
-        "--ulimit=nproc=4096:4096", *flags, image.tag, *args),
+        "run", "--rm", "--pull=never", "--network=none", *ULIMITS, *flags, image.tag, *args),
         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+@contextmanager
+def as_pod(image: Image, docs: list[dict[str, Any]], pod: dict[str, Any], c: dict[str, Any],
+           nodes: dict[str, Path], tmp: Path) -> Iterator[Running]:
+    """Container ``c`` of ``pod`` started from ``image`` as the kubelet would (kubelet_flags),
+    in a network namespace of its own, with its arguments; its url is its metrics port's, seen
+    from inside. Removed at the end."""
+    name = f"gpunet-pod-test-{uuid.uuid4().hex[:8]}"
+    run(image.store.podman("run", "--detach", "--name", name, "--pull=never", "--network=none",
+                           "--log-driver=k8s-file", *ULIMITS,
+                           *kubelet_flags(docs, pod, c, nodes, tmp), image.tag, *c["args"]))
+    try:
+        port = next(p["containerPort"] for p in c["ports"] if p["name"] == "metrics")
+        yield Running(image, name, f"http://127.0.0.1:{port}", 0)
+    finally:
+        subprocess.run(image.store.podman("rm", "--force", "--time", "10", name),
+                       capture_output=True, timeout=120)
 
 
 PROBE_STATE = "/var/lib/gpunet-exporter/probe"
 
 
-def hand_over(image: Image, manifests: Manifests, folder: Path, tmp: Path) -> None:
-    """The fleet probe pods' init container, run on ``folder`` as the node's probe folder."""
-    pod = manifests.fleet_pod()
+def run_init(image: Image, docs: list[dict[str, Any]], pod: dict[str, Any], folder: Path,
+             tmp: Path) -> None:
+    """``pod``'s init container probe-state-owner, run on ``folder`` as the node's probe
+    folder."""
     init = container_named(pod, "probe-state-owner", init=True)
-    out = podman_once(image, kubelet_flags(manifests.fleet, pod, init, {PROBE_STATE: folder},
-                                           tmp))
+    out = podman_once(image, kubelet_flags(docs, pod, init, {PROBE_STATE: folder}, tmp))
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def hand_over(image: Image, manifests: Manifests, folder: Path, tmp: Path) -> None:
+    """The fleet probe pods' init container, run on ``folder``."""
+    run_init(image, manifests.fleet, manifests.fleet_pod(), folder, tmp)
 
 
 def owner_and_mode(path: Path) -> tuple[int, int, int]:
@@ -648,10 +690,6 @@ def test_the_fleet_probe_container_writes_the_folder_and_locks_memory(
     assert without["mlock"] == -1 and without["errno"] in (errno.ENOMEM, errno.EPERM), without
 
 
-GET = ("import sys, urllib.request; "
-       "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())")
-
-
 def test_the_daemonset_runs_the_image_as_rendered(
         image: Image, manifests: Manifests, probe_folder: Path, tmp_path: Path) -> None:
     """The example overlay's DaemonSet (fleet-results on): its arguments, environment, user,
@@ -662,32 +700,19 @@ def test_the_daemonset_runs_the_image_as_rendered(
     answered, and it serves the tree's values and the pair the fleet probe wrote."""
     if not (probe_folder / "pairs.json").exists():
         fleet_stand_in(image, manifests, probe_folder, tmp_path)  # run alone (-k)
-    pod = manifests.daemonset()
+    pod = daemonset_pod(manifests.exporter)
     c = container_named(pod, "exporter")
     nodes = {"/sys": TREE / "sys", "/proc": Path("/proc"), PROBE_STATE: probe_folder}
-    name = f"gpunet-daemonset-test-{uuid.uuid4().hex[:8]}"
-    flags = kubelet_flags(manifests.exporter, pod, c, nodes, tmp_path)
-    run(image.store.podman("run", "--detach", "--name", name, "--pull=never", "--network=none",
-                           "--log-driver=k8s-file", "--ulimit=nofile=4096:4096",
-                           "--ulimit=nproc=4096:4096", *flags, image.tag, *c["args"]))
-    try:
-        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-
-        def get(path: str) -> str | None:
-            out = subprocess.run(image.store.podman(
-                "exec", name, "/opt/gpunet-exporter/bin/python", "-c", GET,
-                f"http://127.0.0.1:{ports['metrics']}{path}"),
-                capture_output=True, text=True, timeout=60)
-            return out.stdout if out.returncode == 0 else None
-
+    with as_pod(image, manifests.exporter, pod, c, nodes, tmp_path) as running:
+        ports = {p["name"] for p in c["ports"]}
         for probe in ("livenessProbe", "readinessProbe"):
             http = c[probe]["httpGet"]
             assert http["port"] in ports
-            wait_for(lambda path=http["path"]: get(path) is not None,
+            wait_for(lambda path=http["path"]: running.get_inside(path) is not None,
                      f"the DaemonSet's {probe} ({http['path']})", timeout=60)
 
         def pair_served() -> Samples | None:  # pairs.json is read in the background
-            s = parse(get("/metrics") or "")
+            s = parse(running.get_inside("/metrics") or "")
             return s if value(s, "gpunet_fleet_pair_success", peer="node-b") is not None \
                 else None
 
@@ -702,24 +727,17 @@ def test_the_daemonset_runs_the_image_as_rendered(
             assert value(s, "gpunet_scrape_collector_success", collector=collector) == 1, \
                 collector
         # the one file it writes, on its emptyDir, with the root read-only
-        inventory = yaml.safe_load(
-            next(d for d in manifests.exporter if d["kind"] == "ConfigMap"
-                 and d["metadata"]["name"].startswith("gpunet-exporter-config"))[
-                "data"]["config.yml"])["infiniband"]["inventory_state_file"]
-        wait_for(lambda: subprocess.run(image.store.podman("exec", name, "test", "-s",
-                                                           inventory)).returncode == 0,
+        inventory = yaml.safe_load(exporter_config_map(manifests.exporter)["data"][
+            "config.yml"])["infiniband"]["inventory_state_file"]
+        wait_for(lambda: running.exec(f"test -s {inventory}").returncode == 0,
                  f"the exporter to write {inventory}")
-        pid = int(json.loads(run(image.store.podman("inspect", name)).stdout)[0]["State"]["Pid"])
+        pid = int(running.state()["Pid"])
         status = dict(line.split(":", 1) for line in
                       Path(f"/proc/{pid}/status").read_text().splitlines())
         assert status["Uid"].split() == [NOBODY] * 4 and int(status["CapEff"], 16) == 0
         grace = pod["terminationGracePeriodSeconds"]
-        run(image.store.podman("stop", "--time", str(grace), name), timeout=grace + 60)
-        state = json.loads(run(image.store.podman("inspect", name)).stdout)[0]["State"]
-        assert state["ExitCode"] == 0
-    finally:
-        subprocess.run(image.store.podman("rm", "--force", "--time", "10", name),
-                       capture_output=True, timeout=120)
+        run(running.podman("stop", "--time", str(grace), running.name), timeout=grace + 60)
+        assert running.state()["ExitCode"] == 0
 
 
 # -- the probe's image and the DaemonSet's probe component -------------------------------------
@@ -771,39 +789,23 @@ def test_the_probe_component_runs_rounds_in_the_probe_image(
     folder and the exporter serves them. With `probe.backend: gloo` and two ranks on CPU, the
     same code as NCCL's on GPUs (no GPU here); the rest of the ConfigMap as rendered."""
     docs = render_exporter(tmp_path / "render", "probe")
-    [cm] = [d for d in docs if d["kind"] == "ConfigMap"
-            and d["metadata"]["name"].startswith("gpunet-exporter-config")]
+    cm = exporter_config_map(docs)
     cfg = yaml.safe_load(cm["data"]["config.yml"])
     assert cfg["probe"]["runner"] == "intra"
     cfg["probe"].update({"backend": "gloo", "nprocs": 2, "sizes": [4096], "warmup": 1,
                          "iterations": 4, "scopes": ["intra"], "interval_seconds": 5})
     cm["data"]["config.yml"] = yaml.safe_dump(cfg)
-    [ds] = [d for d in docs if d["kind"] == "DaemonSet"]
-    pod = ds["spec"]["template"]["spec"]
+    pod = daemonset_pod(docs)
     folder = tmp_path / "node" / "probe"
     folder.mkdir(parents=True, mode=0o755)  # the kubelet's, root's
-    init = container_named(pod, "probe-state-owner", init=True)
-    out = podman_once(probe_image, kubelet_flags(docs, pod, init, {PROBE_STATE: folder},
-                                                 tmp_path))
-    assert out.returncode == 0, out.stdout + out.stderr
+    run_init(probe_image, docs, pod, folder, tmp_path)
     assert owner_and_mode(folder) == (65534, 65534, 0o775)
     c = container_named(pod, "exporter")
     nodes = {"/sys": TREE / "sys", "/proc": Path("/proc"), PROBE_STATE: folder}
-    name = f"gpunet-probe-test-{uuid.uuid4().hex[:8]}"
-    run(probe_image.store.podman(
-        "run", "--detach", "--name", name, "--pull=never", "--network=none",
-        "--log-driver=k8s-file", "--ulimit=nofile=4096:4096", "--ulimit=nproc=4096:4096",
-        *kubelet_flags(docs, pod, c, nodes, tmp_path), probe_image.tag, *c["args"]))
-    try:
-        port = next(p["containerPort"] for p in c["ports"] if p["name"] == "metrics")
+    with as_pod(probe_image, docs, pod, c, nodes, tmp_path) as running:
 
         def round_served() -> Samples | None:
-            out = subprocess.run(probe_image.store.podman(
-                "exec", name, "/opt/gpunet-exporter/bin/python", "-c", GET,
-                f"http://127.0.0.1:{port}/metrics"), capture_output=True, text=True, timeout=60)
-            if out.returncode != 0:
-                return None
-            s = parse(out.stdout)
+            s = parse(running.get_inside("/metrics") or "")
             return s if value(s, "gpunet_probe_success", scope="intra") is not None else None
 
         def logs() -> str:
@@ -816,6 +818,3 @@ def test_the_probe_component_runs_rounds_in_the_probe_image(
         assert value(s, "gpunet_probe_world_size", scope="intra") == 2
         result = folder / "intra.json"
         assert result.stat().st_uid == 65534 and json.loads(result.read_text())["success"]
-    finally:
-        subprocess.run(probe_image.store.podman("rm", "--force", "--time", "10", name),
-                       capture_output=True, timeout=120)

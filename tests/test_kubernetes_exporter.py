@@ -74,10 +74,6 @@ def components() -> list[str]:
     return sorted(p.name for p in COMPONENTS.iterdir() if (p / "kustomization.yaml").exists())
 
 
-def kustomize_dir(folder: Path) -> list[dict[str, Any]]:
-    return kustomize(folder, folder / ".home")
-
-
 @cache
 def _render(parts: tuple[str, ...], root: str) -> str:
     folder = Path(root) / ("render-" + "-".join(parts or ("base",)))
@@ -267,7 +263,7 @@ def test_the_example_overlay(tmp_path: Path) -> None:
 def kustomize_dir_copy(tmp_path: Path) -> list[dict[str, Any]]:
     copied = tmp_path / "exporter"
     shutil.copytree(EXPORTER, copied)
-    return kustomize_dir(copied)
+    return kustomize(copied, copied / ".home")
 
 
 def test_everything_together(render: Any) -> None:
