@@ -34,9 +34,9 @@ from prometheus_client.core import Metric
 
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
 from gpunet_exporter.config import Settings, setting
-from gpunet_exporter.probe import pairs, results, runner, supervisor
+from gpunet_exporter.probe import idle, pairs, results, runner, supervisor
 from gpunet_exporter.probe.results import Result
-from gpunet_exporter.sources import rdma
+from gpunet_exporter.sources import nvml, rdma
 
 REASONS = supervisor.REASONS
 _S = ("scope",)
@@ -88,6 +88,29 @@ FAILURES = MetricSpec(
     "init_error, error, no_gpu, bad_result (an unreadable result file), skipped_busy (sizes "
     "skipped because GPUs were busy with other work)", ("scope", "reason"), "rounds",
     "the probe supervisor and result files")
+_SUPERVISOR = "the probe supervisor, from NVML's compute and graphics processes of every GPU"
+STATE = MetricSpec(
+    "gpunet_probe_state", "gauge",
+    "1 for the probe's current state, else 0: measuring (GPUs idle past the hold-off, rounds "
+    "run), failing (idle, but the last round or runner failed), holdoff (a foreign GPU process "
+    "was seen less than probe.holdoff_seconds ago), yielded (a foreign process is on a GPU: "
+    "the probe holds nothing there), unknown (the GPUs' processes cannot be read: no rounds)",
+    ("state",), "boolean", _SUPERVISOR)
+STATE_SINCE = MetricSpec(
+    "gpunet_probe_state_since_timestamp_seconds", "gauge",
+    "Unix time the probe's current state (gpunet_probe_state) began", (), "seconds", _SUPERVISOR)
+IDLE_SINCE = MetricSpec(
+    "gpunet_probe_idle_since_timestamp_seconds", "gauge",
+    "Unix time the node's GPUs became idle for the probe (no foreign process for the hold-off); "
+    "absent while they are not", (), "seconds", _SUPERVISOR)
+FOREIGN = MetricSpec(
+    "gpunet_probe_foreign_processes", "gauge",
+    "Processes on the node's GPUs that are not the probe's, at the supervisor's last look", (),
+    "processes", _SUPERVISOR)
+YIELDS = MetricSpec(
+    "gpunet_probe_yields_total", "counter",
+    "Times the probe's runner and workers were killed because a foreign process appeared on a "
+    "GPU", (), "yields", _SUPERVISOR)
 RUNNING = MetricSpec(
     "gpunet_probe_runner_running", "gauge",
     "1 while the exporter's probe runner process is alive (runner: intra), else 0", (),
@@ -262,6 +285,10 @@ class ProbeSettings(Settings):
         "GPU utilization (0 to 1) above which a GPU is busy with other work: sizes of 1 MiB and "
         "up are skipped while it is (with `skip_busy`)", default=_default("busy_utilization"),
         minimum=0)
+    holdoff_seconds: float = setting(
+        "rounds run only once no process other than the probe's has been on any GPU for this "
+        "long (and since the exporter started); the probe's workers leave the moment one "
+        "appears", default=120.0, minimum=0)
     skip_busy: bool = setting("skip sizes of 1 MiB and up while a GPU is busy: above "
                               "`busy_utilization`, or running a process that is not the "
                               "probe's", default=_default("skip_busy"))
@@ -276,7 +303,8 @@ class ProbeCollector(Collector):
     description = ("Micro all-reduce probes through torch.distributed/NCCL run outside the "
                    "scrape: latency, bus bandwidth, stragglers, NCCL transport and GDR")
     default_enabled = False  # it puts work on the GPUs: an operator turns it on
-    metrics = (SUCCESS, LAST_ROUND, LAST_SUCCESS, DURATION, FAILURES, RUNNING, LATENCY, ALGBW,
+    metrics = (SUCCESS, LAST_ROUND, LAST_SUCCESS, DURATION, FAILURES, RUNNING, STATE,
+               STATE_SINCE, IDLE_SINCE, FOREIGN, YIELDS, LATENCY, ALGBW,
                BUSBW, SKIPPED, STRAGGLER_WAIT, STRAGGLER_RATIO, STRAGGLER, LINK, LINK_RATIO,
                HCA_RANKS, HCA_GDR, WORLD, INFO, TRANSPORT, GDR, SOCKET_FALLBACK, PROBLEM,
                *FLEET_METRICS)
@@ -287,11 +315,28 @@ class ProbeCollector(Collector):
         super().__init__(ctx)
         cfg = self.settings
         self.state_dir = cfg.state_dir
+        self._known_own: set[int] = set()
         self.supervisor = supervisor.Supervisor(
             self.state_dir, self.command() if cfg.runner == "intra" else None,
             interval=float(cfg.interval_seconds), timeout=float(cfg.timeout_seconds),
             default_scope=(cfg.scopes or ("intra",))[0], log=ctx.log_once,
-            logger=ctx.logger)
+            logger=ctx.logger, look=self.foreign_processes,
+            holdoff=float(cfg.holdoff_seconds),
+            describe=lambda pids: idle.describe(pids, ctx.procfs))
+        if ctx.learn and cfg.runner == "intra":  # the service: the hold-off counts from now
+            self.supervisor.start()
+
+    def foreign_processes(self) -> set[int] | None:
+        """The processes on the node's GPUs that are not the probe's (None: cannot tell). With
+        gloo on a node without NVIDIA's library there is no GPU to protect: none."""
+        session = nvml.session(self.ctx.nvml_module)
+        pids = idle.gpu_pids(session)
+        if pids is None:
+            if session.state == "absent" and self.settings.backend == "gloo":
+                self.supervisor.gate.holdoff = 0.0  # nothing to wait for
+                return set()
+            return None
+        return idle.foreign(pids, self.ctx.procfs, nvml.own_sessions(), self._known_own)
 
     def command(self) -> list[str]:
         """The runner's command line: its options only where the configuration differs from
@@ -310,6 +355,14 @@ class ProbeCollector(Collector):
         fams = Families()
         if snap.running is not None:
             fams.add(RUNNING, [], int(snap.running))
+        if snap.state:
+            for state in idle.STATES:
+                fams.add(STATE, [state], int(state == snap.state))
+            fams.add(STATE_SINCE, [], snap.state_since)
+            fams.add(FOREIGN, [], snap.foreign)
+            fams.add(YIELDS, [], snap.yields)
+            if snap.idle_since is not None:
+                fams.add(IDLE_SINCE, [], snap.idle_since)
         rdma_active: bool | None = None
         for scope, view in snap.scopes.items():
             last, good, failures = view.last, view.good, view.failures

@@ -281,7 +281,11 @@ def scoped(s: Samples, name: str, scope: str) -> list[frozenset[tuple[str, str]]
 
 class Probe:
     def __init__(self, sysfs: Path, state: Path, config: dict[str, Any]) -> None:
-        self.c = make_collector(ProbeCollector, sysfs, {"state_dir": str(state), **config})
+        # gloo unless a test says otherwise: on this machine without NVIDIA's library that is
+        # a node with no GPU to protect, where the supervisor starts the runner at once (with
+        # nccl it could not tell idle GPUs from a job's, and would start nothing).
+        self.c = make_collector(ProbeCollector, sysfs,
+                                {"backend": "gloo", "state_dir": str(state), **config})
         assert isinstance(self.c, ProbeCollector)
         self.supervisor = self.c.supervisor
 

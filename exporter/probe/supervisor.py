@@ -20,6 +20,13 @@ watches it:
   mtime, inode or size changes; a bad one leaves no pairs (its old peers are not this node's
   view any more) and counts one ``bad_result`` under ``pair_failures``.
 
+The runner runs only while the node's GPUs are idle (exporter/probe/idle.py, issue 31): each
+tick looks at the GPUs' processes first; the runner is started only once no foreign process has
+been seen for the hold-off, and the moment one appears its whole process group is killed (a
+yield, not a failure: nothing is counted but ``yields``), whatever it was doing, so that its
+workers' CUDA contexts and memory are gone within a tick and the driver's clean-up. Where the
+processes cannot be read (no NVML) the runner does not run: the state is ``unknown``.
+
 Every tick ends in a Snapshot, the Refresher's value: the scrape reads that and nothing else.
 ``close`` stops the ticks and kills the runner's process group.
 """
@@ -33,12 +40,12 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from gpunet_exporter.background import Refresher
-from gpunet_exporter.probe import pairs, results
+from gpunet_exporter.probe import idle, pairs, results
 from gpunet_exporter.probe.results import Result
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.sources.commands import Child
@@ -71,6 +78,11 @@ class Snapshot:
     pairs: pairs.Pairs | None = None  # the last good pairs.json, None after a bad one
     pair_failures: int = 0  # unreadable pairs.json files (bad_result)
     pairs_seen: bool = False  # a pairs.json was ever found, good or bad
+    state: str = ""  # idle.STATES, "" without a runner of the exporter's
+    state_since: float = 0.0  # Unix time the state began
+    idle_since: float | None = None  # Unix time the node became idle past the hold-off
+    foreign: int = 0  # foreign GPU processes seen at the last look
+    yields: int = 0  # times the runner was killed because a foreign process appeared
 
 
 @dataclass
@@ -106,12 +118,17 @@ class Supervisor:
 
     ``interval`` and ``timeout`` are the runner's own (seconds between round starts, the limit
     of a group's start or round); ``default_scope`` is where the runner's own failures count
-    while its status names no scope.
+    while its status names no scope. ``look`` returns the foreign processes on the node's GPUs
+    now (None: cannot tell); the runner starts once it has returned none for ``holdoff``
+    seconds. Without ``look`` the runner runs regardless.
     """
 
     def __init__(self, state_dir: str, command: Sequence[str] | None, *, interval: float,
                  timeout: float, default_scope: str, log: Log,
-                 logger: logging.Logger | logging.LoggerAdapter[logging.Logger]) -> None:
+                 logger: logging.Logger | logging.LoggerAdapter[logging.Logger],
+                 look: Callable[[], Collection[int] | None] | None = None,
+                 holdoff: float = 0.0, describe: Callable[[Collection[int]], str] = str
+                 ) -> None:
         self.state_dir = state_dir
         self.command = list(command) if command is not None else None
         self.interval, self.timeout = interval, timeout
@@ -126,6 +143,11 @@ class Supervisor:
         self._next_start = 0.0  # time.monotonic() before which no runner is started
         self.restarts = 0  # runner exits and failed starts since the last good round
         self._closed = False
+        self._look, self._describe = look, describe
+        self.gate = idle.Gate(holdoff)
+        self._gate_state = idle.UNKNOWN
+        self._state, self._state_since = "", 0.0
+        self._yields = 0
         self._tick_lock = threading.Lock()  # one tick at a time; close() waits for it
         self._refresher: Refresher[Snapshot] = Refresher("probe-supervisor", POLL_SECONDS,
                                                          self.tick, log)
@@ -173,7 +195,10 @@ class Supervisor:
         try:
             self._poll_results()
             if self.command is not None and not self._closed:
-                self._watch_runner()
+                free = self._look_at_gpus()
+                if free:
+                    self._watch_runner()
+                self._set_state(self._gate_state if not free else self._run_state())
             return self._snapshot()
         finally:
             self._tick_lock.release()
@@ -182,9 +207,53 @@ class Supervisor:
         child = self._child
         running = None if self.command is None else (
             child is not None and child.returncode is None)
+        idle_since = self.gate.idle_at() if self._state in (idle.MEASURING, idle.FAILING) \
+            else None
         return Snapshot({s: ScopeView(st.last, st.good, dict(st.failures))
                          for s, st in self._scopes.items()}, running, self._pairs,
-                        self._pair_failures, self._pairs_key is not None)
+                        self._pair_failures, self._pairs_key is not None, self._state,
+                        self._state_since, idle_since, len(self.gate.foreign), self._yields)
+
+    # -- the GPUs: idle, or a job's ----------------------------------------------------------
+
+    def _look_at_gpus(self) -> bool:
+        """Whether the runner may run now; kills it (a yield) when a foreign process appeared
+        or the GPUs' processes cannot be read."""
+        if self._look is None:
+            self._gate_state = idle.MEASURING
+            return True
+        try:
+            pids = self._look()
+        except Exception as exc:  # a check that breaks is a check that cannot run
+            self._log(logging.WARNING, "probe: cannot read the GPUs' processes: %s", exc)
+            pids = None
+        state = self.gate.observe(pids)
+        self._gate_state = state
+        if state == idle.MEASURING:
+            return True
+        if self._child is not None:
+            if state == idle.YIELDED:
+                self._yields += 1
+                self._kill(f"yielding the GPUs to {self._describe(self.gate.foreign)}",
+                           logging.INFO)
+            else:
+                self._kill("the GPUs' processes cannot be read (NVML)")
+        return False
+
+    def _run_state(self) -> str:
+        """MEASURING, or FAILING when the runner keeps exiting or a scope's last round since the
+        node became idle failed."""
+        since = self.gate.idle_at()
+        failed = any(st.last is not None and not st.last.success and st.last.time >= since
+                     for st in self._scopes.values())
+        return idle.FAILING if failed or self.restarts > 0 else idle.MEASURING
+
+    def _set_state(self, state: str) -> None:
+        if state != self._state:
+            self._state, self._state_since = state, time.time()
+            if state in (idle.YIELDED, idle.HOLDOFF, idle.UNKNOWN):
+                self.restarts = 0  # a fresh start once the node is idle again
+                self._next_start = 0.0
 
     def _poll_pairs(self) -> None:
         path = pairs.pairs_path(self.state_dir)
@@ -322,15 +391,14 @@ class Supervisor:
             return ""
         return lines[-1][:200] if lines else ""
 
-    def _kill(self, why: str) -> None:
+    def _kill(self, why: str, level: int = logging.WARNING) -> None:
         child, self._child = self._child, None
         if child is None:
             return
+        if child.poll() is None:
+            self._logger.log(level, "probe runner killed: %s", why)
+            child.kill()
         nvml.own_session(child.pid, started=False)
-        if child.poll() is not None:
-            return
-        self._log(logging.WARNING, "probe runner killed: %s", why)
-        child.kill()
 
     def _count(self, scope: str, reason: str) -> None:
         self._scopes[scope].failures[reason] += 1

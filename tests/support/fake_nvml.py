@@ -9,6 +9,7 @@ error handling meets the real classes. Scenario keys beyond the capture:
     "library": "missing" | "no_driver"      nvmlInit fails as on a node without NVIDIA
     devices[i]["lost"]: true                 every call on the GPU raises GpuIsLost
     devices[i]["processes"]: [pid, ...]      compute processes (the capture had none)
+    devices[i]["graphics_processes"]: [pid, ...]   graphics processes
     devices[i][<function name>]: {"exc": "NVMLError_NotSupported"}   override one call
     devices[i]["nvmlDeviceGetMemoryInfo_v2"]: {"ok": {...}}   the v2 memory struct
     devices[i]["sleep"]: {<function name>: seconds}   the call blocks that long, then answers
@@ -18,7 +19,9 @@ Tests call :func:`load`, :func:`push_event` and :func:`reload_driver`. An export
 a subprocess loads this module with ``--nvml.module support.fake_nvml`` (:data:`MODULE`, with
 tests/ on PYTHONPATH), reads its scenario from the JSON file named by ``GPUNET_FAKE_NVML``, and
 takes XID events from lines ``<gpu index> <xid>`` appended to the file named by
-``GPUNET_FAKE_NVML_EVENTS``; :func:`exporter_env` is that environment.
+``GPUNET_FAKE_NVML_EVENTS``; :func:`exporter_env` is that environment. Compute processes that
+come and go at run time (a stand-in job the probe must yield to) are lines ``<gpu index> <pid>``
+of the file named by ``GPUNET_FAKE_NVML_PROCESSES``, read on every call, added to the scenario's.
 """
 
 from __future__ import annotations
@@ -238,11 +241,36 @@ nvmlDeviceGetCurrPcieLinkWidth = _recorded("nvmlDeviceGetCurrPcieLinkWidth")
 nvmlDeviceGetMaxPcieLinkWidth = _recorded("nvmlDeviceGetMaxPcieLinkWidth")
 
 
+def _process_file(index: int) -> list[int]:
+    """PIDs the GPUNET_FAKE_NVML_PROCESSES file lists for GPU ``index`` now."""
+    path = os.environ.get("GPUNET_FAKE_NVML_PROCESSES")
+    if not path:
+        return []
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit() \
+                and int(parts[0]) == index:
+            out.append(int(parts[1]))
+    return out
+
+
 def nvmlDeviceGetComputeRunningProcesses(h: _Handle) -> list[Any]:
     dev = _dev(h, "nvmlDeviceGetComputeRunningProcesses")
     if "nvmlDeviceGetComputeRunningProcesses" in dev:
         return list(_answer(dev["nvmlDeviceGetComputeRunningProcesses"]))
-    return [SimpleNamespace(pid=p, usedGpuMemory=1 << 30) for p in dev.get("processes", [])]
+    pids = [*dev.get("processes", []), *_process_file(h.index)]
+    return [SimpleNamespace(pid=p, usedGpuMemory=1 << 30) for p in pids]
+
+
+def nvmlDeviceGetGraphicsRunningProcesses(h: _Handle) -> list[Any]:
+    dev = _dev(h, "nvmlDeviceGetGraphicsRunningProcesses")
+    return [SimpleNamespace(pid=p, usedGpuMemory=1 << 20)
+            for p in dev.get("graphics_processes", [])]
 
 
 def nvmlDeviceGetPcieThroughput(h: _Handle, counter: int) -> int:
