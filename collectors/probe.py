@@ -26,6 +26,7 @@ time and success come with it. This module maps those results to metrics.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -91,10 +92,8 @@ FAILURES = MetricSpec(
 _SUPERVISOR = "the probe supervisor, from NVML's compute and graphics processes of every GPU"
 STATE = MetricSpec(
     "gpunet_probe_state", "gauge",
-    "1 for the probe's current state, else 0: measuring (GPUs idle past the hold-off, rounds "
-    "run), failing (idle, but the last round or runner failed), holdoff (a foreign GPU process "
-    "was seen less than probe.holdoff_seconds ago), yielded (a foreign process is on a GPU: "
-    "the probe holds nothing there), unknown (the GPUs' processes cannot be read: no rounds)",
+    "1 for the probe's current state, else 0: measuring, failing (idle GPUs, failed rounds), "
+    "holdoff, yielded (a job is on the GPUs), unknown (cannot tell); docs/probe.md",
     ("state",), "boolean", _SUPERVISOR)
 STATE_SINCE = MetricSpec(
     "gpunet_probe_state_since_timestamp_seconds", "gauge",
@@ -336,7 +335,10 @@ class ProbeCollector(Collector):
                 self.supervisor.gate.holdoff = 0.0  # nothing to wait for
                 return set()
             return None
-        return idle.foreign(pids, self.ctx.procfs, nvml.own_sessions(), self._known_own)
+        # A one-off reader (the doctor) does not wait for the exporter's own probe: the
+        # exporter sees the doctor's ranks as foreign and yields to them.
+        return idle.foreign(pids, self.ctx.procfs, nvml.own_sessions(), self._known_own,
+                            probes_are_own=not self.ctx.learn)
 
     def command(self) -> list[str]:
         """The runner's command line: its options only where the configuration differs from
@@ -453,6 +455,23 @@ class ProbeCollector(Collector):
             fams.add(GDR, [scope], int(good.gdr))
         for problem in good.problems:
             fams.add(PROBLEM, [scope, problem], 1)
+
+    def summary(self) -> str:
+        snap = self.supervisor.snapshot()
+        if not snap.state:
+            return ""
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snap.state_since))
+        what = {idle.MEASURING: "measuring: the GPUs are idle",
+                idle.FAILING: "failing: the GPUs are idle, rounds fail",
+                idle.HOLDOFF: f"hold-off: waiting for {self.settings.holdoff_seconds:g} s "
+                              "without other GPU processes",
+                idle.YIELDED: f"yielded: {snap.foreign} other process(es) on the GPUs",
+                idle.UNKNOWN: "unknown: the GPUs' processes cannot be read (NVML), no rounds",
+                }.get(snap.state, snap.state)
+        good = [v.good.time for v in snap.scopes.values() if v.good is not None]
+        last = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(max(good))) if good
+                else "never")
+        return f"probe {what}, since {since}; last complete round {last}"
 
     def _rdma_active(self) -> bool:
         return bool(rdma.active_ports(self.ctx.sysfs))

@@ -262,6 +262,12 @@ class Collector(abc.ABC):
         depend on it.
         """
 
+    def summary(self) -> str:
+        """One short line for the landing page beside the collector's status: what it does or
+        cannot do now (the probe: "yielded to a job since ..."); "" by default. Called from the
+        HTTP thread: read what the last collection or background tick left, nothing more."""
+        return ""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop background work, if any."""
 

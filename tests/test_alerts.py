@@ -165,7 +165,8 @@ def test_alerts_are_well_formed() -> None:
         assert "$value" in ann["description"] or name in (
             "GpunetPortCounterSaturated", "GpunetNcclSocketFallback", "GpunetGdrInactive",
             "GpunetGdrNotReady", "GpunetGpuNicNumaMismatch", "GpunetGpuPcieLinkDegraded",
-            "GpunetGpuLost", "GpunetNvmlDown", "GpunetProbeFailing", "GpunetCollectorFailing",
+            "GpunetGpuLost", "GpunetNvmlDown", "GpunetProbeFailing", "GpunetProbeIdleUnknown",
+            "GpunetCollectorFailing",
             "GpunetExporterDown", "GpunetPauseStorm", "GpunetPfcDisabledOnRocePriority",
             "GpunetPfcTrustNotExpected", "GpunetFabricSweepFailing"), (
             f"{name}: the description should show the value")

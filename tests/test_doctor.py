@@ -16,6 +16,7 @@ import pytest
 
 from gpunet_exporter.health import doctor as doctor_module
 
+from support import fake_nvml
 from support import sysfs_tree as st
 from support.bundle_node import (
     HEALTHY_JOB_ENV,
@@ -183,6 +184,34 @@ def test_probe_flag_runs_one_round_through_the_nics(tmp_path: Path) -> None:
     net = json.loads((tmp_path / "state" / "net.json").read_text())
     assert net["success"] and net["world_size"] == 2  # one device: two ranks, net scope
     assert not (tmp_path / "state" / "intra.json").exists()
+
+
+def test_probe_flag_beside_a_job_runs_nothing_and_could_not_check(tmp_path: Path) -> None:
+    """`doctor --probe` on a node whose GPUs run a job (a stand-in process the NVML stand-in
+    lists on GPU 1) starts no rank and says it could not check (exit 2)."""
+    sysfs = st.build_dgx_h100(tmp_path / "tree")
+    cfg = tmp_path / "c.yml"
+    cfg.write_text("probe:\n  backend: gloo\n  nprocs: 1\n  sizes: [4096]\n  warmup: 1\n"
+                   f"  iterations: 4\n  state_dir: {json.dumps(str(tmp_path / 'state'))}\n")
+    job = subprocess.Popen(["sleep", "300"])
+    try:
+        (tmp_path / "procs").write_text(f"1 {job.pid}\n")
+        scenario = tmp_path / "nvml.json"
+        scenario.write_text(json.dumps(fake_nvml.h200x2()))
+        env = {**fake_nvml.exporter_env(scenario),
+               "GPUNET_FAKE_NVML_PROCESSES": str(tmp_path / "procs")}
+        out = run(f"--path.sysfs={sysfs}", f"--config.file={cfg}",
+                  "--collector.disable-defaults", "--collector.infiniband", "--probe", "--json",
+                  "--probe-wait", "60", f"--nvml.module={fake_nvml.MODULE}", env=env)
+    finally:
+        job.kill()
+        job.wait()
+    assert out.returncode == 2, out.stderr
+    result = json.loads(out.stdout)
+    assert any("a job's processes are on the GPUs" in p for p in result["problems"]), result
+    assert {"where": "probe", "message": "not run: a job's processes are on the GPUs (the probe "
+            "runs only on idle GPUs)"} in result["notes"]
+    assert not (tmp_path / "state" / "net.json").exists()  # no rank ever ran
 
 
 def test_doctor_speaks_like_the_alerts(faulty: tuple[list[str], dict[str, str]]) -> None:

@@ -16,8 +16,10 @@ import pytest
 
 from gpunet_exporter.collectors.probe import ProbeCollector
 from gpunet_exporter.probe import idle, runner, supervisor
+from gpunet_exporter.registry import Scraper
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.sources.sysfs import Root
+from gpunet_exporter.web.http import _landing
 
 from support import fake_nvml
 from support import sysfs_tree as st
@@ -222,6 +224,10 @@ def test_probe_waits_measures_yields_to_a_job_and_comes_back(
     wait_for(node.probe_processes, "the probe's processes gone", timeout=5, until_empty=True)
     assert value(s, "gpunet_probe_yields_total") == 1
     assert not any(failures(s).values()), failures(s)
+    # The landing page says so, with the last complete round.
+    page = _landing(Scraper({"probe": node.c}, 5), "/metrics").decode()
+    assert "probe yielded: 1 other process(es) on the GPUs, since " in page
+    assert "last complete round never" not in page
     # While the job runs nothing of the probe's starts again: no restart, no retry.
     hold(HOLDOFF + 2, "a job that runs longer than the hold-off keeps the probe away")
     s = node.scrape()

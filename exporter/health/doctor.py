@@ -33,13 +33,14 @@ from prometheus_client.core import Metric
 
 from gpunet_exporter.collector import Collector
 from gpunet_exporter.collectors.nccl import NcclCollector
-from gpunet_exporter.collectors.probe import ProbeSettings
+from gpunet_exporter.collectors.probe import ProbeCollector, ProbeSettings
 from gpunet_exporter.config import ConfigError, read_regular
 from gpunet_exporter.health import rules
 from gpunet_exporter.health.thresholds import load
 from gpunet_exporter.logs import setup
 from gpunet_exporter.nccl.env import NCCL_FAULT_CLASSES, NCCL_SETTING_NOTES
 from gpunet_exporter.options import build_parser, server_only_flags, start_collectors
+from gpunet_exporter.probe import idle, results
 from gpunet_exporter.registry import Scraper, discover
 from gpunet_exporter.sources.commands import kill_running
 from gpunet_exporter.statefile import write_json
@@ -636,11 +637,20 @@ def check_collectives(c: Check) -> None:
             c.add("collective", "GpunetBusBandwidthLow", f"{lbl['scope']} probe",
                   f"bus bandwidth {v / 1e9:.3g} GB/s, expected {want / 1e9:.3g} GB/s",
                   "cat /var/lib/gpunet-exporter/probe/*.json")
+    # As the alert: the node's own scopes fail only while the GPUs are idle (state failing);
+    # a cluster-mode scope on its last result.
+    failing = b.get("gpunet_probe_state", state=idle.FAILING) == 1
     for lbl, v in b.all("gpunet_probe_success"):
-        if v == 0:
+        if v == 0 and (failing or lbl["scope"] not in results.NODE_SCOPES):
             c.add("collective", "GpunetProbeFailing", f"{lbl['scope']} probe",
                   "the last probe round failed",
                   "tail /var/lib/gpunet-exporter/probe/runner.log")
+    if b.get("gpunet_probe_state", state=idle.UNKNOWN) == 1:
+        c.problems.append("probe: the GPUs' processes cannot be read (NVML), so no probe round "
+                          "runs (GpunetProbeIdleUnknown)")
+    if b.get("gpunet_probe_state", state=idle.YIELDED) == 1:
+        c.notes.append(Note("probe", "not run: a job's processes are on the GPUs (the probe "
+                            "runs only on idle GPUs)"))
     for lbl, v in b.all("gpunet_probe_bus_bandwidth_link_ratio"):
         if v < p["link_ratio"]:
             c.add("collective", "GpunetBusBandwidthBelowLinkRate", f"{lbl['scope']} probe",
@@ -785,11 +795,18 @@ def _wait_for_probe(probe: Collector, timeout: float, quiet: bool) -> None:
     scopes = probe.settings.scopes if isinstance(probe.settings, ProbeSettings) else ()
     last = "net" if "net" in scopes else (scopes[-1] if scopes else "intra")
     _progress(quiet, f"waiting for the probe's round (up to {timeout:g} s)")
+    if isinstance(probe, ProbeCollector):
+        # The doctor asks for a round now: no hold-off, but never beside a job.
+        probe.supervisor.gate.holdoff = 0.0
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         s = Snapshot(probe.collect())
         if s.get("gpunet_probe_success", scope=last) is not None:
             return
+        for state in (idle.YIELDED, idle.UNKNOWN):
+            if s.get("gpunet_probe_state", state=state) == 1:
+                _progress(quiet, f"the probe is {state}: no round")
+                return
         time.sleep(0.5)
     _progress(quiet, "no probe result in time; the probe is not checked")
 
@@ -897,6 +914,8 @@ def main(argv: Sequence[str]) -> int:
     checked = {lbl["collector"]: v == 1 for lbl, v in b.all("gpunet_scrape_collector_success")}
     problems = early + [f"collector {n} failed" for n, ok in checked.items() if not ok]
     problems += check.problems
+    if args.probe and b.get("gpunet_probe_state", state=idle.YIELDED) == 1:
+        problems.append("probe: --probe asked for a round, but a job's processes are on the GPUs")
     problems += [f"collector {n} did not start" for n in enabled if n not in collectors]
     hardware = any(b.all("gpunet_infiniband_port_state_id")) or any(b.all("gpunet_gpu_info"))
     if not hardware:

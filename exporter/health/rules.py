@@ -114,6 +114,14 @@ def _variation(t: T) -> str:
             f"{_g(p['variation_ratio'])}")
 
 
+def _probe_stale(t: T) -> str:
+    stale = _g(t["probe"]["stale_seconds"])
+    return ("(\n    time() - gpunet_probe_last_success_timestamp_seconds{scope!=\"inter\"} > "
+            f"{stale}\n  and on (instance)\n    time() - "
+            f"gpunet_probe_idle_since_timestamp_seconds > {stale}\n)\nor\n  time() - "
+            f"gpunet_probe_last_success_timestamp_seconds{{scope=\"inter\"}} > {stale}")
+
+
 def _xid(t: T, critical: bool) -> str:
     """XID counts that rose in the last 10 minutes. A (GPU, XID) series appears with its first
     event, already at 1, where increase() sees nothing; so a series absent 10 minutes ago counts
@@ -494,16 +502,24 @@ ALERTS: tuple[Alert, ...] = (
           "All-reduce time varies from round to round",
           f"The {{{{ $labels.size }}}}-byte all-reduce time varies by {{{{ $value | "
           f"humanizePercentage }}}} from round to round {_SCOPE}."),
-    Alert("GpunetProbeStale", "collective", "warning", "0m",
-          lambda t: ("time() - gpunet_probe_last_success_timestamp_seconds > "
-                     f"{_g(t['probe']['stale_seconds'])}"),
+    # A node's own probe runs only while its GPUs are idle (issue 31): a node busy with jobs for
+    # days has old results and is not stale; one idle past the hold-off and still without a
+    # complete round is. Cluster-mode (inter) results follow their own schedule.
+    Alert("GpunetProbeStale", "collective", "warning", "0m", _probe_stale,
           "No recent successful probe round",
           f"The last successful probe round {_SCOPE} ended {{{{ $value | humanizeDuration }}}}"
           " ago."),
     Alert("GpunetProbeFailing", "collective", "warning", "15m",
-          lambda t: "gpunet_probe_success == 0",
+          lambda t: ('gpunet_probe_state{state="failing"} == 1\nor\n'
+                     'gpunet_probe_success{scope="inter"} == 0'),
           "Probe rounds failing",
-          f"Probe rounds {_SCOPE} fail (gpunet_probe_failures_total says why)."),
+          f"Probe rounds {_NODE} fail although nothing else uses its GPUs "
+          "(gpunet_probe_success and gpunet_probe_failures_total say which scope and why)."),
+    Alert("GpunetProbeIdleUnknown", "collective", "warning", "15m",
+          lambda t: 'gpunet_probe_state{state="unknown"} == 1',
+          "Probe cannot tell whether the GPUs are idle",
+          f"The probe {_NODE} cannot read its GPUs' processes (NVML), so it runs no rounds: "
+          "NCCL's transport and GPUDirect RDMA are not checked there."),
     # --- the NCCL jobs running now, from NCCL's RAS service (issue 20) -------------------------
     Alert("GpunetNcclRankDead", "collective", "warning", "0m",
           lambda t: 'gpunet_nccl_job_processes{state="dead"} > 0',

@@ -83,11 +83,24 @@ def local_pid(procfs: Root, pid: int) -> int | None:
         return None
 
 
+PROBE_MODULE = "gpunet_exporter.probe.cli"  # every runner and worker runs it: python -m ...
+
+
+def is_probe(procfs: Root, pid: int) -> bool:
+    """Whether ``pid`` is a gpunet-probe runner or worker (of any exporter or doctor)."""
+    try:
+        argv = procfs.read(f"{pid}/cmdline").split("\0")
+    except OSError:
+        return False
+    return PROBE_MODULE in argv or any(a.endswith("/gpunet-probe") for a in argv[:2])
+
+
 def foreign(pids: Iterable[int], procfs: Root, own_sessions: Collection[int],
-            known_own: set[int]) -> set[int]:
+            known_own: set[int], probes_are_own: bool = False) -> set[int]:
     """The PIDs that are not the probe's. ``known_own`` remembers own PIDs seen alive, so that
     the driver's last listing of a probe process that just died does not count as a job; it is
-    trimmed to the PIDs still listed."""
+    trimmed to the PIDs still listed. ``probes_are_own``: another gpunet-probe (the exporter's,
+    beside a one-off doctor round) is no job to wait for; that exporter yields to this one."""
     out: set[int] = set()
     listed = set(pids)
     known_own &= listed
@@ -101,6 +114,8 @@ def foreign(pids: Iterable[int], procfs: Root, own_sessions: Collection[int],
                 sid = os.getsid(here)
         if sid in own_sessions:
             known_own.add(pid)
+        elif probes_are_own and is_probe(procfs, pid):
+            continue
         else:
             out.add(pid)
     return out

@@ -65,11 +65,15 @@ def _landing(scraper: Scraper, telemetry_path: str) -> bytes:
         st = r.status
         state = "not scraped yet" if st.success is None else ("ok" if st.success else "failed")
         age = f"{time.time() - st.at:.0f}s ago" if st.at else ""
+        try:
+            now = r.collector.summary()
+        except Exception as exc:  # a landing page never fails for one collector
+            now = f"summary failed: {exc}"
         rows.append(
             f"<tr><td>{html.escape(r.name)}</td><td>{state}</td>"
             f"<td>{st.duration * 1000:.1f} ms</td><td>{age}</td>"
-            f"<td>{html.escape(st.error)}</td></tr>")
-    table = "\n".join(rows) or "<tr><td colspan=5>no collectors enabled</td></tr>"
+            f"<td>{html.escape(now)}</td><td>{html.escape(st.error)}</td></tr>")
+    table = "\n".join(rows) or "<tr><td colspan=6>no collectors enabled</td></tr>"
     path = html.escape(telemetry_path)
     page = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>gpunet-exporter</title></head>
@@ -79,7 +83,8 @@ def _landing(scraper: Scraper, telemetry_path: str) -> bytes:
 <a href="/-/healthy">Health</a></p>
 <h2>Collectors</h2>
 <table border="1" cellpadding="4">
-<tr><th>collector</th><th>last status</th><th>duration</th><th>when</th><th>error</th></tr>
+<tr><th>collector</th><th>last status</th><th>duration</th><th>when</th><th>now</th>
+<th>error</th></tr>
 {table}
 </table>
 </body></html>
