@@ -86,6 +86,11 @@ OK_RED = steps(("green", None), ("red", 1))
 OK_ORANGE = steps(("green", None), ("orange", 1))
 NEUTRAL = steps(("blue", None))
 STALE = steps(("green", None), ("yellow", 180), ("red", 600))  # probe interval is 60 s
+# gpunet_probe_state's values (exporter/probe/idle.py STATES, checked by tests/test_grafana.py),
+# each drawn as its position from 1 in this list.
+PROBE_STATES = ("measuring", "failing", "holdoff", "yielded", "unknown")
+PROBE_STATE_MAP = ((1, "measuring", "green"), (2, "FAILING", "red"), (3, "hold-off", "blue"),
+                   (4, "yielded to a job", "purple"), (5, "UNKNOWN", "orange"))
 # Straggler wait ratio: probe.straggler_min_ratio (0.2) names the late rank, GpunetStragglerRank
 # fires above 0.5.
 STRAGGLER_STEPS = steps(("green", None), ("orange", 0.2), ("red", 0.5))
@@ -504,11 +509,15 @@ def fleet() -> Json:
                  [target("min by (scope) (" + sel("gpunet_probe_bus_bandwidth_link_ratio")
                          + ")", "{{scope}}")], "percentunit", thresholds=LINK_RATE_STEPS,
                  text_mode="value_and_name"), 8, 4)
-    lay.add(stat("Oldest successful probe", "Longest time since a node's last successful "
-                 "probe round. Rounds run every minute by default: minutes old means the "
-                 "probe is failing or stuck.",
-                 [target("max(time() - " + sel("gpunet_probe_last_success_timestamp_seconds")
-                         + ")")], "s", thresholds=STALE), 8, 4)
+    lay.add(stat("Oldest successful probe (idle nodes)", "Longest time since a node's last "
+                 "successful probe round, over the nodes whose GPUs are idle (the probe runs "
+                 "only there, docs/probe.md). Rounds run every minute by default: minutes old "
+                 "means the probe is failing or stuck. Nodes busy with jobs are left out.",
+                 [target("max(time() - " + sel("gpunet_probe_last_success_timestamp_seconds",
+                                               'scope!="inter"')
+                         + " and on (instance, job) "
+                         + sel("gpunet_probe_idle_since_timestamp_seconds") + ")")],
+                 "s", thresholds=STALE), 8, 4)
 
     lay.row("Health matrix")
     cells = override("instance\\class", ("displayName", "node"), ("links", NODE_LINK),
@@ -1131,15 +1140,21 @@ def collectives() -> Json:
     who = "{{instance}} {{scope}}"
     sized_legend = "{{instance}} {{scope}} {{size}} B"
     lay.row("Now")
-    lay.add(stat("Probe rounds failing", "Nodes and scopes whose last probe round gave no "
-                 "results (timeout, NCCL error, no GPU). See failures by reason below.",
-                 [target(count_or_zero(sel("gpunet_probe_success", *probe) + " == 0"))],
+    lay.add(stat("Probe rounds failing", "Nodes whose probe fails while their GPUs are idle "
+                 "(state failing: timeout, NCCL error, no GPU). A probe that yielded to a job "
+                 "is not failing. See failures by reason below.",
+                 [target(count_or_zero(sel("gpunet_probe_state", 'state="failing"')
+                                       + " == 1"))],
                  "short", thresholds=OK_RED), 6, 4)
-    lay.add(stat("Oldest successful probe", "Longest time since a successful round. Rounds "
+    lay.add(stat("Oldest successful probe (idle nodes)", "Longest time since a successful "
+                 "round on the nodes whose GPUs are idle (the probe runs only there). Rounds "
                  "run every minute by default; minutes old: the probe is failing or stuck, "
                  "and the panels below show stale values.",
                  [target("max(time() - " + sel("gpunet_probe_last_success_timestamp_seconds",
-                                               *probe) + ")")], "s", thresholds=STALE), 6, 4)
+                                               *probe)
+                         + " and on (instance, job) "
+                         + sel("gpunet_probe_idle_since_timestamp_seconds") + ")")],
+                 "s", thresholds=STALE), 6, 4)
     lay.add(stat("Socket fallback", "Node scopes where NCCL used TCP sockets although an "
                  "RDMA port is ACTIVE (or the network for intra-node traffic). The net scope "
                  "checks every node's own NICs. Far slower; check NCCL_IB_* settings and the "
@@ -1331,11 +1346,15 @@ def collectives() -> Json:
                        "Growing toward probe.timeout_seconds (120 s) ends in timeouts.",
                        [target(sel("gpunet_probe_duration_seconds", *probe), who)], "s"),
             12, 7)
-    lay.add(state_timeline("Probe runner alive", "Whether the exporter's probe runner "
-                           "process (intra and net scopes) is alive. DEAD while the probe "
-                           "collector is on: no new rounds.",
-                           [target(sel("gpunet_probe_runner_running"), "{{instance}}")],
-                           mappings=mapping((1, "alive", "green"), (0, "DEAD", "red"))), 12, 6)
+    codes = " or ".join("(" + sel("gpunet_probe_state", f'state="{state}"') + f" == 1) * {n}"
+                        for n, state in enumerate(PROBE_STATES, 1))
+    lay.add(state_timeline("Probe state", "What the node's probe does (docs/probe.md, \"Idle "
+                           "only\"): measuring on idle GPUs; hold-off after another process "
+                           "was on a GPU; yielded while a job runs (it holds no GPU memory "
+                           "then); FAILING on idle GPUs; UNKNOWN when it cannot read the GPUs' "
+                           "processes and runs nothing.",
+                           [target(f"max by (instance) ({codes})", "{{instance}}")],
+                           mappings=mapping(*PROBE_STATE_MAP)), 12, 6)
     lay.add(state_timeline("Sizes skipped (GPU busy)", "SKIPPED: the round left this size "
                            "out because a GPU was busy with other work.",
                            [target(sel("gpunet_probe_size_skipped", *sized),

@@ -730,3 +730,15 @@ def test_generator_uses_only_the_standard_library() -> None:
     imported = set(re.findall(r"^(?:from|import) ([a-zA-Z_]\w*)", source, re.M))
     assert imported <= set(sys.stdlib_module_names) | {"__future__"}, imported
 
+
+
+def test_probe_state_panel_knows_every_state() -> None:
+    """The probe state timeline draws each of gpunet_probe_state's states (exporter/probe/idle.py)
+    as a number it maps to a name; a state added there must be drawn here."""
+    from gpunet_exporter.probe import idle
+
+    assert set(gen.PROBE_STATES) == set(idle.STATES)
+    assert [code for code, _, _ in gen.PROBE_STATE_MAP] == list(
+        range(1, len(gen.PROBE_STATES) + 1))
+    for (_, name, _), state in zip(gen.PROBE_STATE_MAP, gen.PROBE_STATES, strict=True):
+        assert name.replace("-", "").lower().startswith(state[:4]), (name, state)
