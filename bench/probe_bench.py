@@ -8,11 +8,10 @@ goes through its network), and ranks may share a GPU (local rank modulo the GPUs
 Every rank builds the runner's own probe state (exporter/probe/runner.py ``_Probe``: one process
 group, its memory cap, its timing loop) and, in the same process on the same GPUs:
 
-1. accuracy: the probe's bus bandwidth at 256 MiB (median of per-iteration CUDA-event times,
-   slowest rank per iteration) against a tight loop: 50 back-to-back all-reduces between two
-   CUDA events, no synchronisation in between (the nccl-tests way); target within 10 %. The
-   probe's iteration time is the shortest of the ranks' own times (the collective once all
-   arrived), the tight loop's the slowest rank's average;
+1. accuracy: the probe's bus bandwidth at 256 MiB (its own tight loop after the per-iteration
+   timed all-reduces, the shortest of the ranks' loop times) against a tight loop written here:
+   50 back-to-back all-reduces between two CUDA events, no synchronisation in between (the
+   nccl-tests way); target within 10 %. The tight loop's time is the slowest rank's average;
 2. cost: a default round (8 KiB, 1 MiB, 64 MiB; 5 warm-up and 20 timed iterations each) after
    warm-up: the GPU time of its all-reduces (sum of CUDA-event times) and wall time, and the
    GPU memory it holds: PyTorch's peak allocation and the process's total as NVML reports it
@@ -79,8 +78,9 @@ def main() -> None:
                            "nccl": probe._nccl_version(), "torch": torch.__version__}
 
     # 1. accuracy at 256 MiB
-    matrix = probe._gather(probe._time_size(big))
-    stats = runner.summarize_times(matrix, big, world)
+    times, loop = probe._time_size(big)
+    rows = probe._gather([*times, loop])
+    stats = runner.summarize_times([r[:-1] for r in rows], [r[-1] for r in rows], big, world)
     buf = torch.zeros(big // 4, dtype=torch.float32, device=probe.device)
     for _ in range(5):
         dist.all_reduce(buf)
@@ -113,19 +113,18 @@ def main() -> None:
     gpu_seconds = 0.0
     original = probe._time_size
 
-    def timed(nbytes: int) -> list[float]:
+    def timed(nbytes: int) -> tuple[list[float], float]:
         nonlocal gpu_seconds
-        times = original(nbytes)
-        gpu_seconds += sum(times)
-        return times
+        times, loop = original(nbytes)
+        gpu_seconds += sum(times) * (5 + 20) / 20 + loop
+        return times, loop
 
     probe._time_size = timed  # type: ignore[method-assign]
     t0 = time.perf_counter()
     result = probe.round(time.time(), logdir)
     wall = time.perf_counter() - t0
-    # Warm-up iterations are not event-timed: scale the timed GPU time by (warm-up + timed) /
-    # timed for the whole round's all-reduce GPU time.
-    gpu_total = gpu_seconds * (5 + 20) / 20
+    # Warm-up iterations are not event-timed: counted at the per-iteration times' rate.
+    gpu_total = gpu_seconds
     used = process_memory(gpu)
     memory["after a default round"] = used
     per_rank = probe._gather([gpu_total, wall, float(torch.cuda.max_memory_allocated()),

@@ -52,10 +52,20 @@ def test_bus_bandwidth_is_nccl_tests_formula() -> None:
 
 def test_summarize_times_takes_the_collective_without_the_wait() -> None:
     matrix = [[1.0, 2.0, 3.0, 4.0], [2.0, 1.0, 5.0, 1.0]]  # rows: ranks
-    stats = runner.summarize_times(matrix, 1000, 2)
+    stats = runner.summarize_times(matrix, [3.5, 2.5], 1000, 2)
     assert stats.median_seconds == 1.0  # of 1, 1, 3, 1: the last to arrive waited least
     assert stats.max_seconds == 3.0 and stats.p99_seconds == 3.0
-    assert stats.algbw_bytes_per_second == 1000 / 1.0
+
+
+def test_bandwidth_comes_from_the_tight_loop() -> None:
+    """Not from the median of the per-iteration times: from the loop of as many all-reduces,
+    whose time is the shortest of the ranks' (the rank that started last waited least)."""
+    matrix = [[4e-3] * 10, [5e-3] * 10, [4.5e-3] * 10, [6e-3] * 10]
+    stats = runner.summarize_times(matrix, [0.031, 0.030, 0.032, 0.033], 1 << 20, 4)
+    assert stats.median_seconds == 4e-3 and stats.loop_seconds == 0.030
+    assert stats.algbw_bytes_per_second == pytest.approx((1 << 20) * 10 / 0.030)
+    assert stats.busbw_bytes_per_second == pytest.approx(stats.algbw_bytes_per_second * 1.5)
+    assert runner.summarize_times(matrix, [0.0] * 4, 1 << 20, 4).busbw_bytes_per_second == 0
 
 
 def test_straggler_is_the_rank_that_waits_least() -> None:
@@ -150,6 +160,22 @@ def test_result_round_trip(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["intra.json"]  # no temporary left
 
 
+def test_result_loop_time_read_and_old_files_without_it(tmp_path: Path) -> None:
+    """A runner's sizes carry the tight loop's time; a file from a runner before the loop
+    (good_result: no loop_seconds) reads as it did, with 0 there."""
+    path = str(tmp_path / "intra.json")
+    write_json(path, good_result())
+    assert results.read(path).sizes[0].loop_seconds == 0.0
+    data = good_result()
+    data["sizes"][0]["loop_seconds"] = 4e-4
+    write_json(path, data)
+    assert results.read(path).sizes[0].loop_seconds == 4e-4
+    data["sizes"][0]["loop_seconds"] = "fast"
+    write_json(path, data)
+    with pytest.raises(results.BadResult, match="loop_seconds"):
+        results.read(path)
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({"version": 1}, "version"), ({"scope": "cluster"}, "scope"), ({"success": "yes"}, "success"),
     ({"success": False, "failure": "gremlins"}, "failure"), ({"time": -1}, "'time'"),
@@ -190,7 +216,8 @@ def test_two_gloo_ranks_intra_and_net(tmp_path: Path) -> None:
         assert [s.bytes for s in res.sizes] == [4096, 262144]
         for s in res.sizes:
             assert 0 < s.median_seconds <= s.p99_seconds <= s.max_seconds
-            assert s.algbw_bytes_per_second == pytest.approx(s.bytes / s.median_seconds)
+            assert s.loop_seconds > 0  # 8 all-reduces back to back: the bandwidth's
+            assert s.algbw_bytes_per_second == pytest.approx(s.bytes * 8 / s.loop_seconds)
             assert s.busbw_bytes_per_second == pytest.approx(s.algbw_bytes_per_second)  # n = 2
         assert res.straggler is not None and 0 <= res.straggler.wait_ratio <= 1
         assert res.backend == "gloo" and res.transports == () and res.gdr is None
@@ -200,6 +227,23 @@ def test_two_gloo_ranks_intra_and_net(tmp_path: Path) -> None:
     assert status["since"] == net.started  # the second round's net group
     # NCCL's logs live in the state directory, private; nothing is left in /tmp.
     assert (tmp_path / "nccl").stat().st_mode & 0o777 == 0o700
+
+
+def test_three_gloo_ranks_bandwidth_from_the_loop(tmp_path: Path) -> None:
+    """Three real ranks: the file has each size's loop time, and the bus bandwidth is
+    bytes x iterations / loop time x 2(n-1)/n, whatever the per-iteration median."""
+    r = probe("run", "--backend", "gloo", "--nprocs", "3", "--scopes", "net", "--sizes",
+              "64KiB,1MiB", "--warmup", "1", "--iterations", "6", "--rounds", "1",
+              "--state-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    raw = json.loads((tmp_path / "net.json").read_text())
+    assert all(s["loop_seconds"] > 0 for s in raw["sizes"])
+    res = results.read(str(tmp_path / "net.json"))
+    assert res.world_size == 3 and [s.bytes for s in res.sizes] == [65536, 1 << 20]
+    for s in res.sizes:
+        assert s.algbw_bytes_per_second == pytest.approx(s.bytes * 6 / s.loop_seconds)
+        assert s.busbw_bytes_per_second == pytest.approx(
+            s.bytes * 6 / s.loop_seconds * 2 * (3 - 1) / 3)
 
 
 def test_one_device_node_has_no_intra_scope(tmp_path: Path) -> None:
@@ -646,3 +690,4 @@ def test_end_to_end_exporter_with_gloo_probe(run_exporter: Any, sysfs: Path,
 
     wait_for(left, "the runner's processes gone after the exporter stopped", timeout=5,
              until_empty=True)
+

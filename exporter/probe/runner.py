@@ -15,12 +15,18 @@ Two ways to start it, one code path for the measurement:
 
 A worker keeps its process group between rounds (NCCL is initialised once); a group that fails
 or hangs is killed, its failure written to its result file, and started again next round.
-Each round: for each message size, warm-up all-reduces, then timed ones (CUDA events on GPUs, the
-monotonic clock on CPU), every rank timing its own wait in the collective. An iteration's
-collective time is the shortest of its ranks' times: the rank that arrived last waited least,
-and its time is the collective once everybody was there. The difference to the others is the
-wait that rank imposed: the straggler (``straggler()``). Per size: median, p99 and max; algorithm
-bandwidth = bytes / median; bus bandwidth = algbw x 2(n-1)/n (nccl-tests' all-reduce formula).
+Each round: for each message size, warm-up all-reduces, then timed ones, each on its own (CUDA
+events and a synchronisation around each on GPUs, the monotonic clock on CPU), every rank timing
+its own wait in the collective. An iteration's collective time is the shortest of its ranks'
+times: the rank that arrived last waited least, and its time is the collective once everybody
+was there. The difference to the others is the wait that rank imposed: the straggler
+(``straggler()``). Per size: median, p99 and max of those. Then, the ranks started together, a
+tight loop of as many all-reduces back to back (one event pair around the loop, nothing
+synchronised inside, as nccl-tests times it): the per-iteration synchronisation costs more than
+the collective itself on NVLink (a 64 MiB median of 403 us against 327 us in a loop on four
+H100s), so the bandwidth comes from the loop: algorithm bandwidth = bytes x iterations / loop
+time (the shortest of the ranks' loop times, as for an iteration); bus bandwidth = algbw x
+2(n-1)/n (nccl-tests' all-reduce formula).
 NCCL logs at INFO into ``<state-dir>/nccl``, and the parser (ncclog.py) says which network,
 transports and HCAs carried the round.
 """
@@ -94,15 +100,19 @@ def collective_times(matrix: Sequence[Sequence[float]]) -> list[float]:
     return [min(col) for col in zip(*matrix, strict=True)]
 
 
-def summarize_times(matrix: Sequence[Sequence[float]], nbytes: int,
+def summarize_times(matrix: Sequence[Sequence[float]], loops: Sequence[float], nbytes: int,
                     world_size: int) -> results.SizeResult:
-    """Per-size statistics from every rank's per-iteration times (rows are ranks)."""
+    """Per-size statistics. The latencies from every rank's per-iteration times (``matrix``,
+    rows are ranks); the bandwidth from every rank's time of its tight loop of as many
+    all-reduces (``loops``, one per rank), of which the shortest is the loop's time: the rank
+    that started last waited least, as in collective_times."""
     iterations = collective_times(matrix)
     med = statistics.median(iterations)
-    algbw = nbytes / med if med > 0 else 0.0
+    loop = min(loops)
+    algbw = nbytes * len(iterations) / loop if loop > 0 else 0.0
     return results.SizeResult(
         nbytes, False, med, percentile(iterations, 99), max(iterations), algbw,
-        bus_bandwidth(algbw, world_size))
+        bus_bandwidth(algbw, world_size), loop)
 
 
 @dataclass(frozen=True)
@@ -198,7 +208,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", type=parse_sizes, default=[8 << 10, 1 << 20, 64 << 20],
                    help="all-reduce message sizes (default 8KiB,1MiB,64MiB)")
     p.add_argument("--warmup", type=int, default=5, help="untimed all-reduces per size (5)")
-    p.add_argument("--iterations", type=int, default=20, help="timed all-reduces per size (20)")
+    p.add_argument("--iterations", type=int, default=20,
+                   help="timed all-reduces per size, each timed on its own (latency), then as "
+                        "many in a tight loop (bandwidth) (20)")
     p.add_argument("--interval", type=float, default=60.0,
                    help="seconds from one round's start to the next (60)")
     p.add_argument("--rounds", type=int, default=0, help="stop after this many rounds (0: never)")
@@ -264,7 +276,8 @@ def run_argv(options: Mapping[str, Any]) -> list[str]:
 # -- the node's launcher ---------------------------------------------------------------------
 
 CONTROL_ENV = "GPUNET_PROBE_CONTROL"  # "<command fd>,<reply fd>" of a launched worker
-DELAY_ENV = "GPUNET_PROBE_DELAY"  # test hook "<rank>:<seconds>": that rank arrives late
+# Test hook "<rank>:<seconds>": that rank arrives late at each all-reduce timed on its own.
+DELAY_ENV = "GPUNET_PROBE_DELAY"
 LOG_SUBDIR = "nccl"
 STOP_SECONDS = 5.0  # a stopped group's workers have this long to exit before they are killed
 
@@ -615,7 +628,8 @@ class _NoGpu(RuntimeError):
 
 
 def _delay(rank: int) -> float:
-    """The test hook: seconds this rank sleeps before each timed all-reduce (DELAY_ENV)."""
+    """The test hook: seconds this rank sleeps before each all-reduce timed on its own (not
+    in the tight loop) (DELAY_ENV)."""
     spec = os.environ.get(DELAY_ENV, "")
     who, _, seconds = spec.partition(":")
     try:
@@ -734,7 +748,16 @@ class _Probe:
         if self.cuda:
             self.torch.cuda.synchronize(self.device)
 
-    def _time_size(self, nbytes: int) -> list[float]:
+    def _together(self) -> None:
+        """Every rank here before any goes on: a one-element all-reduce, waited for."""
+        self._sync()
+        self.dist.all_reduce(self.torch.zeros(1, device=self.device))
+        self._sync()
+
+    def _time_size(self, nbytes: int) -> tuple[list[float], float]:
+        """This rank's times of one size: of each timed all-reduce on its own (latency
+        percentiles, the straggler), and of a tight loop of as many back to back (bandwidth).
+        The warm-up is a loop too, waited for once at its end."""
         torch, dist = self.torch, self.dist
         buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=self.device)
         for _ in range(self.args.warmup):
@@ -756,8 +779,30 @@ class _Probe:
                 t0 = time.perf_counter()
                 dist.all_reduce(buf)
                 times.append(time.perf_counter() - t0)
+        loop = self._time_loop(buf, self.args.iterations)
         del buf
-        return times
+        return times, loop
+
+    def _time_loop(self, buf: Any, count: int) -> float:
+        """This rank's time of ``count`` all-reduces back to back, the ranks started together:
+        one pair of CUDA events around the loop (the monotonic clock on CPU), no host
+        synchronisation inside it, as nccl-tests times it. No test-hook delay here: a late
+        rank is the straggler's business, not the bandwidth's."""
+        torch, dist = self.torch, self.dist
+        self._together()
+        if not self.cuda:
+            t0 = time.perf_counter()
+            for _ in range(count):
+                dist.all_reduce(buf)
+            return time.perf_counter() - t0
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(count):
+            dist.all_reduce(buf)
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1000
 
     def _gather(self, values: list[float]) -> list[list[float]]:
         torch, dist = self.torch, self.dist
@@ -790,13 +835,15 @@ class _Probe:
             if busy and self.args.skip_busy and nbytes >= self.args.busy_min_size:
                 sizes.append({"bytes": nbytes, "skipped": True})
                 continue
-            matrix = self._gather(self._time_size(nbytes))
+            times, loop = self._time_size(nbytes)
+            rows = self._gather([*times, loop])  # one all-gather: the loop's time last
+            matrix = [row[:-1] for row in rows]
             last = matrix  # the largest size measured decides stragglers
-            stats = summarize_times(matrix, nbytes, self.world)
+            stats = summarize_times(matrix, [row[-1] for row in rows], nbytes, self.world)
             sizes.append({"bytes": nbytes, "skipped": False, **{
                 k: getattr(stats, k) for k in (
                     "median_seconds", "p99_seconds", "max_seconds", "algbw_bytes_per_second",
-                    "busbw_bytes_per_second")}})
+                    "busbw_bytes_per_second", "loop_seconds")}})
         out: dict[str, Any] = {
             "version": results.VERSION, "scope": self.scope, "started": started,
             "success": True, "backend": self.args.backend,
