@@ -26,7 +26,8 @@ synchronised inside, as nccl-tests times it): the per-iteration synchronisation 
 the collective itself on NVLink (a 64 MiB median of 403 us against 327 us in a loop on four
 H100s), so the bandwidth comes from the loop: algorithm bandwidth = bytes x iterations / loop
 time (the shortest of the ranks' loop times, as for an iteration); bus bandwidth = algbw x
-2(n-1)/n (nccl-tests' all-reduce formula).
+2(n-1)/n (nccl-tests' all-reduce formula). Each size's buffer is freed, and PyTorch's cache of
+it released, before the next: between rounds a rank holds its CUDA context and NCCL's buffers.
 NCCL logs at INFO into ``<state-dir>/nccl``, and the parser (ncclog.py) says which network,
 transports and HCAs carried the round.
 """
@@ -52,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpunet_exporter.probe import results
-from gpunet_exporter.sources.commands import Child
+from gpunet_exporter.sources.commands import Child, CommandError, run_command
 from gpunet_exporter.sources.sysfs import parse_uint
 from gpunet_exporter.statefile import write_json
 
@@ -288,13 +289,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _visible_gpus() -> int:
-    warnings.filterwarnings("ignore", message=".*NumPy.*")
+_COUNT_GPUS = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+
+
+def _visible_gpus(timeout: float) -> int:
+    """The CUDA devices the workers will see (0 without torch or CUDA), counted by a
+    short-lived child: torch and the CUDA driver, once imported and initialised here, would
+    stay in the launcher's memory (hundreds of MB) for its whole life for one number."""
     try:
-        import torch
-    except ImportError:
+        out = run_command([sys.executable, "-W", "ignore", "-c", _COUNT_GPUS], timeout)
+    except CommandError:
         return 0
-    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    lines = out.split()
+    return (parse_uint(lines[-1]) or 0) if lines else 0
 
 
 def _fail(state_dir: str, scope: str, reason: str, error: str, backend: str,
@@ -441,7 +448,7 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if cluster is not None:  # started by torchrun or srun: this process is a rank itself
         return worker(args, cluster)
     if args.backend == "nccl":
-        devices = _visible_gpus()
+        devices = _visible_gpus(args.timeout)
         if devices == 0:
             for scope in args.scopes:
                 _fail(args.state_dir, scope, "no_gpu", "no CUDA device visible", args.backend)
@@ -574,6 +581,10 @@ def worker(args: argparse.Namespace, cluster: Cluster | None = None) -> int:
     if args.backend == "nccl":
         os.environ["NCCL_DEBUG"] = "INFO"  # into the private directory, whatever the exporter has
         os.environ["NCCL_DEBUG_FILE"] = os.path.join(logdir, f"nccl.{scope}.%h.%p.log")
+        # CUDA's modules loaded as used, not all at the start (less GPU and host memory): the
+        # default since CUDA 12.2; PyTorch sets it too, but only at its CUDA initialisation,
+        # after _Probe's first device query has initialised the driver.
+        os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
     warnings.filterwarnings("ignore", message=".*NumPy.*")
     try:
         probe = _Probe(args, cluster, scope, control is not None)
@@ -687,6 +698,7 @@ class _Probe:
         self.rounds = 0
         if self.cuda and args.skip_busy:
             self._open_nvml(index)
+        self._release()
 
     def _pci_address(self, index: int) -> str:
         props = self.torch.cuda.get_device_properties(index)
@@ -748,6 +760,12 @@ class _Probe:
         if self.cuda:
             self.torch.cuda.synchronize(self.device)
 
+    def _release(self) -> None:
+        """Give PyTorch's cached blocks (freed buffers and gather tensors) back to the driver,
+        so that between rounds the rank holds only its CUDA context and NCCL's own buffers."""
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+
     def _together(self) -> None:
         """Every rank here before any goes on: a one-element all-reduce, waited for."""
         self._sync()
@@ -781,6 +799,7 @@ class _Probe:
                 times.append(time.perf_counter() - t0)
         loop = self._time_loop(buf, self.args.iterations)
         del buf
+        self._release()
         return times, loop
 
     def _time_loop(self, buf: Any, count: int) -> float:
@@ -805,11 +824,13 @@ class _Probe:
         return float(start.elapsed_time(end)) / 1000
 
     def _gather(self, values: list[float]) -> list[list[float]]:
+        """Every rank's list of numbers (all of one length), in one all-gather and one copy
+        to the host."""
         torch, dist = self.torch, self.dist
         local = torch.tensor(values, dtype=torch.float64, device=self.device)
         out = [torch.empty_like(local) for _ in range(self.world)]
         dist.all_gather(out, local)
-        return [t.cpu().tolist() for t in out]
+        return [row.tolist() for row in torch.stack(out).cpu()]
 
     def _gather_json(self, value: Any) -> list[Any]:
         """Every rank's JSON-able value, through tensors (object collectives need NumPy)."""
@@ -821,14 +842,15 @@ class _Probe:
         local[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
         out = [torch.empty_like(local) for _ in range(self.world)]
         dist.all_gather(out, local)
-        return [json.loads(bytes(t.cpu().tolist()[: int(n[0])]))
-                for t, n in zip(out, sizes, strict=True)]
+        return [json.loads(bytes(row.tolist()[: int(n[0])]))
+                for row, n in zip(torch.stack(out).cpu(), sizes, strict=True)]
 
     def round(self, started: float, logdir: str) -> dict[str, Any]:
         torch, dist = self.torch, self.dist
         flag = torch.tensor([1.0 if self._busy() else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank must skip the same sizes
         busy = bool(flag.item())
+        del flag
         sizes: list[dict[str, Any]] = []
         last: list[list[float]] | None = None
         for nbytes in self.args.sizes:
@@ -853,6 +875,7 @@ class _Probe:
             **self._transport(logdir)}
         out["time"] = time.time()
         self.rounds += 1
+        self._release()
         return out
 
     def _straggler(self, matrix: list[list[float]] | None) -> dict[str, Any] | None:
