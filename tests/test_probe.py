@@ -691,3 +691,114 @@ def test_end_to_end_exporter_with_gloo_probe(run_exporter: Any, sysfs: Path,
     wait_for(left, "the runner's processes gone after the exporter stopped", timeout=5,
              until_empty=True)
 
+
+# -- the GPU scripts (bench/device_checks.py probe, bench/probe_bench.py), without GPUs ---------
+
+
+def bench_script(name: str) -> Any:
+    """A script of bench/ loaded as a module (they need GPUs to run, not to be read)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_device_check_probe_arguments_parse() -> None:
+    for script, args in (("device_checks.py", ["probe", "--help"]),
+                         ("probe_bench.py", ["--help"])):
+        r = subprocess.run([sys.executable, str(REPO / "bench" / script), *args], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "--sizes" in r.stdout
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "device_checks.py"), "probe",
+                        "--sizes", "3XB"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "invalid sizes value" in r.stderr
+
+
+def test_device_check_helpers() -> None:
+    dc = bench_script("device_checks")
+    assert dc.size_list("1MiB,64MiB,256MiB") == [1 << 20, 64 << 20, 256 << 20]
+    assert dc.size_list("8KiB, 65536,1g") == [8192, 65536, 1 << 30]
+    with pytest.raises(ValueError):
+        dc.size_list("1.5MiB")
+    assert dc.parse_app_memory("4242, 1458\n4243, 1460\n4242, 2\n77, [N/A]\n\n") == {
+        4242: 1460, 4243: 1460}
+    # a child of this process, found with its environment and resident memory
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                             env={**os.environ, "GPUNET_PROBE_SCOPE": "intra"})
+    try:
+        assert wait_for(lambda: child.pid in dc.children(os.getpid()), "the child listed",
+                        timeout=10)
+        assert dc.proc_environ(child.pid, "GPUNET_PROBE_SCOPE") == "intra"
+        assert dc.proc_environ(child.pid, "NO_SUCH_VARIABLE_HERE") is None
+        assert (dc.proc_rss(child.pid) or 0) > 1 << 20
+    finally:
+        child.kill()
+        child.wait()
+    assert dc.proc_rss(child.pid) is None
+
+
+def _sample(after: int, intra: list[int], net: list[int | None]) -> dict[str, Any]:
+    procs = [{"pid": 100 + i, "scope": "intra", "device": str(i), "gpu_MiB": m, "rss_MiB": 1100.0}
+             for i, m in enumerate(intra)]
+    procs += [{"pid": 200 + i, "scope": "net", "device": str(i), "gpu_MiB": m, "rss_MiB": 900.5}
+              for i, m in enumerate(net)]
+    return {"after_round": after, "launcher_rss_MiB": 40.0, "processes": procs}
+
+
+def test_device_check_memory_by_scope() -> None:
+    dc = bench_script("device_checks")
+    got = dc.memory_by_scope([_sample(1, [1458, 1460], [1018, None]),
+                              _sample(2, [1458, 1470], [1020, 1019])])
+    assert got["intra"] == {"processes": 2, "gpu_MiB_max": 1470, "rss_MiB_max": 1100.0,
+                            "gpu_MiB_growth_max": 10, "not_seen_by_nvidia_smi": 0}
+    assert got["net"]["gpu_MiB_max"] == 1020 and got["net"]["not_seen_by_nvidia_smi"] == 1
+    assert dc.memory_by_scope([]) == {}
+
+
+def _bench(ratio_64: float, kept: float, released: float) -> dict[str, Any]:
+    def row(r: float) -> dict[str, Any]:
+        return {"probe_busbw_GBps": 300 * r, "reference_busbw_GBps": 300.0,
+                "probe_over_reference": r, "old_way_over_reference": 0.8,
+                "old_way_busbw_GBps (bytes / per-iteration median)": 240.0}
+    return {"cuda_module_loading": "LAZY",
+            "accuracy": {str(1 << 20): row(0.6), str(64 << 20): row(ratio_64),
+                         str(256 << 20): row(0.99)},
+            "memory": {"process_gpu_MiB_max_rank (NVML)": {
+                "CUDA context": 612.0, "process group": 1440.0,
+                "after a round (cache released: between rounds)": released,
+                "after a round, cache kept (the runner before)": kept},
+                "host_rss_MiB_max_rank": {"CUDA context": 800.0},
+                "torch_reserved_MiB_max_rank_between_rounds": 0.0}}
+
+
+def test_device_check_bench_checks() -> None:
+    """From 64 MiB up the probe must be within 0.9..1.1 of the tight loop; 1 MiB is reported;
+    releasing PyTorch's cache must give back at least (0.9 of) the largest size."""
+    dc = bench_script("device_checks")
+    checks = dc.Checks()
+    summary = dc.bench_checks(_bench(0.97, kept=1780.0, released=1458.0), "intra", checks)
+    assert checks.failed == 0 and len(checks.rows) == 7
+    assert summary["1MiB"]["probe_over_reference"] == 0.6
+    assert summary["memory"]["gpu_MiB_between_rounds_max_rank"] == 1458.0
+    checks = dc.Checks()
+    dc.bench_checks(_bench(0.81, kept=1524.0, released=1458.0), "intra", checks)
+    assert [r["check"] for r in checks.rows if not r["ok"]] == [
+        "intra: probe busbw / tight loop at 64MiB at least 0.9",
+        "intra: releasing the cache gives back at least the largest size (256 MiB, NVML)"]
+
+
+def test_probe_bench_helpers() -> None:
+    pb = bench_script("probe_bench")
+    assert pb.memory_cap_for([1 << 20, 256 << 20]) == 1 << 30
+    assert pb.memory_cap_for([1 << 30]) == 2 << 30
+    args = pb.args_for([1 << 20, 256 << 20], 5, 20, pb.memory_cap_for([256 << 20]))
+    assert args.sizes == [1 << 20, 256 << 20] and args.iterations == 20
+    assert args.memory_cap == 1 << 30 and not args.skip_busy
+    assert pb.busbw(1 << 20, 20, 0.002, 4) == pytest.approx((1 << 20) * 20 / 0.002 * 1.5)
+    assert pb.busbw(1 << 20, 20, 0.0, 4) == 0.0
+    assert pb.ratio(1.0, 0.0) is None and pb.ratio(3.0, 4.0) == 0.75
+    assert pb.rss() > 1 << 20
