@@ -1,7 +1,8 @@
 """Checks that need real NVIDIA GPUs, run on the device machine (docs/gpu.md has the results).
 
     python3 bench/device_checks.py gpu [--scrapes 300] [--out DIR]
-    python3 bench/device_checks.py probe [--rounds 3] [--out DIR]     (one GPU is enough)
+    python3 bench/device_checks.py probe [--rounds 3] [--sizes 1MiB,64MiB,256MiB] [--out DIR]
+                                                                      (any number of GPUs)
     python3 bench/device_checks.py fleet [--nodes 4] [--out DIR]      (one GPU is enough)
 
 gpu: installs this checkout into a temporary directory, starts the exporter with the gpu and
@@ -13,22 +14,30 @@ calls that decide what runs per scrape, and, side by side in the same loop, a pe
 ``nvidia-smi --query-gpu`` run as a subprocess the way nvidia-smi-based exporters do on every
 scrape. Exit status 1 when a check fails.
 
-probe: (1) the exporter with the probe collector at its defaults (a round every 4 s): on one GPU
-only the net scope runs, two ranks on the GPU with their own NCCL_HOSTID, and with no HCA NCCL
-must fall back to sockets, which the probe reports; scrapes are timed during and between rounds.
-(2) the straggler: rank 1 made 50 ms late through the runner's test hook must be named, and
-nobody in a fair round. (3) cluster mode across two simulated nodes (two torchrun invocations,
-one rank each, NCCL_HOSTID per node), exported as scope="inter", the late rank's node naming
-it. (4) bench/probe_bench.py: accuracy against a tight loop and the cost of a round.
+probe: (1) the exporter with the probe collector at its defaults (a round every 4 s): the net
+scope on every GPU (two ranks on the GPU of a one-GPU machine) with their own NCCL_HOSTID, and
+with no HCA NCCL must fall back to sockets, which the probe reports; the intra scope with two
+GPUs or more; scrapes are timed during and between rounds. (2) the straggler: rank 1 made 50 ms
+late through the runner's test hook must be named, and nobody in a fair round. (3) cluster mode
+across two simulated nodes (two torchrun invocations, one rank each, NCCL_HOSTID per node),
+exported as scope="inter", the late rank's node naming it. (4) bench/probe_bench.py, two ranks
+with their own host IDs (net scope): the probe's bus bandwidth per --sizes against a tight loop
+of 20 all-reduces timed like nccl-tests in the same processes, memory at each stage, the cost
+of a round. (5) with two GPUs or more, the same with one rank per GPU (the intra scope); with
+one GPU it is skipped, and the summary says so. (6) the node's launcher (`gpunet-probe run`,
+both scopes, --sizes) over a few rounds: between rounds, each probe process's GPU memory as
+nvidia-smi shows it and its resident host memory, and the launcher's own. The summary (printed
+last, and in probe_check.json) has the ratios per size and the memory per scope.
 
 fleet: `gpunet-probe fleet` with NCCL across simulated nodes that share the GPU (srun's
 environment, one NCCL_HOSTID per node): a ring over --nodes nodes, then a repair pass that must
 merge into the files; every node's pairs.json must hold its ring peers, measured, with the
 transport NCCL reported (Socket without an HCA), and one node's exporter must serve them.
 
-Needs: python3 with nvidia-ml-py, prometheus_client, PyYAML and (for the load) torch, which the
-device image has. On machines with several GPUs keep NCCL_NVLS_ENABLE=0 and friends set; this
-script uses no NCCL at all.
+Needs: python3 with nvidia-ml-py, prometheus_client, PyYAML and (for the load and the probe)
+torch, which the device image has. Every environment this script starts has NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 (NO_MULTICAST): NVLink multicast
+stays off on the shared machines.
 """
 
 from __future__ import annotations
@@ -52,6 +61,12 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+# What a probe rank held between rounds before PyTorch's cache was released (issue 31: four
+# H100s with NVLink, default sizes), for the summary's comparison.
+BEFORE_MIB = {"intra": 1524, "net": 1084}
+PROBE_SIZES = "1MiB,64MiB,256MiB"
 
 LOAD = """
 import sys, time, torch
@@ -122,6 +137,49 @@ def smi_apps() -> dict[str, int]:
             uuid = line.split(",")[0].strip()
             counts[uuid] = counts.get(uuid, 0) + 1
     return counts
+
+
+_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": MIB, "mib": MIB, "g": 1 << 30,
+          "gib": 1 << 30}
+
+
+def size_list(text: str) -> list[int]:
+    """Bytes of a comma-separated list of sizes as the runner's --sizes takes them (8KiB, 1MiB,
+    65536); ValueError for anything else."""
+    out = []
+    for part in text.split(","):
+        t = part.strip().lower()
+        digits = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+        if not digits.isdigit() or t[len(digits):] not in _UNITS:
+            raise ValueError(f"not a size: {part!r}")
+        out.append(int(digits) * _UNITS[t[len(digits):]])
+    return out
+
+
+def sizes_arg(text: str) -> str:
+    """--sizes as given, once it reads as sizes (argparse names the type in its error)."""
+    size_list(text)
+    return text
+
+
+sizes_arg.__name__ = "sizes"
+
+
+def parse_app_memory(text: str) -> dict[int, int]:
+    """{pid: MiB} from ``nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,
+    nounits``: a process on several GPUs summed; lines without two numbers ([N/A],
+    [Insufficient Permissions]) left out."""
+    out: dict[int, int] = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            out[int(parts[0])] = out.get(int(parts[0]), 0) + int(parts[1])
+    return out
+
+
+def smi_app_memory() -> dict[int, int]:
+    return parse_app_memory(sh("nvidia-smi", "--query-compute-apps=pid,used_memory",
+                               "--format=csv,noheader,nounits"))
 
 
 def smi_nvlink(index: int) -> tuple[int, dict[tuple[str, str], int]]:
@@ -389,9 +447,8 @@ def _labels(s: dict[Any, float], name: str, key: str) -> list[str]:
     return sorted(dict(lbl)[key] for (n, lbl), v in s.items() if n == name and v)
 
 
-def tree_rss(root: int) -> tuple[int, int, int]:
-    """Resident bytes of ``root`` and every process under it, their count, and the largest
-    one's bytes (VmRSS from /proc; processes gone meanwhile are skipped)."""
+def parents() -> dict[int, int]:
+    """Every process's parent (from /proc/<pid>/stat; processes gone meanwhile are skipped)."""
     parent: dict[int, int] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -400,25 +457,55 @@ def tree_rss(root: int) -> tuple[int, int, int]:
             except OSError:
                 continue
             parent[int(d.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    return parent
+
+
+def children(pid: int) -> list[int]:
+    return sorted(p for p, pp in parents().items() if pp == pid)
+
+
+def proc_rss(pid: int) -> int | None:
+    """A process's resident bytes (VmRSS); None when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def proc_environ(pid: int, key: str) -> str | None:
+    """One variable of a process's environment as it started; None when unset or unreadable."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    for item in raw.split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        if sep and name.decode(errors="replace") == key:
+            return value.decode(errors="replace")
+    return None
+
+
+def tree_rss(root: int) -> tuple[int, int, int]:
+    """Resident bytes of ``root`` and every process under it, their count, and the largest
+    one's bytes (VmRSS from /proc; processes gone meanwhile are skipped)."""
+    parent = parents()
     tree, grew = {root}, True
     while grew:
         more = {p for p, pp in parent.items() if pp in tree} - tree
         tree |= more
         grew = bool(more)
-    sizes = []
-    for pid in tree:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    sizes.append(int(line.split()[1]) * 1024)
-        except OSError:
-            continue
+    sizes = [n for pid in tree if (n := proc_rss(pid)) is not None]
     return sum(sizes), len(sizes), max(sizes, default=0)
 
 
-def probe_exporter(site: Path, tmp: Path, rounds: int, checks: Checks) -> dict[str, Any]:
-    """The exporter with the probe collector at its defaults (a round every 4 s): on one GPU
-    the runner runs the net scope only, two ranks on the GPU with their own NCCL_HOSTID."""
+def probe_exporter(site: Path, tmp: Path, rounds: int, gpus: int,
+                   checks: Checks) -> dict[str, Any]:
+    """The exporter with the probe collector at its defaults (a round every 4 s): the net
+    scope, one rank per GPU with its own NCCL_HOSTID (two on the GPU of a one-GPU machine),
+    and with two GPUs or more the intra scope."""
     state = tmp / "state-net"
     cfg = tmp / "probe-net.yml"
     cfg.write_text(f"probe:\n  state_dir: {json.dumps(str(state))}\n  interval_seconds: 4\n")
@@ -459,7 +546,7 @@ def probe_exporter(site: Path, tmp: Path, rounds: int, checks: Checks) -> dict[s
     finally:
         exp.terminate()
         _, err = exp.communicate(timeout=20)
-    print("\n== probe through the exporter, one GPU: net scope")
+    print(f"\n== probe through the exporter, {gpus} GPU(s)")
     transports = sorted((dict(lbl)["transport"], dict(lbl)["net"]) for (n, lbl) in s
                         if n == "gpunet_probe_transport_info")
     busbw = {int(dict(lbl)["size"]): v for (n, lbl), v in s.items()
@@ -495,13 +582,21 @@ def probe_exporter(site: Path, tmp: Path, rounds: int, checks: Checks) -> dict[s
     }
     print(json.dumps({k: v for k, v in out.items() if k != "exporter_log_tail"}, indent=1))
     checks.eq("net: probe success", out["success_net"], 1.0)
-    checks.eq("net: two ranks on the one GPU", out["world_size"], 2.0)
-    checks.eq("one GPU: no intra-scope series at all", out["intra_series"], [])
-    checks.eq("net: NET/Socket carries it (no HCA here)", transports, [("NET", "Socket")])
-    checks.eq("net: NCCL's log says no IB device", "no_ib_device" in out["problems"], True)
-    checks.eq("net: socket_fallback 0 without an ACTIVE RDMA port", out["socket_fallback"],
-              0.0 if out["rdma_ports"] == 0 else 1.0)
-    checks.eq("net: no link ratio without an RDMA port", out["link_ratio"], None)
+    checks.eq("net: a rank per GPU (two on a single GPU)", out["world_size"],
+              float(max(gpus, 2)))
+    if gpus == 1:
+        checks.eq("one GPU: no intra-scope series at all", out["intra_series"], [])
+    else:
+        checks.eq(f"intra: probe success on {gpus} GPUs", out["success_intra"], 1.0)
+    if out["rdma_ports"] == 0:
+        checks.eq("net: NET/Socket carries it (no HCA here)", transports, [("NET", "Socket")])
+        checks.eq("net: NCCL's log says no IB device", "no_ib_device" in out["problems"], True)
+        checks.eq("net: no link ratio without an RDMA port", out["link_ratio"], None)
+        checks.eq("net: socket_fallback 0 without an ACTIVE RDMA port", out["socket_fallback"],
+                  0.0)
+    else:  # IB or a fallback, depending on the machine's fabric: reported
+        checks.eq("net: transports and socket_fallback with RDMA ports (reported)",
+                  [transports, out["socket_fallback"]], "recorded", True)
     checks.eq("net: nobody named in a fair run", out["straggler_named"], [])
     checks.eq("memory: the process tree's peak (reported; the probe component's limits)",
               round(rss_peak / 1e6), "recorded", rss_procs > 1)
@@ -611,33 +706,231 @@ def probe_inter(site: Path, tmp: Path, checks: Checks) -> dict[str, Any]:
     return out
 
 
+# Stages of bench/probe_bench.py's memory (process_gpu_MiB_max_rank (NVML)).
+RELEASED = "after a round (cache released: between rounds)"
+KEPT = "after a round, cache kept (the runner before)"
+
+
+def run_bench(site: Path, nproc: int, net: bool, sizes: str,
+              reps: int) -> tuple[dict[str, Any] | None, str]:
+    """bench/probe_bench.py under torch.distributed.run, ``nproc`` ranks (one per GPU, modulo
+    the GPUs); ``net``: every rank its own NCCL_HOSTID. Its JSON, or None and the output."""
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    if net:
+        env["BENCH_HOSTID_PER_RANK"] = "1"
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             str(nproc), str(REPO / "bench" / "probe_bench.py"), "--sizes", sizes,
+             "--reps", str(reps)], capture_output=True, text=True, timeout=480, env=env)
+    except subprocess.TimeoutExpired as exc:
+        return None, f"timed out after {exc.timeout} s"
+    try:
+        return json.loads(r.stdout[r.stdout.index("{"):]), ""
+    except ValueError:
+        return None, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def bench_checks(bench: dict[str, Any], label: str, checks: Checks) -> dict[str, Any]:
+    """The checks on one bench/probe_bench.py result, and its summary: per size the probe's
+    bus bandwidth over the tight loop's (at least 0.9 from 64 MiB up; below, reported), and
+    PyTorch's cache given back between rounds."""
+    summary: dict[str, Any] = {}
+    for key, row in sorted(bench["accuracy"].items(), key=lambda kv: int(kv[0])):
+        n, r = int(key), row["probe_over_reference"]
+        size = f"{n / MIB:g}MiB"
+        summary[size] = {k: row.get(k) for k in (
+            "probe_busbw_GBps", "reference_busbw_GBps", "probe_over_reference",
+            "old_way_busbw_GBps (bytes / per-iteration median)", "old_way_over_reference")}
+        shown = None if r is None else round(r, 3)
+        if n >= 64 * MIB:
+            checks.eq(f"{label}: probe busbw / tight loop at {size} at least 0.9", shown,
+                      ">= 0.9", r is not None and r >= 0.9)
+            checks.eq(f"{label}: probe busbw / tight loop at {size} not above 1.1 (a timing "
+                      "error)", shown, "<= 1.1", r is not None and r <= 1.1)
+        else:
+            checks.eq(f"{label}: probe busbw / tight loop at {size} (reported)", shown,
+                      "recorded", True)
+    mem = bench["memory"]
+    gpu = mem["process_gpu_MiB_max_rank (NVML)"]
+    largest = max(int(k) for k in bench["accuracy"]) / MIB
+    drop = gpu.get(KEPT, 0) - gpu.get(RELEASED, 0)
+    summary["memory"] = {
+        "gpu_MiB_between_rounds_max_rank": gpu.get(RELEASED),
+        "gpu_MiB_had_the_cache_been_kept": gpu.get(KEPT),
+        "gpu_MiB_context": gpu.get("CUDA context"),
+        "gpu_MiB_process_group": gpu.get("process group"),
+        "host_rss_MiB": mem["host_rss_MiB_max_rank"],
+        "cuda_module_loading": bench.get("cuda_module_loading")}
+    checks.eq(f"{label}: PyTorch holds no GPU memory between rounds (reserved MiB)",
+              mem["torch_reserved_MiB_max_rank_between_rounds"], 0.0)
+    checks.eq(f"{label}: releasing the cache gives back at least the largest size "
+              f"({largest:g} MiB, NVML)", round(drop), f">= {0.9 * largest:g}",
+              drop >= 0.9 * largest)
+    return summary
+
+
+def sample_probe_processes(launcher: int) -> dict[str, Any]:
+    """The launcher's worker ranks now: scope, device, GPU memory (nvidia-smi) and host RSS;
+    and the launcher's own RSS."""
+    apps = smi_app_memory()
+    procs = []
+    for pid in children(launcher):
+        scope = proc_environ(pid, "GPUNET_PROBE_SCOPE")
+        if scope is None:
+            continue
+        rss = proc_rss(pid)
+        procs.append({"pid": pid, "scope": scope,
+                      "device": proc_environ(pid, "GPUNET_PROBE_DEVICE"),
+                      "gpu_MiB": apps.get(pid),
+                      "rss_MiB": None if rss is None else round(rss / MIB, 1)})
+    own = proc_rss(launcher)
+    return {"launcher_rss_MiB": None if own is None else round(own / MIB, 1),
+            "processes": procs}
+
+
+def memory_by_scope(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per scope, over every sample: the most GPU memory and host RSS of one process, and how
+    much a process's GPU memory grew from its first sample to its last."""
+    out: dict[str, Any] = {}
+    first: dict[int, int] = {}
+    for sample in samples:
+        for p in sample["processes"]:
+            e = out.setdefault(p["scope"], {"processes": 0, "gpu_MiB_max": None,
+                                            "rss_MiB_max": None, "gpu_MiB_growth_max": 0,
+                                            "not_seen_by_nvidia_smi": 0})
+            if p["gpu_MiB"] is None:
+                e["not_seen_by_nvidia_smi"] += 1
+            else:
+                e["gpu_MiB_max"] = max(e["gpu_MiB_max"] or 0, p["gpu_MiB"])
+                first.setdefault(p["pid"], p["gpu_MiB"])
+                e["gpu_MiB_growth_max"] = max(e["gpu_MiB_growth_max"],
+                                              p["gpu_MiB"] - first[p["pid"]])
+            if p["rss_MiB"] is not None:
+                e["rss_MiB_max"] = max(e["rss_MiB_max"] or 0, p["rss_MiB"])
+    for sample in samples[-1:]:
+        for scope, e in out.items():
+            e["processes"] = sum(p["scope"] == scope for p in sample["processes"])
+    return out
+
+
+def probe_memory(site: Path, tmp: Path, sizes: str, rounds: int, interval: float,
+                 checks: Checks) -> dict[str, Any]:
+    """The node's launcher (`gpunet-probe run`, both scopes, ``sizes``, the cap at twice the
+    largest and at least 1 GiB) for ``rounds`` rounds: a sample of every probe process once per
+    pause between rounds (a rank releases PyTorch's cache before it says its round is done),
+    kept only when the pause was still on once the sample was taken."""
+    cap = max(1 << 30, 2 * max(size_list(sizes)))
+    state = tmp / "state-memory"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "gpunet_exporter.probe.cli", "run", "--state-dir", str(state),
+         "--sizes", sizes, "--memory-cap", str(cap), "--rounds", str(rounds), "--interval",
+         str(interval), "--timeout", "300", "--no-skip-busy"],
+        env={**os.environ, "PYTHONPATH": str(site)}, stderr=subprocess.PIPE, text=True)
+    samples: list[dict[str, Any]] = []
+    seen: set[Any] = set()
+    raced = 0
+    deadline = time.monotonic() + 120 + rounds * max(interval, 60)
+
+    def status() -> dict[str, Any]:
+        try:
+            return dict(json.loads((state / "status.json").read_text()))
+        except (OSError, ValueError):
+            return {}
+
+    try:
+        while launcher.poll() is None and time.monotonic() < deadline:
+            before = status()
+            key = (before.get("round"), before.get("since"))
+            if before.get("phase") == "sleep" and key not in seen:
+                seen.add(key)
+                sample = sample_probe_processes(launcher.pid)
+                if status() == before:
+                    samples.append({"after_round": before.get("round"), **sample})
+                else:
+                    raced += 1  # the next round began meanwhile: not a pause's numbers
+            time.sleep(0.1)
+    finally:
+        if launcher.poll() is None:
+            launcher.terminate()
+        _, err = launcher.communicate(timeout=60)
+    results = {}
+    for scope in ("intra", "net"):
+        with contextlib.suppress(OSError, ValueError):
+            res = json.loads((state / f"{scope}.json").read_text())
+            results[scope] = {"success": res.get("success"), "sizes": [
+                (s["bytes"], round(s.get("busbw_bytes_per_second", 0) / 1e9, 2),
+                 s.get("loop_seconds")) for s in res.get("sizes", [])]}
+    by_scope = memory_by_scope(samples)
+    out = {"sizes": sizes, "memory_cap_bytes": cap, "returncode": launcher.returncode,
+           "samples": samples, "samples_raced": raced, "by_scope": by_scope,
+           "last_results": results,
+           "launcher_rss_MiB_max": max((s["launcher_rss_MiB"] or 0 for s in samples),
+                                       default=None),
+           "stderr_tail": err[-2000:] if launcher.returncode else ""}
+    print("\n== the node's launcher between rounds (both scopes, sizes " + sizes + ")")
+    print(json.dumps({k: v for k, v in out.items() if k != "samples"}, indent=1))
+    checks.eq("memory: the launcher finished its rounds", launcher.returncode, 0)
+    checks.eq("memory: samples between rounds", len(samples), rounds - 1)
+    for scope, e in by_scope.items():
+        checks.eq(f"memory: every {scope} process seen by nvidia-smi",
+                  e["not_seen_by_nvidia_smi"], 0)
+        checks.eq(f"memory: {scope} GPU memory does not grow between rounds (MiB)",
+                  e["gpu_MiB_growth_max"], "<= 16", e["gpu_MiB_growth_max"] <= 16)
+    launcher_rss = out["launcher_rss_MiB_max"]
+    checks.eq("memory: the launcher holds no torch (RSS MiB)", launcher_rss, "< 150",
+              launcher_rss is not None and launcher_rss < 150)
+    return out
+
+
 def probe(args: argparse.Namespace) -> int:
     checks = Checks()
     out: dict[str, Any] = {"nvidia_smi": sh("nvidia-smi", "-L")}
     print(out["nvidia_smi"])
+    gpus = len(smi_gpus())
+    summary: dict[str, Any] = {"gpus": gpus, "sizes": args.sizes}
     with tempfile.TemporaryDirectory() as tmp_:
         tmp = Path(tmp_)
         site = install(tmp)
-        out["net"] = probe_exporter(site, tmp, args.rounds, checks)
+        out["net"] = probe_exporter(site, tmp, args.rounds, gpus, checks)
         out["straggler"] = probe_straggler(site, tmp, checks)
         out["inter"] = probe_inter(site, tmp, checks)
-        bench = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-             "2", str(REPO / "bench" / "probe_bench.py")],
-            capture_output=True, text=True, timeout=300,
-            env={**os.environ, "PYTHONPATH": str(site), "BENCH_HOSTID_PER_RANK": "1"})
-        print("\n== bench/probe_bench.py (two ranks on one GPU, net scope)")
-        print(bench.stdout[-4000:], bench.stderr[-2000:] if bench.returncode else "")
-        try:
-            out["bench"] = json.loads(bench.stdout[bench.stdout.index("{"):])
-            acc = out["bench"]["accuracy_256MiB"]["probe_over_tight"]
-            checks.eq("accuracy: probe busbw within 10% of a tight loop at 256 MiB",
-                      round(acc, 3), "0.9..1.1", 0.9 <= acc <= 1.1)
-            cost = out["bench"]["default_round"]
-            checks.eq("cost: default round's GPU time (reported, sockets)",
-                      round(cost["gpu_time_ms_max_rank"], 1), "recorded", True)
-        except (ValueError, KeyError) as exc:
-            checks.eq("bench/probe_bench.py output", str(exc), "JSON", False)
+        # (4) and (5): the probe against a tight loop in the same processes, and its memory
+        benches = [("net", 2, True)]
+        if gpus >= 2:
+            benches.insert(0, ("intra", gpus, False))
+        else:
+            summary["intra"] = "skipped: one GPU, and the intra scope needs two"
+            print("\n== intra scope skipped: one GPU, and the intra scope needs two")
+        for label, nproc, net in benches:
+            bench, err = run_bench(site, nproc, net, args.sizes, args.reps)
+            where = "two ranks, their own host IDs" if net else f"one rank on each of {nproc} GPUs"
+            print(f"\n== bench/probe_bench.py, {label} scope ({where})")
+            print(json.dumps(bench, indent=1) if bench else err)
+            out[f"bench_{label}"] = bench or {"error": err}
+            if bench is None:
+                checks.eq(f"{label}: bench/probe_bench.py output", "no JSON", "JSON", False)
+                continue
+            try:
+                summary[label] = bench_checks(bench, label, checks)
+            except (KeyError, TypeError, ValueError) as exc:
+                checks.eq(f"{label}: bench/probe_bench.py output", repr(exc), "its fields",
+                          False)
+            cost = bench.get("default_round", {})
+            summary[label + "_default_round_gpu_ms"] = cost.get("gpu_time_ms_max_rank")
+        # (6) the launcher's processes between rounds
+        mem = probe_memory(site, tmp, args.sizes, args.memory_rounds, args.memory_interval,
+                           checks)
+        out["memory_between_rounds"] = mem
+        summary["memory_between_rounds"] = {
+            "launcher_rss_MiB": mem["launcher_rss_MiB_max"],
+            **{scope: {**e, "before_MiB (4 H100, issue 31)": BEFORE_MIB.get(scope)}
+               for scope, e in mem["by_scope"].items()}}
+    summary["checks"] = f"{len(checks.rows) - checks.failed}/{len(checks.rows)} passed"
+    summary["failed"] = [r["check"] for r in checks.rows if not r["ok"]]
+    out["summary"] = summary
+    print("\n== summary")
+    print(json.dumps(summary, indent=1))
     return finish(out, checks, args.out, "probe_check.json")
 
 
@@ -989,8 +1282,17 @@ def main() -> int:
     g.add_argument("--scrapes", type=int, default=300)
     g.add_argument("--load-seconds", type=float, default=60)
     g.add_argument("--out", help="directory for gpu_check.json")
-    pr = sub.add_parser("probe", help="net scope on one GPU, straggler, cluster mode, accuracy")
+    pr = sub.add_parser("probe", help="the probe's scopes, straggler, cluster mode, its "
+                        "accuracy against a tight loop, its memory between rounds")
     pr.add_argument("--rounds", type=int, default=3, help="rounds to watch through the exporter")
+    pr.add_argument("--sizes", default=PROBE_SIZES, type=sizes_arg,
+                    help=f"sizes of the accuracy and memory parts ({PROBE_SIZES})")
+    pr.add_argument("--reps", type=int, default=3,
+                    help="rounds and tight loops each, alternating, in the accuracy part (3)")
+    pr.add_argument("--memory-rounds", type=int, default=3,
+                    help="launcher rounds in the memory part: a sample between each two (3)")
+    pr.add_argument("--memory-interval", type=float, default=30.0,
+                    help="seconds from one launcher round's start to the next (30)")
     pr.add_argument("--out", help="directory for probe_check.json")
     fl = sub.add_parser("fleet", help="gpunet-probe fleet with NCCL, simulated nodes on a GPU")
     fl.add_argument("--nodes", type=int, default=4)
@@ -998,6 +1300,7 @@ def main() -> int:
     ra = sub.add_parser("ras", help="NCCL RAS captures and the nccl collector, live")
     ra.add_argument("--out", help="directory for ras_check.json and the NCCL logs")
     args = p.parse_args()
+    os.environ.update(NO_MULTICAST)  # every child inherits it: NVLink multicast stays off
     return {"gpu": gpu, "probe": probe, "fleet": fleet, "ras": ras}[args.cmd](args)
 
 

@@ -122,11 +122,15 @@ LATENCY = MetricSpec(
     ("scope", "size", "stat"), "seconds", _FILE)
 ALGBW = MetricSpec(
     "gpunet_probe_allreduce_algorithm_bandwidth_bytes_per_second", "gauge",
-    "Algorithm bandwidth: message bytes / median time" + _CACHED, ("scope", "size"),
+    "Algorithm bandwidth: message bytes x iterations / the time of a tight loop of that many "
+    "all-reduces back to back (one event pair around the loop, as nccl-tests times it; the "
+    "shortest of the ranks' loop times), not the median of the per-iteration times." + _CACHED,
+    ("scope", "size"),
     "bytes per second", _FILE)
 BUSBW = MetricSpec(
     "gpunet_probe_allreduce_bus_bandwidth_bytes_per_second", "gauge",
-    "Bus bandwidth, nccl-tests' all-reduce formula algbw x 2(n-1)/n" + _CACHED,
+    "Bus bandwidth, nccl-tests' all-reduce formula algbw x 2(n-1)/n, from the tight loop's "
+    "algorithm bandwidth." + _CACHED,
     ("scope", "size"), "bytes per second", _FILE)
 SKIPPED = MetricSpec(
     "gpunet_probe_size_skipped", "gauge",

@@ -52,10 +52,20 @@ def test_bus_bandwidth_is_nccl_tests_formula() -> None:
 
 def test_summarize_times_takes_the_collective_without_the_wait() -> None:
     matrix = [[1.0, 2.0, 3.0, 4.0], [2.0, 1.0, 5.0, 1.0]]  # rows: ranks
-    stats = runner.summarize_times(matrix, 1000, 2)
+    stats = runner.summarize_times(matrix, [3.5, 2.5], 1000, 2)
     assert stats.median_seconds == 1.0  # of 1, 1, 3, 1: the last to arrive waited least
     assert stats.max_seconds == 3.0 and stats.p99_seconds == 3.0
-    assert stats.algbw_bytes_per_second == 1000 / 1.0
+
+
+def test_bandwidth_comes_from_the_tight_loop() -> None:
+    """Not from the median of the per-iteration times: from the loop of as many all-reduces,
+    whose time is the shortest of the ranks' (the rank that started last waited least)."""
+    matrix = [[4e-3] * 10, [5e-3] * 10, [4.5e-3] * 10, [6e-3] * 10]
+    stats = runner.summarize_times(matrix, [0.031, 0.030, 0.032, 0.033], 1 << 20, 4)
+    assert stats.median_seconds == 4e-3 and stats.loop_seconds == 0.030
+    assert stats.algbw_bytes_per_second == pytest.approx((1 << 20) * 10 / 0.030)
+    assert stats.busbw_bytes_per_second == pytest.approx(stats.algbw_bytes_per_second * 1.5)
+    assert runner.summarize_times(matrix, [0.0] * 4, 1 << 20, 4).busbw_bytes_per_second == 0
 
 
 def test_straggler_is_the_rank_that_waits_least() -> None:
@@ -150,6 +160,22 @@ def test_result_round_trip(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["intra.json"]  # no temporary left
 
 
+def test_result_loop_time_read_and_old_files_without_it(tmp_path: Path) -> None:
+    """A runner's sizes carry the tight loop's time; a file from a runner before the loop
+    (good_result: no loop_seconds) reads as it did, with 0 there."""
+    path = str(tmp_path / "intra.json")
+    write_json(path, good_result())
+    assert results.read(path).sizes[0].loop_seconds == 0.0
+    data = good_result()
+    data["sizes"][0]["loop_seconds"] = 4e-4
+    write_json(path, data)
+    assert results.read(path).sizes[0].loop_seconds == 4e-4
+    data["sizes"][0]["loop_seconds"] = "fast"
+    write_json(path, data)
+    with pytest.raises(results.BadResult, match="loop_seconds"):
+        results.read(path)
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({"version": 1}, "version"), ({"scope": "cluster"}, "scope"), ({"success": "yes"}, "success"),
     ({"success": False, "failure": "gremlins"}, "failure"), ({"time": -1}, "'time'"),
@@ -190,7 +216,8 @@ def test_two_gloo_ranks_intra_and_net(tmp_path: Path) -> None:
         assert [s.bytes for s in res.sizes] == [4096, 262144]
         for s in res.sizes:
             assert 0 < s.median_seconds <= s.p99_seconds <= s.max_seconds
-            assert s.algbw_bytes_per_second == pytest.approx(s.bytes / s.median_seconds)
+            assert s.loop_seconds > 0  # 8 all-reduces back to back: the bandwidth's
+            assert s.algbw_bytes_per_second == pytest.approx(s.bytes * 8 / s.loop_seconds)
             assert s.busbw_bytes_per_second == pytest.approx(s.algbw_bytes_per_second)  # n = 2
         assert res.straggler is not None and 0 <= res.straggler.wait_ratio <= 1
         assert res.backend == "gloo" and res.transports == () and res.gdr is None
@@ -200,6 +227,23 @@ def test_two_gloo_ranks_intra_and_net(tmp_path: Path) -> None:
     assert status["since"] == net.started  # the second round's net group
     # NCCL's logs live in the state directory, private; nothing is left in /tmp.
     assert (tmp_path / "nccl").stat().st_mode & 0o777 == 0o700
+
+
+def test_three_gloo_ranks_bandwidth_from_the_loop(tmp_path: Path) -> None:
+    """Three real ranks: the file has each size's loop time, and the bus bandwidth is
+    bytes x iterations / loop time x 2(n-1)/n, whatever the per-iteration median."""
+    r = probe("run", "--backend", "gloo", "--nprocs", "3", "--scopes", "net", "--sizes",
+              "64KiB,1MiB", "--warmup", "1", "--iterations", "6", "--rounds", "1",
+              "--state-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    raw = json.loads((tmp_path / "net.json").read_text())
+    assert all(s["loop_seconds"] > 0 for s in raw["sizes"])
+    res = results.read(str(tmp_path / "net.json"))
+    assert res.world_size == 3 and [s.bytes for s in res.sizes] == [65536, 1 << 20]
+    for s in res.sizes:
+        assert s.algbw_bytes_per_second == pytest.approx(s.bytes * 6 / s.loop_seconds)
+        assert s.busbw_bytes_per_second == pytest.approx(
+            s.bytes * 6 / s.loop_seconds * 2 * (3 - 1) / 3)
 
 
 def test_one_device_node_has_no_intra_scope(tmp_path: Path) -> None:
@@ -650,3 +694,115 @@ def test_end_to_end_exporter_with_gloo_probe(run_exporter: Any, sysfs: Path,
 
     wait_for(left, "the runner's processes gone after the exporter stopped", timeout=5,
              until_empty=True)
+
+
+# -- the GPU scripts (bench/device_checks.py probe, bench/probe_bench.py), without GPUs ---------
+
+
+def bench_script(name: str) -> Any:
+    """A script of bench/ loaded as a module (they need GPUs to run, not to be read)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_device_check_probe_arguments_parse() -> None:
+    for script, args in (("device_checks.py", ["probe", "--help"]),
+                         ("probe_bench.py", ["--help"])):
+        r = subprocess.run([sys.executable, str(REPO / "bench" / script), *args], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "--sizes" in r.stdout
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "device_checks.py"), "probe",
+                        "--sizes", "3XB"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "invalid sizes value" in r.stderr
+
+
+def test_device_check_helpers() -> None:
+    dc = bench_script("device_checks")
+    assert dc.size_list("1MiB,64MiB,256MiB") == [1 << 20, 64 << 20, 256 << 20]
+    assert dc.size_list("8KiB, 65536,1g") == [8192, 65536, 1 << 30]
+    with pytest.raises(ValueError):
+        dc.size_list("1.5MiB")
+    assert dc.parse_app_memory("4242, 1458\n4243, 1460\n4242, 2\n77, [N/A]\n\n") == {
+        4242: 1460, 4243: 1460}
+    # a child of this process, found with its environment and resident memory
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                             env={**os.environ, "GPUNET_PROBE_SCOPE": "intra"})
+    try:
+        assert wait_for(lambda: child.pid in dc.children(os.getpid()), "the child listed",
+                        timeout=10)
+        assert dc.proc_environ(child.pid, "GPUNET_PROBE_SCOPE") == "intra"
+        assert dc.proc_environ(child.pid, "NO_SUCH_VARIABLE_HERE") is None
+        assert (dc.proc_rss(child.pid) or 0) > 1 << 20
+    finally:
+        child.kill()
+        child.wait()
+    assert dc.proc_rss(child.pid) is None
+
+
+def _sample(after: int, intra: list[int], net: list[int | None]) -> dict[str, Any]:
+    procs = [{"pid": 100 + i, "scope": "intra", "device": str(i), "gpu_MiB": m, "rss_MiB": 1100.0}
+             for i, m in enumerate(intra)]
+    procs += [{"pid": 200 + i, "scope": "net", "device": str(i), "gpu_MiB": m, "rss_MiB": 900.5}
+              for i, m in enumerate(net)]
+    return {"after_round": after, "launcher_rss_MiB": 40.0, "processes": procs}
+
+
+def test_device_check_memory_by_scope() -> None:
+    dc = bench_script("device_checks")
+    got = dc.memory_by_scope([_sample(1, [1458, 1460], [1018, None]),
+                              _sample(2, [1458, 1470], [1020, 1019])])
+    assert got["intra"] == {"processes": 2, "gpu_MiB_max": 1470, "rss_MiB_max": 1100.0,
+                            "gpu_MiB_growth_max": 10, "not_seen_by_nvidia_smi": 0}
+    assert got["net"]["gpu_MiB_max"] == 1020 and got["net"]["not_seen_by_nvidia_smi"] == 1
+    assert dc.memory_by_scope([]) == {}
+
+
+def _bench(ratio_64: float, kept: float, released: float) -> dict[str, Any]:
+    def row(r: float) -> dict[str, Any]:
+        return {"probe_busbw_GBps": 300 * r, "reference_busbw_GBps": 300.0,
+                "probe_over_reference": r, "old_way_over_reference": 0.8,
+                "old_way_busbw_GBps (bytes / per-iteration median)": 240.0}
+    return {"cuda_module_loading": "LAZY",
+            "accuracy": {str(1 << 20): row(0.6), str(64 << 20): row(ratio_64),
+                         str(256 << 20): row(0.99)},
+            "memory": {"process_gpu_MiB_max_rank (NVML)": {
+                "CUDA context": 612.0, "process group": 1440.0,
+                "after a round (cache released: between rounds)": released,
+                "after a round, cache kept (the runner before)": kept},
+                "host_rss_MiB_max_rank": {"CUDA context": 800.0},
+                "torch_reserved_MiB_max_rank_between_rounds": 0.0}}
+
+
+def test_device_check_bench_checks() -> None:
+    """From 64 MiB up the probe must be within 0.9..1.1 of the tight loop; 1 MiB is reported;
+    releasing PyTorch's cache must give back at least (0.9 of) the largest size."""
+    dc = bench_script("device_checks")
+    checks = dc.Checks()
+    summary = dc.bench_checks(_bench(0.97, kept=1780.0, released=1458.0), "intra", checks)
+    assert checks.failed == 0 and len(checks.rows) == 7
+    assert summary["1MiB"]["probe_over_reference"] == 0.6
+    assert summary["memory"]["gpu_MiB_between_rounds_max_rank"] == 1458.0
+    checks = dc.Checks()
+    dc.bench_checks(_bench(0.81, kept=1524.0, released=1458.0), "intra", checks)
+    assert [r["check"] for r in checks.rows if not r["ok"]] == [
+        "intra: probe busbw / tight loop at 64MiB at least 0.9",
+        "intra: releasing the cache gives back at least the largest size (256 MiB, NVML)"]
+
+
+def test_probe_bench_helpers() -> None:
+    pb = bench_script("probe_bench")
+    assert pb.memory_cap_for([1 << 20, 256 << 20]) == 1 << 30
+    assert pb.memory_cap_for([1 << 30]) == 2 << 30
+    args = pb.args_for([1 << 20, 256 << 20], 5, 20, pb.memory_cap_for([256 << 20]))
+    assert args.sizes == [1 << 20, 256 << 20] and args.iterations == 20
+    assert args.memory_cap == 1 << 30 and not args.skip_busy
+    assert pb.busbw(1 << 20, 20, 0.002, 4) == pytest.approx((1 << 20) * 20 / 0.002 * 1.5)
+    assert pb.busbw(1 << 20, 20, 0.0, 4) == 0.0
+    assert pb.ratio(1.0, 0.0) is None and pb.ratio(3.0, 4.0) == 0.75
+    assert pb.rss() > 1 << 20

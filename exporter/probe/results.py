@@ -42,8 +42,12 @@ class SizeResult:
     median_seconds: float = 0.0
     p99_seconds: float = 0.0
     max_seconds: float = 0.0
-    algbw_bytes_per_second: float = 0.0
+    algbw_bytes_per_second: float = 0.0  # bytes x iterations / loop_seconds
     busbw_bytes_per_second: float = 0.0
+    # The tight loop's time (that many all-reduces back to back, the shortest of the ranks'
+    # times), which the bandwidths come from; 0 in files of runners before the loop, whose
+    # bandwidths came from median_seconds.
+    loop_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -149,9 +153,11 @@ def parse(data: Any, where: str = "result") -> Result:
         if s.get("skipped", False):
             sizes.append(SizeResult(n, True))
             continue
-        sizes.append(SizeResult(n, False, *(float(_num(s, k, w)) for k in (
+        median, p99, most, algbw, busbw = (float(_num(s, k, w)) for k in (
             "median_seconds", "p99_seconds", "max_seconds", "algbw_bytes_per_second",
-            "busbw_bytes_per_second"))))
+            "busbw_bytes_per_second"))
+        loop = float(_num(s, "loop_seconds", w)) if "loop_seconds" in s else 0.0
+        sizes.append(SizeResult(n, False, median, p99, most, algbw, busbw, loop))
     gdr = data.get("gdr")
     if gdr is not None and not isinstance(gdr, bool):
         raise BadResult(f"{where}: 'gdr' must be true, false or null")

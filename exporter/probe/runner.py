@@ -15,12 +15,19 @@ Two ways to start it, one code path for the measurement:
 
 A worker keeps its process group between rounds (NCCL is initialised once); a group that fails
 or hangs is killed, its failure written to its result file, and started again next round.
-Each round: for each message size, warm-up all-reduces, then timed ones (CUDA events on GPUs, the
-monotonic clock on CPU), every rank timing its own wait in the collective. An iteration's
-collective time is the shortest of its ranks' times: the rank that arrived last waited least,
-and its time is the collective once everybody was there. The difference to the others is the
-wait that rank imposed: the straggler (``straggler()``). Per size: median, p99 and max; algorithm
-bandwidth = bytes / median; bus bandwidth = algbw x 2(n-1)/n (nccl-tests' all-reduce formula).
+Each round: for each message size, warm-up all-reduces, then timed ones, each on its own (CUDA
+events and a synchronisation around each on GPUs, the monotonic clock on CPU), every rank timing
+its own wait in the collective. An iteration's collective time is the shortest of its ranks'
+times: the rank that arrived last waited least, and its time is the collective once everybody
+was there. The difference to the others is the wait that rank imposed: the straggler
+(``straggler()``). Per size: median, p99 and max of those. Then, the ranks started together, a
+tight loop of as many all-reduces back to back (one event pair around the loop, nothing
+synchronised inside, as nccl-tests times it): the per-iteration synchronisation costs more than
+the collective itself on NVLink (a 64 MiB median of 403 us against 327 us in a loop on four
+H100s), so the bandwidth comes from the loop: algorithm bandwidth = bytes x iterations / loop
+time (the shortest of the ranks' loop times, as for an iteration); bus bandwidth = algbw x
+2(n-1)/n (nccl-tests' all-reduce formula). Each size's buffer is freed, and PyTorch's cache of
+it released, before the next: between rounds a rank holds its CUDA context and NCCL's buffers.
 NCCL logs at INFO into ``<state-dir>/nccl``, and the parser (ncclog.py) says which network,
 transports and HCAs carried the round.
 """
@@ -46,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpunet_exporter.probe import results
-from gpunet_exporter.sources.commands import Child
+from gpunet_exporter.sources.commands import Child, CommandError, run_command
 from gpunet_exporter.sources.sysfs import parse_uint
 from gpunet_exporter.statefile import write_json
 
@@ -94,15 +101,19 @@ def collective_times(matrix: Sequence[Sequence[float]]) -> list[float]:
     return [min(col) for col in zip(*matrix, strict=True)]
 
 
-def summarize_times(matrix: Sequence[Sequence[float]], nbytes: int,
+def summarize_times(matrix: Sequence[Sequence[float]], loops: Sequence[float], nbytes: int,
                     world_size: int) -> results.SizeResult:
-    """Per-size statistics from every rank's per-iteration times (rows are ranks)."""
+    """Per-size statistics. The latencies from every rank's per-iteration times (``matrix``,
+    rows are ranks); the bandwidth from every rank's time of its tight loop of as many
+    all-reduces (``loops``, one per rank), of which the shortest is the loop's time: the rank
+    that started last waited least, as in collective_times."""
     iterations = collective_times(matrix)
     med = statistics.median(iterations)
-    algbw = nbytes / med if med > 0 else 0.0
+    loop = min(loops)
+    algbw = nbytes * len(iterations) / loop if loop > 0 else 0.0
     return results.SizeResult(
         nbytes, False, med, percentile(iterations, 99), max(iterations), algbw,
-        bus_bandwidth(algbw, world_size))
+        bus_bandwidth(algbw, world_size), loop)
 
 
 @dataclass(frozen=True)
@@ -198,7 +209,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", type=parse_sizes, default=[8 << 10, 1 << 20, 64 << 20],
                    help="all-reduce message sizes (default 8KiB,1MiB,64MiB)")
     p.add_argument("--warmup", type=int, default=5, help="untimed all-reduces per size (5)")
-    p.add_argument("--iterations", type=int, default=20, help="timed all-reduces per size (20)")
+    p.add_argument("--iterations", type=int, default=20,
+                   help="timed all-reduces per size, each timed on its own (latency), then as "
+                        "many in a tight loop (bandwidth) (20)")
     p.add_argument("--interval", type=float, default=60.0,
                    help="seconds from one round's start to the next (60)")
     p.add_argument("--rounds", type=int, default=0, help="stop after this many rounds (0: never)")
@@ -264,7 +277,8 @@ def run_argv(options: Mapping[str, Any]) -> list[str]:
 # -- the node's launcher ---------------------------------------------------------------------
 
 CONTROL_ENV = "GPUNET_PROBE_CONTROL"  # "<command fd>,<reply fd>" of a launched worker
-DELAY_ENV = "GPUNET_PROBE_DELAY"  # test hook "<rank>:<seconds>": that rank arrives late
+# Test hook "<rank>:<seconds>": that rank arrives late at each all-reduce timed on its own.
+DELAY_ENV = "GPUNET_PROBE_DELAY"
 LOG_SUBDIR = "nccl"
 STOP_SECONDS = 5.0  # a stopped group's workers have this long to exit before they are killed
 
@@ -275,13 +289,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _visible_gpus() -> int:
-    warnings.filterwarnings("ignore", message=".*NumPy.*")
+_COUNT_GPUS = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+
+
+def _visible_gpus(timeout: float) -> int:
+    """The CUDA devices the workers will see (0 without torch or CUDA), counted by a
+    short-lived child: torch and the CUDA driver, once imported and initialised here, would
+    stay in the launcher's memory (hundreds of MB) for its whole life for one number."""
     try:
-        import torch
-    except ImportError:
+        out = run_command([sys.executable, "-W", "ignore", "-c", _COUNT_GPUS], timeout)
+    except CommandError:
         return 0
-    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    lines = out.split()
+    return (parse_uint(lines[-1]) or 0) if lines else 0
 
 
 def _fail(state_dir: str, scope: str, reason: str, error: str, backend: str,
@@ -428,7 +448,7 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if cluster is not None:  # started by torchrun or srun: this process is a rank itself
         return worker(args, cluster)
     if args.backend == "nccl":
-        devices = _visible_gpus()
+        devices = _visible_gpus(args.timeout)
         if devices == 0:
             for scope in args.scopes:
                 _fail(args.state_dir, scope, "no_gpu", "no CUDA device visible", args.backend)
@@ -561,6 +581,10 @@ def worker(args: argparse.Namespace, cluster: Cluster | None = None) -> int:
     if args.backend == "nccl":
         os.environ["NCCL_DEBUG"] = "INFO"  # into the private directory, whatever the exporter has
         os.environ["NCCL_DEBUG_FILE"] = os.path.join(logdir, f"nccl.{scope}.%h.%p.log")
+        # CUDA's modules loaded as used, not all at the start (less GPU and host memory): the
+        # default since CUDA 12.2; PyTorch sets it too, but only at its CUDA initialisation,
+        # after _Probe's first device query has initialised the driver.
+        os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
     warnings.filterwarnings("ignore", message=".*NumPy.*")
     try:
         probe = _Probe(args, cluster, scope, control is not None)
@@ -615,7 +639,8 @@ class _NoGpu(RuntimeError):
 
 
 def _delay(rank: int) -> float:
-    """The test hook: seconds this rank sleeps before each timed all-reduce (DELAY_ENV)."""
+    """The test hook: seconds this rank sleeps before each all-reduce timed on its own (not
+    in the tight loop) (DELAY_ENV)."""
     spec = os.environ.get(DELAY_ENV, "")
     who, _, seconds = spec.partition(":")
     try:
@@ -673,6 +698,7 @@ class _Probe:
         self.rounds = 0
         if self.cuda and args.skip_busy:
             self._open_nvml(index)
+        self._release()
 
     def _pci_address(self, index: int) -> str:
         props = self.torch.cuda.get_device_properties(index)
@@ -734,7 +760,22 @@ class _Probe:
         if self.cuda:
             self.torch.cuda.synchronize(self.device)
 
-    def _time_size(self, nbytes: int) -> list[float]:
+    def _release(self) -> None:
+        """Give PyTorch's cached blocks (freed buffers and gather tensors) back to the driver,
+        so that between rounds the rank holds only its CUDA context and NCCL's own buffers."""
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+
+    def _together(self) -> None:
+        """Every rank here before any goes on: a one-element all-reduce, waited for."""
+        self._sync()
+        self.dist.all_reduce(self.torch.zeros(1, device=self.device))
+        self._sync()
+
+    def _time_size(self, nbytes: int) -> tuple[list[float], float]:
+        """This rank's times of one size: of each timed all-reduce on its own (latency
+        percentiles, the straggler), and of a tight loop of as many back to back (bandwidth).
+        The warm-up is a loop too, waited for once at its end."""
         torch, dist = self.torch, self.dist
         buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=self.device)
         for _ in range(self.args.warmup):
@@ -756,15 +797,40 @@ class _Probe:
                 t0 = time.perf_counter()
                 dist.all_reduce(buf)
                 times.append(time.perf_counter() - t0)
+        loop = self._time_loop(buf, self.args.iterations)
         del buf
-        return times
+        self._release()
+        return times, loop
+
+    def _time_loop(self, buf: Any, count: int) -> float:
+        """This rank's time of ``count`` all-reduces back to back, the ranks started together:
+        one pair of CUDA events around the loop (the monotonic clock on CPU), no host
+        synchronisation inside it, as nccl-tests times it. No test-hook delay here: a late
+        rank is the straggler's business, not the bandwidth's."""
+        torch, dist = self.torch, self.dist
+        self._together()
+        if not self.cuda:
+            t0 = time.perf_counter()
+            for _ in range(count):
+                dist.all_reduce(buf)
+            return time.perf_counter() - t0
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(count):
+            dist.all_reduce(buf)
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1000
 
     def _gather(self, values: list[float]) -> list[list[float]]:
+        """Every rank's list of numbers (all of one length), in one all-gather and one copy
+        to the host."""
         torch, dist = self.torch, self.dist
         local = torch.tensor(values, dtype=torch.float64, device=self.device)
         out = [torch.empty_like(local) for _ in range(self.world)]
         dist.all_gather(out, local)
-        return [t.cpu().tolist() for t in out]
+        return [row.tolist() for row in torch.stack(out).cpu()]
 
     def _gather_json(self, value: Any) -> list[Any]:
         """Every rank's JSON-able value, through tensors (object collectives need NumPy)."""
@@ -776,27 +842,30 @@ class _Probe:
         local[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
         out = [torch.empty_like(local) for _ in range(self.world)]
         dist.all_gather(out, local)
-        return [json.loads(bytes(t.cpu().tolist()[: int(n[0])]))
-                for t, n in zip(out, sizes, strict=True)]
+        return [json.loads(bytes(row.tolist()[: int(n[0])]))
+                for row, n in zip(torch.stack(out).cpu(), sizes, strict=True)]
 
     def round(self, started: float, logdir: str) -> dict[str, Any]:
         torch, dist = self.torch, self.dist
         flag = torch.tensor([1.0 if self._busy() else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank must skip the same sizes
         busy = bool(flag.item())
+        del flag
         sizes: list[dict[str, Any]] = []
         last: list[list[float]] | None = None
         for nbytes in self.args.sizes:
             if busy and self.args.skip_busy and nbytes >= self.args.busy_min_size:
                 sizes.append({"bytes": nbytes, "skipped": True})
                 continue
-            matrix = self._gather(self._time_size(nbytes))
+            times, loop = self._time_size(nbytes)
+            rows = self._gather([*times, loop])  # one all-gather: the loop's time last
+            matrix = [row[:-1] for row in rows]
             last = matrix  # the largest size measured decides stragglers
-            stats = summarize_times(matrix, nbytes, self.world)
+            stats = summarize_times(matrix, [row[-1] for row in rows], nbytes, self.world)
             sizes.append({"bytes": nbytes, "skipped": False, **{
                 k: getattr(stats, k) for k in (
                     "median_seconds", "p99_seconds", "max_seconds", "algbw_bytes_per_second",
-                    "busbw_bytes_per_second")}})
+                    "busbw_bytes_per_second", "loop_seconds")}})
         out: dict[str, Any] = {
             "version": results.VERSION, "scope": self.scope, "started": started,
             "success": True, "backend": self.args.backend,
@@ -806,6 +875,7 @@ class _Probe:
             **self._transport(logdir)}
         out["time"] = time.time()
         self.rounds += 1
+        self._release()
         return out
 
     def _straggler(self, matrix: list[list[float]] | None) -> dict[str, Any] | None:
