@@ -912,7 +912,10 @@ def main(argv: Sequence[str]) -> int:
     if args.json:
         print(json.dumps({"status": ("findings", "healthy", "could_not_check")[
             (code == 0) + 2 * (code == 2)], "exit_code": code,
-            "findings": [{**asdict(f), "severity": f.severity} for f in findings],
+            # fault: whether the finding counts towards exit code 1 (what a Slurm gate
+            # drains for: slurm/gpunet-healthcheck names the first one in the reason).
+            "findings": [{**asdict(f), "severity": f.severity, "fault": f in faults}
+                         for f in findings],
             "checked": checked, "problems": problems, "notes": [asdict(n) for n in notes]},
             indent=1))
     else:
