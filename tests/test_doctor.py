@@ -102,8 +102,18 @@ def test_json_shape(faulty: tuple[list[str], dict[str, str]]) -> None:
     lost = next(f for f in result["findings"] if f["alert"] == "GpunetGpuLost")
     assert lost == {"cause": "gpu", "alert": "GpunetGpuLost", "where": "GPU 1",
                     "message": "fallen off the bus (GPU is lost)", "severity": "critical",
-                    "confirm": "nvidia-smi; dmesg | grep -i -E 'xid|fallen off'"}
+                    "confirm": "nvidia-smi; dmesg | grep -i -E 'xid|fallen off'", "fault": True}
     assert "probe" not in result["checked"]
+    # fault: what makes the exit code 1 (slurm/gpunet-healthcheck drains for it); not an info
+    # finding, a job's (NCCL's RAS) or one that says something could not be checked.
+    not_faults = {(f["alert"], f["severity"], f["cause"]) for f in result["findings"]
+                  if not f["fault"]}
+    assert {a for a, _, _ in not_faults} >= {"GpunetGpusNetworkBoundBand",
+                                             "GpunetPfcConfigUnreadable", "GpunetNcclRankDead"}
+    assert all(s == "info" or c == "nccl_job" or a == "GpunetPfcConfigUnreadable"
+               for a, s, c in not_faults), not_faults
+    assert all(f["severity"] != "info" and f["cause"] != "nccl_job"
+               for f in result["findings"] if f["fault"])
 
 
 def test_nothing_to_check_exits_2(tmp_path: Path) -> None:

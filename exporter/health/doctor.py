@@ -799,9 +799,11 @@ def _wait_for_probe(probe: Collector, timeout: float, quiet: bool) -> None:
         # The doctor asks for a round now: no hold-off, but never beside a job.
         probe.supervisor.gate.holdoff = 0.0
     deadline = time.monotonic() + timeout
+    asked = time.time()
     while time.monotonic() < deadline:
         s = Snapshot(probe.collect())
-        if s.get("gpunet_probe_success", scope=last) is not None:
+        # A round of this check, not an earlier one's file left in the state directory.
+        if (s.get("gpunet_probe_last_round_timestamp_seconds", scope=last) or 0) >= asked:
             return
         for state in (idle.YIELDED, idle.UNKNOWN):
             if s.get("gpunet_probe_state", state=state) == 1:
@@ -931,7 +933,10 @@ def main(argv: Sequence[str]) -> int:
     if args.json:
         print(json.dumps({"status": ("findings", "healthy", "could_not_check")[
             (code == 0) + 2 * (code == 2)], "exit_code": code,
-            "findings": [{**asdict(f), "severity": f.severity} for f in findings],
+            # fault: whether the finding counts towards exit code 1 (what a Slurm gate
+            # drains for: slurm/gpunet-healthcheck names the first one in the reason).
+            "findings": [{**asdict(f), "severity": f.severity, "fault": f in faults}
+                         for f in findings],
             "checked": checked, "problems": problems, "notes": [asdict(n) for n in notes]},
             indent=1))
     else:

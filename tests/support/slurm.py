@@ -52,7 +52,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,9 +134,11 @@ def require() -> None:
         pytest.skip(reason)
 
 
-def slurm_conf(root: Path, nodes: Sequence[netns.Node], controller: netns.Node) -> str:
+def slurm_conf(root: Path, nodes: Sequence[netns.Node], controller: netns.Node,
+               extra: Sequence[str] = ()) -> str:
     """The cluster's slurm.conf: munge on the private socket, no cgroups, no accounting, one
-    partition ``debug`` of every node."""
+    partition ``debug`` of every node; ``extra`` lines (``HealthCheckProgram=...``,
+    ``Epilog=...``) before the nodes."""
     names = [f"n{i}" for i in range(len(nodes))]
     lines = [
         "ClusterName=gpunettest",
@@ -177,6 +179,7 @@ def slurm_conf(root: Path, nodes: Sequence[netns.Node], controller: netns.Node) 
         "MinJobAge=4",
         "SlurmctldDebug=info",
         "SlurmdDebug=info",
+        *extra,
     ]
     lines += [f"NodeName={name} NodeAddr={n.addr} CPUs=1 State=UNKNOWN"
               for name, n in zip(names, nodes, strict=True)]
@@ -306,9 +309,11 @@ def _start(argv: Sequence[str], log: Path, env: Mapping[str, str]) -> subprocess
 
 
 @contextlib.contextmanager
-def cluster(n: int = 4, prefix: str = PREFIX, startup_timeout: float = 60) -> Iterator[Cluster]:
+def cluster(n: int = 4, prefix: str = PREFIX, startup_timeout: float = 60,
+            extra_conf: Callable[[Path], Sequence[str]] | None = None) -> Iterator[Cluster]:
     """``n`` slurmd nodes and a controller (module docstring), every node idle on entry;
-    everything is stopped and removed on exit."""
+    everything is stopped and removed on exit. ``extra_conf``: given the cluster's root directory
+    (made before the daemons start, for the files those lines name), more slurm.conf lines."""
     if not 1 <= n <= 200:
         raise ValueError(f"1 to 200 nodes, not {n}")
     sweep(prefix)
@@ -322,7 +327,8 @@ def cluster(n: int = 4, prefix: str = PREFIX, startup_timeout: float = 60) -> It
             controller = fleet[n]
             net_nodes = fleet.nodes[:n]
             conf = root / "slurm.conf"
-            conf.write_text(slurm_conf(root, net_nodes, controller))
+            conf.write_text(slurm_conf(root, net_nodes, controller,
+                                       extra_conf(root) if extra_conf else ()))
             (root / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
             (root / "plugstack.conf").write_text("")
             (root / "munge").mkdir(mode=0o700)
