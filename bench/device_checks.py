@@ -550,7 +550,7 @@ def probe_exporter(site: Path, tmp: Path, rounds: int, gpus: int,
         _, err = exp.communicate(timeout=20)
     print(f"\n== probe through the exporter, {gpus} GPU(s)")
     transports = sorted((dict(lbl)["transport"], dict(lbl)["net"]) for (n, lbl) in s
-                        if n == "gpunet_probe_transport_info")
+                        if n == "gpunet_probe_transport_info" and dict(lbl)["scope"] == "net")
     busbw = {int(dict(lbl)["size"]): v for (n, lbl), v in s.items()
              if n == "gpunet_probe_allreduce_bus_bandwidth_bytes_per_second"
              and dict(lbl)["scope"] == "net"}
