@@ -126,10 +126,18 @@ def test_gpu_pids_reads_compute_and_graphics_processes() -> None:
     nvml.forget(fake_nvml.MODULE)
     try:
         assert idle.gpu_pids(nvml.session(fake_nvml.MODULE)) == {11, 12}
+        # A lost GPU runs no job (GpunetGpuLost says it is lost): the others still count.
         scenario["devices"][1]["lost"] = True
         fake_nvml.load(scenario)
         nvml.forget(fake_nvml.MODULE)
-        assert idle.gpu_pids(nvml.session(fake_nvml.MODULE)) is None  # a lost GPU: unknown
+        assert idle.gpu_pids(nvml.session(fake_nvml.MODULE)) == {11}
+        # A list that cannot be read for another reason: nothing is known.
+        scenario["devices"][1]["lost"] = False
+        scenario["devices"][1]["nvmlDeviceGetComputeRunningProcesses"] = {
+            "exc": "NVMLError_Unknown"}
+        fake_nvml.load(scenario)
+        nvml.forget(fake_nvml.MODULE)
+        assert idle.gpu_pids(nvml.session(fake_nvml.MODULE)) is None
     finally:
         nvml.forget(fake_nvml.MODULE)
 

@@ -40,7 +40,7 @@ def gpu_pids(session: nvml.Session) -> set[int] | None:
     pids: set[int] = set()
     for g in gpus:
         if g.handle is None:
-            return None  # a lost GPU: its processes are unknown
+            continue  # lost when enumerated: no job runs there (GpunetGpuLost says so)
         for fn in ("nvmlDeviceGetComputeRunningProcesses",
                    "nvmlDeviceGetGraphicsRunningProcesses"):
             call = getattr(nv, fn, None)
@@ -49,7 +49,9 @@ def gpu_pids(session: nvml.Session) -> set[int] | None:
             try:
                 pids.update(int(p.pid) for p in call(g.handle))
             except nv.NVMLError as exc:
-                if nvml.error_name(exc) == "NVMLError_NotSupported":
+                # A GPU lost since: no job runs there (GpunetGpuLost). Any other error: the
+                # GPU's processes are unknown, and so is whether the node is idle.
+                if nvml.error_name(exc) in ("NVMLError_NotSupported", "NVMLError_GpuIsLost"):
                     continue
                 return None
     return pids

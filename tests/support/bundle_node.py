@@ -84,6 +84,7 @@ pfc:
 probe:
   command: [{python}, {runner}]   # a stand-in runner: writes the node's results, then idles
   state_dir: {state}
+  holdoff_seconds: 0
 nccl: {{host: 127.0.0.1, ports: {ras_ports}, interval_seconds: 1, handshake_seconds: 0.2}}
 """
 # The NCCL jobs each node runs, as stand-in RAS servers (support.ras_server) replaying the
@@ -215,6 +216,13 @@ def build_node(root: Path, faulty: bool, ras_ports: Sequence[int] = (1,)
     (root / "results.json").write_text(json.dumps(
         {scope: probe_result(scope, socket=faulty and scope == "inter")
          for scope in results.SCOPES}))
+    # The results of the node's last rounds, as the runner left them while the GPUs were idle:
+    # the probe runs only then (docs/probe.md, "Idle only"), and the healthy node's GPU runs a
+    # job now, so its stand-in runner is never started.
+    (root / "probe").mkdir()
+    for scope, data in json.loads((root / "results.json").read_text()).items():
+        data.update(started=time.time() - 2.0, time=time.time())
+        (root / "probe" / f"{scope}.json").write_text(json.dumps(data))
     runner = root / "runner.py"
     runner.write_text(RUNNER.format(results=str(root / "results.json")))
     phy = PHY_COUNTERS
