@@ -17,7 +17,9 @@ Fleet probes (issue 18): whoever runs pair probes between nodes (a Slurm or Kube
 following a plan of exporter/probe/plan.py) writes this node's view of the last plan into
 ``<state_dir>/pairs.json`` (exporter/probe/pairs.py); the collector exports it as the
 ``gpunet_fleet_*`` metrics, one ``peer`` label value per peer of that plan and at most
-``fleet_max_peers`` of them.
+``fleet_max_peers`` of them. A pair that was not measured (a GPU busy with other work on either
+end, issue 31) has no ``gpunet_fleet_pair_success``, only ``gpunet_fleet_pair_skipped`` with
+the reason: the fleet rules count measured pairs only, so it makes no node or link look bad.
 
 Scrapes read only the supervisor's last snapshot: every value is from the last round, whose
 time and success come with it. This module maps those results to metrics.
@@ -212,8 +214,14 @@ PAIR_LATENCY = MetricSpec(
     "the probe measured none" + _LAST_PLAN, _PEER, "seconds", _PAIRS)
 PAIR_SUCCESS = MetricSpec(
     "gpunet_fleet_pair_success", "gauge",
-    "1 if the last pair probe between this node and peer succeeded, else 0" + _LAST_PLAN, _PEER,
-    "boolean", _PAIRS)
+    "1 if the last pair probe between this node and peer succeeded, else 0; absent when the "
+    "pair was not measured (gpunet_fleet_pair_skipped)" + _LAST_PLAN, _PEER, "boolean", _PAIRS)
+PAIR_SKIPPED = MetricSpec(
+    "gpunet_fleet_pair_skipped", "gauge",
+    "Always 1 per peer whose last pair was not measured, neither a success nor a failure, and "
+    "why: busy (a process that is not the probe's was on this node's GPUs), unknown (this "
+    "node could not tell: no NVML), peer_busy and peer_unknown (the same on the peer)"
+    + _LAST_PLAN, ("peer", "reason"), "", _PAIRS)
 PAIR_INFO = MetricSpec(
     "gpunet_fleet_pair_info", "gauge",
     "Always 1 per peer of the last plan: the peer's leaf (empty when unknown), the network the "
@@ -232,8 +240,8 @@ PAIRS_DROPPED = MetricSpec(
     "gpunet_fleet_pairs_dropped", "gauge",
     "Peers of the last plan left out of the gpunet_fleet_pair_* metrics because there were more "
     "than probe.fleet_max_peers (failed pairs are kept first)", (), "peers", _PAIRS)
-FLEET_METRICS = (PAIR_BUSBW, PAIR_LATENCY, PAIR_SUCCESS, PAIR_INFO, NODE_INFO, ROUND_TS,
-                 PAIRS_DROPPED)
+FLEET_METRICS = (PAIR_BUSBW, PAIR_LATENCY, PAIR_SUCCESS, PAIR_SKIPPED, PAIR_INFO, NODE_INFO,
+                 ROUND_TS, PAIRS_DROPPED)
 FLEET_SCOPE = "fleet"  # where an unreadable pairs.json counts in gpunet_probe_failures_total
 
 
@@ -403,16 +411,19 @@ class ProbeCollector(Collector):
         fams.add(NODE_INFO, [view.leaf or ""], 1)
         fams.add(ROUND_TS, [], view.round_timestamp)
         # Failed pairs first (stable otherwise): the cap never hides a bad peer behind good ones.
-        kept = sorted(view.pairs, key=lambda p: p.ok)[:max_peers]
+        kept = sorted(view.pairs, key=lambda p: not p.failed)[:max_peers]
         fams.add(PAIRS_DROPPED, [], len(view.pairs) - len(kept))
         for p in kept:
+            gdr = "" if p.gdr is None else str(p.gdr).lower()
+            fams.add(PAIR_INFO, [p.peer, p.peer_leaf or "", p.transport or "", gdr], 1)
+            if p.skipped is not None:  # not measured: no success, neither 1 nor 0, no numbers
+                fams.add(PAIR_SKIPPED, [p.peer, p.skipped], 1)
+                continue
             fams.add(PAIR_SUCCESS, [p.peer], int(p.ok))
             if p.latency_seconds is not None:
                 fams.add(PAIR_LATENCY, [p.peer], p.latency_seconds)
             if p.bus_bandwidth_bytes_per_second is not None:
                 fams.add(PAIR_BUSBW, [p.peer], p.bus_bandwidth_bytes_per_second)
-            gdr = "" if p.gdr is None else str(p.gdr).lower()
-            fams.add(PAIR_INFO, [p.peer, p.peer_leaf or "", p.transport or "", gdr], 1)
 
     @staticmethod
     def _export_result(fams: Families, scope: str, good: Result) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,8 +24,9 @@ from support import sysfs_tree as st
 from support.metrics import Samples, make_collector, samples_of, series, value
 
 FLEET = ("gpunet_fleet_pair_bus_bandwidth_bytes_per_second", "gpunet_fleet_pair_latency_seconds",
-         "gpunet_fleet_pair_success", "gpunet_fleet_pair_info", "gpunet_fleet_node_info",
-         "gpunet_fleet_round_timestamp_seconds", "gpunet_fleet_pairs_dropped")
+         "gpunet_fleet_pair_success", "gpunet_fleet_pair_info", "gpunet_fleet_pair_skipped",
+         "gpunet_fleet_node_info", "gpunet_fleet_round_timestamp_seconds",
+         "gpunet_fleet_pairs_dropped")
 
 
 def pair(peer: str, **over: Any) -> dict[str, Any]:
@@ -148,16 +150,65 @@ def intra_result() -> dict[str, Any]:
             "backend": "gloo", "world_size": 2, "sizes": []}
 
 
+def skipped(peer: str, reason: str = "busy") -> dict[str, Any]:
+    """An entry as gpunet-probe fleet writes a pair that was not measured."""
+    return pair(peer, ok=False, latency_seconds=None, bus_bandwidth_bytes_per_second=None,
+                transport=None, gdr=None, error="the GPUs are busy: 4242 (python) is not the "
+                "probe's", skipped=reason)
+
+
+def test_a_pair_not_measured_is_neither_a_success_nor_a_failure(node: Node) -> None:
+    """Issue 31: a pair skipped because a GPU was busy (on this end or the peer's) has no
+    gpunet_fleet_pair_success, which the fleet rules count (alerts/gpunet.rules.test.yml,
+    "a busy node's pairs not measured"), and says why in gpunet_fleet_pair_skipped."""
+    node.write(pairs_file(pair("n2"), skipped("n3"), skipped("n4", "peer_busy"),
+                          skipped("n5", "unknown"), skipped("n6", "peer_unknown"),
+                          pair("n7", ok=False, latency_seconds=None,
+                               bus_bandwidth_bytes_per_second=None, error="NCCL timeout")))
+    s = node.scrape()
+    assert {dict(k)["peer"]: v for k, v in series(s, "gpunet_fleet_pair_success").items()} == \
+        {"n2": 1, "n7": 0}
+    assert {tuple(sorted(dict(k).items())): v
+            for k, v in series(s, "gpunet_fleet_pair_skipped").items()} == {
+        (("peer", "n3"), ("reason", "busy")): 1, (("peer", "n4"), ("reason", "peer_busy")): 1,
+        (("peer", "n5"), ("reason", "unknown")): 1,
+        (("peer", "n6"), ("reason", "peer_unknown")): 1}
+    assert {dict(k)["peer"] for k in series(s, "gpunet_fleet_pair_info")} == {
+        "n2", "n3", "n4", "n5", "n6", "n7"}  # every peer of the plan
+    assert {dict(k)["peer"] for k in series(s, "gpunet_fleet_pair_latency_seconds")} == {"n2"}
+    assert value(s, "gpunet_probe_failures_total", scope="fleet", reason="bad_result") == 0
+
+
+def test_a_file_written_before_skipped_reads_as_measured(tmp_path: Path) -> None:
+    """Files without the field (every pair measured) read as they did."""
+    data = pairs_file(pair("n2"), pair("n3", ok=False))
+    assert "skipped" not in json.dumps(data)
+    got = pairs.parse(data)
+    assert [(p.ok, p.skipped, p.failed) for p in got.pairs] == [(True, None, False),
+                                                                (False, None, True)]
+    assert pairs.to_json(got) == data  # and a measured pair's entry is written as before
+
+
+@pytest.mark.parametrize("entry, want", [
+    (pair("n2", ok=False, skipped="asleep"), "'skipped' must be one of busy, unknown, "),
+    (pair("n2", ok=False, skipped=1), "'skipped' must be one of"),
+    (pair("n2", skipped="busy"), "a skipped pair (not measured) cannot be ok"),
+])
+def test_a_bad_skipped_is_a_bad_file(entry: dict[str, Any], want: str) -> None:
+    with pytest.raises(pairs.BadPairs, match=re.escape(want)):
+        pairs.parse(pairs_file(entry))
+
+
 def test_more_peers_than_the_max_are_dropped_and_counted(tmp_path: Path) -> None:
     node = Node(tmp_path, fleet_max_peers=3)
     try:
-        node.write(pairs_file(*[pair(f"n{i}") for i in range(2, 8)],
+        node.write(pairs_file(skipped("busy1"), *[pair(f"n{i}") for i in range(2, 8)],
                               pair("bad", ok=False)))
         s = node.scrape()
-        assert value(s, "gpunet_fleet_pairs_dropped") == 4
-        peers = {dict(k)["peer"] for k in series(s, "gpunet_fleet_pair_success")}
-        assert peers == {"bad", "n2", "n3"}  # failed pairs first, then file order
-        for name in FLEET[:4]:
+        assert value(s, "gpunet_fleet_pairs_dropped") == 5
+        peers = {dict(k)["peer"] for k in series(s, "gpunet_fleet_pair_info")}
+        assert peers == {"bad", "busy1", "n2"}  # failed pairs first, then file order
+        for name in FLEET[:5]:
             assert {dict(k)["peer"] for k in series(s, name)} <= peers
     finally:
         node.c.close()
@@ -189,7 +240,8 @@ def test_peer_names_go_through_the_label_checks(node: Node) -> None:
 def test_round_trip(tmp_path: Path) -> None:
     data = pairs.Pairs(node="n1", plan="leaf", round_timestamp=12.5, leaf="l1", pairs=(
         pairs.Pair("n2", True, "l2", 1e-5, 3e10, "RoCE", False, None),
-        pairs.Pair("n3", False, error="timeout")))
+        pairs.Pair("n3", False, error="timeout"),
+        pairs.Pair("n4", False, error="the GPUs are busy", skipped="peer_busy")))
     pairs.write(str(tmp_path), data)
     assert pairs.read(pairs.pairs_path(str(tmp_path))) == data
 
@@ -219,7 +271,8 @@ JSON = hs.recursive(
 
 @given(hs.sampled_from(["version", "node", "leaf", "plan", "round_timestamp", "pairs"]),
        hs.sampled_from(["peer", "peer_leaf", "ok", "latency_seconds",
-                        "bus_bandwidth_bytes_per_second", "transport", "gdr", "error"]),
+                        "bus_bandwidth_bytes_per_second", "transport", "gdr", "error",
+                        "skipped"]),
        JSON, hs.booleans())
 def test_near_valid_files_parse_or_raise_bad_pairs(top: str, key: str, junk: Any,
                                                    in_pair: bool) -> None:

@@ -1,7 +1,9 @@
 """``gpunet-probe fleet`` (exporter/probe/fleet.py): the schedule each node gets, the environment
 of a pair's ranks, the file each node writes, bad input, and a real run of four nodes on
 loopback (gloo over TCP, started with srun's environment) that writes the ring's pairs on both
-ends of every pair."""
+ends of every pair. Issue 31: a pair end runs only on GPUs free of other work (the NVML
+stand-in's, whose processes the test lists): the decision, the watch, and real runs with a
+node busy from the start and a node that gets busy mid-pair."""
 
 from __future__ import annotations
 
@@ -12,13 +14,18 @@ import re
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from gpunet_exporter.probe import fleet, pairs, plan, results
+from gpunet_exporter.probe import fleet, pairs, plan, results, runner
+from gpunet_exporter.sources import nvml
+from gpunet_exporter.sources.commands import Child
 
+from support import fake_nvml
 from support import fleet as launch
 from support.exporter import free_port
 from support.wait import wait_for
@@ -324,3 +331,289 @@ def test_a_bad_leaves_file_is_one_clear_error(tmp_path: Path, text: str, want: s
     f.write_text(text)
     with pytest.raises(fleet.FleetError, match=re.escape(want)):
         fleet.leaf_from(str(f), "n1")
+
+
+# -- GPUs busy with other work (issue 31) ---------------------------------------------------
+
+@pytest.mark.parametrize("found, backend, want", [
+    (set(), "nccl", None),
+    (set(), "gloo", None),
+    ({4242}, "nccl", pairs.BUSY),
+    ({4242}, "gloo", pairs.BUSY),  # NVML says so: the gloo ranks stay off the node too
+    (None, "nccl", pairs.UNKNOWN),  # cannot tell: a pair on GPUs does not run ("unknown")
+    (None, "gloo", None),  # no NVML and no GPU in use: nothing to protect, as before
+])
+def test_the_decision_of_a_pair_end(found: set[int] | None, backend: str,
+                                    want: str | None) -> None:
+    assert fleet.verdict(found, backend) == want
+
+
+SKIP_TURN = fleet.Turn(round=0, peer="b", peer_leaf="r2", serve=True, master="10.0.0.1",
+                       port=29600)
+
+
+def _ok(peer: str = "b") -> pairs.Pair:
+    return pairs.Pair(peer=peer, ok=True, peer_leaf="r2", latency_seconds=2e-5,
+                      bus_bandwidth_bytes_per_second=4e10, transport="IB", gdr=True)
+
+
+@pytest.mark.parametrize("mine, theirs, want", [
+    # the peer's end did not run: this end's pair is not measured either, whatever it saw
+    (_ok(), fleet._skipped(SKIP_TURN, pairs.BUSY, "the GPUs are busy"),
+     (False, pairs.PEER_BUSY, "the peer's end did not run: the GPUs are busy")),
+    (fleet._failed(SKIP_TURN, "timed out after 120 s (killed)"),
+     fleet._skipped(SKIP_TURN, pairs.UNKNOWN, "cannot tell"),
+     (False, pairs.PEER_UNKNOWN, "the peer's end did not run: cannot tell")),
+    # this end did not run: it stays so, whatever the peer's end says
+    (fleet._skipped(SKIP_TURN, pairs.BUSY, "busy"), _ok("a"), (False, pairs.BUSY, "busy")),
+    (fleet._skipped(SKIP_TURN, pairs.PEER_BUSY, "x"), None, (False, pairs.PEER_BUSY, "x")),
+    # measured on both ends: as before
+    (_ok(), fleet._failed(SKIP_TURN, "NCCL timeout"),
+     (False, None, "the peer's end failed: NCCL timeout")),
+    (_ok(), _ok("a"), (True, None, None)),
+    (_ok(), None, (True, None, None)),
+])
+def test_a_pair_not_measured_on_one_end_is_not_measured_on_both(
+        mine: pairs.Pair, theirs: pairs.Pair | None,
+        want: tuple[bool, str | None, str | None]) -> None:
+    got = fleet.agree(mine, theirs)
+    assert (got.ok, got.skipped, got.error) == want
+    if got.skipped is not None:
+        assert got.latency_seconds is None and got.bus_bandwidth_bytes_per_second is None
+        assert not got.failed
+
+
+def test_an_end_that_failed_as_its_peer_yielded_was_not_measured() -> None:
+    """The peer killed its ranks and ours failed on the broken connection before the peer's
+    word came: with the word, read after the round's barrier, the pair is not measured."""
+    failed = fleet._failed(SKIP_TURN, "no result (ranks exited [1]): Connection reset by peer")
+    got = fleet._peer_did_not_run(failed, pairs.BUSY)
+    assert (got.ok, got.skipped, got.error) == (False, pairs.PEER_BUSY,
+                                                "the peer's end did not run: busy")
+    assert fleet._peer_did_not_run(failed, None) is failed  # no word: a failure stays one
+
+
+@pytest.fixture
+def nvml_processes(tmp_path: Path) -> Iterator[Path]:
+    """The NVML stand-in in this process, its compute processes listed in the file returned."""
+    path = tmp_path / "nvml-processes"
+    os.environ["GPUNET_FAKE_NVML_PROCESSES"] = str(path)
+    try:
+        fake_nvml.load(fake_nvml.h200x2())
+        nvml.forget(fake_nvml.MODULE)
+        yield path
+    finally:
+        del os.environ["GPUNET_FAKE_NVML_PROCESSES"]
+        nvml.forget(fake_nvml.MODULE)
+        fake_nvml.load(fake_nvml.h200x2())
+
+
+def test_the_gpus_are_busy_with_a_process_of_another_session(nvml_processes: Path) -> None:
+    gpus = fleet.Gpus(fake_nvml.MODULE, "/proc", "nccl")
+    assert gpus.look() is None  # no process on either GPU
+    with launch.foreign_process() as job:
+        nvml_processes.write_text(f"1 {job.pid}\n")
+        reason, why = gpus.look() or ("", "")
+        assert reason == pairs.BUSY
+        assert why == f"the GPUs are busy: {job.pid} (sleep) is not the probe's"
+        nvml_processes.write_text(f"0 {os.getpid()}\n")  # this process's session: the fleet's
+        assert gpus.look() is None
+        sleeper = Child(["sleep", "30"])  # a rank: a session of its own, the fleet's child
+        try:
+            nvml_processes.write_text(f"0 {sleeper.pid}\n")
+            assert (gpus.look() or ("",))[0] == pairs.BUSY  # not a rank of this pair end
+            assert gpus.look([sleeper]) is None
+        finally:
+            sleeper.kill()
+
+
+def test_without_nvml_a_pair_on_gpus_cannot_run_and_says_why(nvml_processes: Path) -> None:
+    fake_nvml.load({"library": "missing", "devices": []})
+    assert fleet.Gpus(fake_nvml.MODULE, "/proc", "gloo").look() is None
+    nvml.forget(fake_nvml.MODULE)
+    reason, why = fleet.Gpus(fake_nvml.MODULE, "/proc", "nccl").look() or ("", "")
+    assert reason == pairs.UNKNOWN
+    assert why.startswith("cannot tell whether the GPUs are free (nvmlInit: "), why
+
+
+class FakeGpus(fleet.Gpus):
+    """Answers look() from a list: one answer a call, the last one over and over."""
+
+    def __init__(self, *answers: tuple[str, str] | None) -> None:
+        self.answers = list(answers)
+        self.calls = 0
+
+    def look(self, ranks: Sequence[Child] = ()) -> tuple[str, str] | None:
+        self.calls += 1
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def test_a_busy_node_starts_no_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    where = tmp_path / "fleet" / "b"
+    where.mkdir(parents=True)
+    (where / "inter.json").write_text("{}")  # an earlier run's: must not pass for this one's
+
+    def no_child(*_: object, **__: object) -> None:
+        raise AssertionError("a rank was started on a busy node")
+
+    monkeypatch.setattr(fleet, "Child", no_child)
+    got = fleet.run_pair(args(*launch.QUICK, state=tmp_path), SKIP_TURN, {},
+                         FakeGpus((pairs.BUSY, "the GPUs are busy: 7 (python) is not the "
+                                                "probe's")))
+    assert (got.ok, got.skipped, got.failed) == (False, pairs.BUSY, False)
+    assert got.error == "the GPUs are busy: 7 (python) is not the probe's"
+    assert sorted(p.name for p in where.iterdir()) == ["probe.log"]
+    assert (where / "probe.log").read_text() == \
+        "gpunet-probe fleet: no rank started: the GPUs are busy: 7 (python) is not the probe's\n"
+
+
+@pytest.mark.parametrize("gpus, word, want", [
+    (FakeGpus(None, None, (pairs.BUSY, "the GPUs are busy: 9 (x)")), None,
+     (pairs.BUSY, "the GPUs are busy: 9 (x)")),
+    (FakeGpus(None), pairs.UNKNOWN, (pairs.PEER_UNKNOWN, "the peer's end did not run (unknown)")),
+])
+def test_the_watch_kills_the_ranks_the_moment_the_pair_must_stop(
+        gpus: FakeGpus, word: str | None, want: tuple[str, str]) -> None:
+    ranks = [Child(["sleep", "60"]), Child(["sleep", "60"])]
+    asked: list[int] = []
+
+    def peer() -> str | None:
+        asked.append(1)
+        return word if len(asked) > 1 else None
+
+    started = time.monotonic()
+    codes, stop = fleet._watch(ranks, started + 60, gpus, peer)
+    assert stop == want
+    assert time.monotonic() - started < 5 * fleet.WATCH_SECONDS
+    assert codes == [None, None]  # running when it stopped them
+    assert all(c.poll() is not None for c in ranks)  # killed, whole groups, and reaped
+
+
+def test_the_watch_returns_the_ranks_codes_or_kills_them_at_the_deadline() -> None:
+    ranks = [Child(["true"]), Child(["false"])]
+    assert fleet._watch(ranks, time.monotonic() + 30, FakeGpus(None), fleet._no_word) == \
+        ([0, 1], None)
+    late = [Child(["sleep", "60"])]
+    assert fleet._watch(late, time.monotonic() + 0.2, FakeGpus(None), fleet._no_word) == \
+        ([None], None)
+    assert late[0].poll() is not None
+
+
+def test_a_pair_end_hears_in_the_store_that_its_peer_yielded() -> None:
+    torch_dist = pytest.importorskip("torch.distributed")
+    store = torch_dist.HashStore()
+    ask = fleet._yielded(store, fleet.Turn(3, "b", None, False, "10.0.0.1", 29600))
+    assert ask() is None
+    fleet._put(store, "yield/3/a", pairs.BUSY)  # another pair's peer
+    assert ask() is None
+    fleet._put(store, "yield/3/b", pairs.UNKNOWN)
+    assert ask() == pairs.UNKNOWN
+
+
+def _summary_lines(out: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_a_busy_node_costs_its_pairs_a_measurement_not_a_failure(tmp_path: Path) -> None:
+    """The four nodes on loopback again; n3's GPUs (the NVML stand-in, on every node) carry a
+    process of another session from the start. n3 starts no rank: its pairs, with n2 and n0,
+    are not measured on both ends ("busy" on n3, "peer_busy" on the others), the other pairs
+    are measured, nothing is failed, and no node waits out the pair timeout for n3."""
+    nodes = [f"n{i}" for i in range(4)]
+    pair_port = str(free_port())
+    with launch.foreign_process() as job:
+        launches = []
+        for n in nodes:
+            listing = tmp_path / f"{n}-nvml-processes"
+            listing.write_text(f"1 {job.pid}\n" if n == "n3" else "")
+            flags, env = launch.fake_gpus(listing)
+            launches.append(launch.Launch(n, tmp_path / n, (
+                *flags, "--port", pair_port, *launch.QUICK, "--pair-timeout", "60"), env=env))
+        started = time.monotonic()
+        done = launch.finish(launch.start(launches, launcher="srun", master="127.0.0.1",
+                                          port=free_port()), timeout=180)
+        took = time.monotonic() - started
+    assert [rc for rc, _ in done] == [0, 0, 0, 0], "\n".join(out[-3000:] for _, out in done)
+    assert took < 60, f"{took:.0f} s: a node waited out the pair timeout"
+    busy = {"n3": {"n2": pairs.BUSY, "n0": pairs.BUSY}, "n2": {"n3": pairs.PEER_BUSY},
+            "n0": {"n3": pairs.PEER_BUSY}}
+    for n in nodes:
+        got = pairs.read(pairs.pairs_path(str(tmp_path / n)))
+        assert [p.peer for p in got.pairs] == plan.peers(plan.ring(nodes), n)
+        for p in got.pairs:
+            assert not p.failed, p
+            want = busy.get(n, {}).get(p.peer)
+            assert p.skipped == want, (n, p)
+            if want is None:
+                assert p.ok and (p.bus_bandwidth_bytes_per_second or 0) > 0, p
+            else:
+                assert p.bus_bandwidth_bytes_per_second is None and p.error, p
+    # n3 started no rank: its pairs' folders hold the line that says so, and nothing else
+    for peer in ("n2", "n0"):
+        folder = tmp_path / "n3" / "fleet" / peer
+        assert sorted(f.name for f in folder.iterdir()) == ["probe.log"]
+        assert (folder / "probe.log").read_text() == (
+            f"gpunet-probe fleet: no rank started: the GPUs are busy: {job.pid} (sleep) is not "
+            "the probe's\n")
+    assert "n3: round 0: the pair with n2 is not measured (busy)" in done[3][1]
+    summary = {(s["node"], s["peer"]): s for s in _summary_lines(done[0][1])}
+    assert set(summary) == {("n0", "n1"), ("n2", "n3"), ("n1", "n2"), ("n3", "n0")}
+    assert [summary[k]["ok"] for k in (("n0", "n1"), ("n1", "n2"))] == [True, True]
+    assert (summary[("n2", "n3")]["skipped"], summary[("n3", "n0")]["skipped"]) == (
+        pairs.PEER_BUSY, pairs.BUSY)
+
+
+def _ranks_of(folder: Path) -> list[int]:
+    """PIDs of the `gpunet-probe run` ranks whose state directory is ``folder``."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if b"run" in argv and str(folder).encode() in argv:
+            out.append(int(pid))
+    return out
+
+
+def test_a_node_that_gets_busy_mid_pair_kills_its_ranks(tmp_path: Path) -> None:
+    """Two nodes, one pair, n1's rank slowed down (GPUNET_PROBE_DELAY: 3 s before each timed
+    all-reduce, six of them: 18 s). Once both ends' ranks run, a process of another session appears
+    on n1's GPU 0: n1 kills its ranks at once and n0 its own when it hears of it in the store;
+    the pair is not measured on both ends, and nobody waits for the pair to end."""
+    pair_port = str(free_port())
+    listings = {n: tmp_path / f"{n}-nvml-processes" for n in ("n0", "n1")}
+    launches = []
+    for n, listing in listings.items():
+        listing.write_text("")
+        flags, env = launch.fake_gpus(listing)
+        if n == "n1":
+            env[runner.DELAY_ENV] = "1:3"
+        launches.append(launch.Launch(n, tmp_path / n, (
+            *flags, "--port", pair_port, *launch.QUICK, "--pair-timeout", "60"), env=env))
+    with launch.foreign_process() as job:
+        procs = launch.start(launches, launcher="srun", master="127.0.0.1", port=free_port())
+        rank = wait_for(lambda: _ranks_of(tmp_path / "n1" / "fleet" / "n0"), "n1's rank",
+                        timeout=60)
+        wait_for(lambda: _ranks_of(tmp_path / "n0" / "fleet" / "n1"), "n0's rank", timeout=60)
+        busy_at = time.monotonic()
+        listings["n1"].write_text(f"0 {job.pid}\n")
+        done = launch.finish(procs, timeout=120)
+        took = time.monotonic() - busy_at
+    assert [rc for rc, _ in done] == [0, 0], "\n".join(out[-3000:] for _, out in done)
+    assert took < 10, f"{took:.1f} s from the job's start to the end of the fleet run"
+    assert all(not os.path.exists(f"/proc/{pid}") for pid in rank)
+    n0 = pairs.read(pairs.pairs_path(str(tmp_path / "n0"))).pairs
+    n1 = pairs.read(pairs.pairs_path(str(tmp_path / "n1"))).pairs
+    assert [(p.peer, p.ok, p.skipped) for p in n1] == [("n0", False, pairs.BUSY)]
+    assert [(p.peer, p.ok, p.skipped) for p in n0] == [("n1", False, pairs.PEER_BUSY)]
+    assert not (tmp_path / "n1" / "fleet" / "n0" / "inter.json").exists()
+    assert (tmp_path / "n1" / "fleet" / "n0" / "probe.log").read_text().endswith(
+        f"gpunet-probe fleet: ranks killed: the GPUs are busy: {job.pid} (sleep) is not the "
+        "probe's\n")
+    assert (tmp_path / "n0" / "fleet" / "n1" / "probe.log").read_text().endswith(
+        "gpunet-probe fleet: ranks killed: the peer's end did not run (busy)\n")
+    [line] = _summary_lines(done[0][1])
+    assert (line["node"], line["peer"], line["ok"], line["skipped"]) == (
+        "n0", "n1", False, pairs.PEER_BUSY)

@@ -3,7 +3,8 @@ slurmd nodes on this host, each slurmd in its own network, UTS and mount namespa
 has its own address, hostname and /var/lib/gpunet-exporter (tests/support/slurm.py). The
 script's srun starts one ``gpunet-probe fleet`` per node (gloo over TCP through the namespaces'
 bridge) and every node's pairs.json, read from that node's own directory, must hold the ring's
-peers with a measured bandwidth. What it showed: docs/fleet.md."""
+peers with a measured bandwidth; a node whose GPU holds a process Slurm does not know about
+(issue 31) has its pairs not measured, on both ends. What it showed: docs/fleet.md."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 
 from gpunet_exporter.probe import pairs
 
+from support import fleet as launch
 from support import netns, slurm
 from support.paths import REPO
 from support.wait import wait_for
@@ -109,6 +111,43 @@ def test_sbatch_runs_a_ring_round_on_four_nodes(cluster: slurm.Cluster) -> None:
     # Each node's directory is its own /var/lib/gpunet-exporter: nothing of another node's.
     for node in cluster.nodes:
         assert {p.name for p in (node.state / "probe" / "fleet").iterdir()} == RING4[node.name]
+
+
+def test_a_node_busy_outside_slurm_costs_its_pairs_a_measurement(cluster: slurm.Cluster
+                                                                  ) -> None:
+    """Issue 31: a process Slurm does not know about holds n3's GPU (the NVML stand-in on every
+    node; each node's list of GPU processes in its own /var/lib/gpunet-exporter, n3's naming a
+    `sleep` of another session). n3 starts no rank; its three pairs are not measured on both
+    ends, the three pairs of n0..n2 are measured, and no pair is failed."""
+    listing = slurm.STATE_MOUNT / "nvml-processes"  # each node's own, through its mount
+    flags, env = launch.fake_gpus(listing)
+    for node in cluster.nodes:
+        (node.state / listing.name).write_text("")
+    with launch.foreign_process() as job:
+        (cluster.nodes[3].state / listing.name).write_text(f"1 {job.pid}\n")
+        text, took = sbatch_wait(cluster, ["-N4"], probe_env(**{
+            **env, "GPUNET_FLEET_ARGS": probe_env()["GPUNET_FLEET_ARGS"] + " " + " ".join(
+                flags)}), "busy")
+    print(f"sbatch --wait -N4 with n3 busy: {took:.1f} s\n{text}")
+    assert "exit status 0" in text, text
+    for node in cluster.nodes:
+        p = pairs_of(node)
+        assert p is not None and {x.peer for x in p.pairs} == RING4[node.name], (node, text)
+        for x in p.pairs:
+            assert not x.failed, (node.name, x, text)
+            if "n3" in (node.name, x.peer):
+                assert x.skipped == ("busy" if node.name == "n3" else "peer_busy"), x
+                assert x.bus_bandwidth_bytes_per_second is None, x
+            else:
+                assert x.ok and x.skipped is None, (node.name, x, text)
+    for peer in ("n0", "n1", "n2"):  # n3 started no rank: its log is the line that says so
+        folder = cluster.nodes[3].state / "probe" / "fleet" / peer  # (an earlier test's too)
+        assert not (folder / "inter.json").exists(), peer
+        assert (folder / "probe.log").read_text() == (
+            f"gpunet-probe fleet: no rank started: the GPUs are busy: {job.pid} (sleep) is not "
+            "the probe's\n")
+    lines = [json.loads(x) for x in text.splitlines() if x.startswith("{")]
+    assert len(lines) == 6 and not [x for x in lines if not x["ok"] and "skipped" not in x]
 
 
 def test_idle_mode_leaves_a_busy_node_alone(cluster: slurm.Cluster) -> None:

@@ -662,7 +662,8 @@ def fleet_stand_in(image: Image, manifests: Manifests, folder: Path, tmp: Path,
         sc = copy.deepcopy(c["securityContext"])
         sc["capabilities"]["add"].remove(without)
         c["securityContext"] = sc
-    flags = kubelet_flags(manifests.fleet, pod, c, {PROBE_STATE: folder}, tmp)
+    flags = kubelet_flags(manifests.fleet, pod, c, {PROBE_STATE: folder, "/proc": Path("/proc")},
+                          tmp)
     out = podman_once(image, [*flags, f"--ulimit=memlock={MEMLOCK}:{MEMLOCK}",
                               f"--env=STATE={PROBE_STATE}",
                               '--entrypoint=["/opt/gpunet-exporter/bin/python", "-c"]'],

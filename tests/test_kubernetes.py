@@ -260,6 +260,10 @@ def test_the_fleet_arguments_parse_and_write_where_the_exporter_reads(
     assert volumes[state[0]]["hostPath"]["type"] == "DirectoryOrCreate"
     assert args.port in {p["containerPort"] for p in container(job)["ports"]
                          if p["name"] == "pair"}
+    # NVML's PIDs are the host's: the pair ends look them up in the host's /proc, read-only
+    proc = [n for n, m in mounts.items() if m["mountPath"] == args.procfs]
+    assert len(proc) == 1 and mounts[proc[0]].get("readOnly") is True
+    assert volumes[proc[0]]["hostPath"] == {"path": "/proc", "type": "Directory"}
 
 
 @pytest.mark.parametrize(("job_name", "job"), WORKLOADS)

@@ -19,16 +19,22 @@ the little there is to share, in O(N) requests, so a few thousand nodes cost the
 2. Per round, each node in a pair starts ``gpunet-probe run`` for its end (``--gpus-per-node``
    ranks of a world of two nodes, RANK/WORLD_SIZE/MASTER_ADDR of the pair: the probe's own
    cluster mode, results in ``<state_dir>/fleet/<peer>/inter.json``), killed after
-   ``--pair-timeout``. Then every node waits at the round's barrier, so a round's pairs run at
-   once and the next round starts clean. A node that never arrives costs only its own pairs:
-   the barrier gives up after the pair timeout, releasing every node waiting there at once, and
-   the rounds go on.
+   ``--pair-timeout``. Only on GPUs free of other work (issue 31, exporter/probe/idle.py): an
+   end whose node has a process that is not the fleet's on a GPU starts no rank, an end whose
+   node gets one while the pair runs is killed at once (watched every WATCH_SECONDS), and
+   either way the pair is not measured (``skipped``), never failed; the end says so in the
+   store, and its peer stops its own end. Then every node waits at the round's barrier, so a
+   round's pairs run at once and the next round starts clean. A node that never arrives costs
+   only its own pairs: the barrier gives up after the pair timeout, releasing every node
+   waiting there at once, and the rounds go on.
 3. Each node puts its view in the store and reads its peers' views: a pair is ok only when both
-   ends say so. Each node writes ``<state_dir>/pairs.json`` atomically (exporter/probe/pairs.py);
-   a repair plan merges its pairs into the file there, other plans replace it, a node with no
-   pair leaves it alone. Rank 0 prints one JSON line per pair.
+   ends say so, and not measured on both ends when either end did not run. Each node writes
+   ``<state_dir>/pairs.json`` atomically (exporter/probe/pairs.py); a repair plan merges its
+   pairs into the file there, other plans replace it, a node with no pair leaves it alone.
+   Rank 0 prints one JSON line per pair.
 
-Exit 0 when the plan ran (failed pairs are results, recorded ok=false), 2 for bad arguments or
+Exit 0 when the plan ran (failed pairs are results, recorded ok=false; so are pairs not
+measured), 2 for bad arguments or
 node names, 4 when the rendezvous failed (a node writes what it measured itself).
 """
 
@@ -43,7 +49,7 @@ import socket
 import sys
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Protocol
@@ -52,9 +58,10 @@ import yaml
 
 from gpunet_exporter.config import ConfigError, read_regular, short
 from gpunet_exporter.flags import Parser
-from gpunet_exporter.probe import pairs, plan, results, runner
+from gpunet_exporter.probe import idle, pairs, plan, results, runner
+from gpunet_exporter.sources import nvml
 from gpunet_exporter.sources.commands import Child
-from gpunet_exporter.sources.sysfs import parse_uint
+from gpunet_exporter.sources.sysfs import Root, parse_uint
 
 PROG = "gpunet-probe fleet"
 KINDS = ("ring", "random", "leaf", "repair")
@@ -69,6 +76,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 _AGENT_ENV = ("TORCHELASTIC_", "GROUP_", "ROLE_", "LOCAL_WORLD_SIZE", "TORCH_NCCL_ASYNC")
 EXIT_BAD_ARGS = 2
 EXIT_RENDEZVOUS = 4
+WATCH_SECONDS = 0.5  # how often a running pair end looks at the GPUs and at its peer
 
 
 class FleetError(Exception):
@@ -82,6 +90,7 @@ class Store(Protocol):
     def get(self, key: str) -> bytes: ...
     def add(self, key: str, value: int) -> int: ...
     def wait(self, keys: list[str], timeout: timedelta) -> None: ...
+    def check(self, keys: list[str]) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -147,6 +156,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=d["warmup"], help="untimed all-reduces per size")
     p.add_argument("--iterations", type=int, default=d["iterations"],
                    help="timed all-reduces per size")
+    p.add_argument("--nvml.module", dest="nvml_module", default="pynvml", metavar="MODULE",
+                   help="Python module implementing the pynvml API through which a pair end "
+                        "checks that no other process is on the node's GPUs (default pynvml, "
+                        "from nvidia-ml-py); tests name a stand-in here")
+    p.add_argument("--path.procfs", dest="procfs", default="/proc", metavar="DIR",
+                   help="the host's procfs, where NVML's process IDs are looked up (default "
+                        "/proc; in a container with a PID namespace of its own, the host's "
+                        "/proc mounted there)")
     p.add_argument("--pair-timeout", type=float, default=120.0,
                    help="seconds a pair may take, rendezvous included, before it is killed and "
                         "recorded failed (120)")
@@ -284,22 +301,76 @@ def child_env(env: Mapping[str, str], turn: Turn, local: int, gpus: int) -> dict
     return out
 
 
-def run_pair(args: argparse.Namespace, turn: Turn, env: Mapping[str, str]) -> pairs.Pair:
-    """This node's end of one pair: its ranks started, waited for up to the pair timeout, and
-    what its local rank 0 wrote, as this node's view of the pair."""
+# -- the node's GPUs (issue 31) --------------------------------------------------------------
+
+def verdict(foreign: Collection[int] | None, backend: str) -> str | None:
+    """Why a pair end must not run, or must stop, given the foreign processes on this node's
+    GPUs (None: NVML cannot say): ``busy`` with one, ``unknown`` when nothing is known and the
+    pair would use the GPUs (nccl; a gloo pair holds no GPU: there is nothing to protect);
+    None when it may run."""
+    if foreign is None:
+        return pairs.UNKNOWN if backend == "nccl" else None
+    return pairs.BUSY if foreign else None
+
+
+class Gpus:
+    """This node's GPUs as its pair ends see them: the processes on them that are not the
+    fleet's (exporter/probe/idle.py). The fleet's own are those of this process's session and
+    of the sessions of the running end's ranks, each a session of its own (commands.Child)."""
+
+    def __init__(self, module: str, procfs: str, backend: str) -> None:
+        self.session = nvml.session(module)
+        self.procfs = Root(procfs)
+        self.backend = backend
+        self.known_own: set[int] = set()
+
+    def look(self, ranks: Sequence[Child] = ()) -> tuple[str, str] | None:
+        """(reason, what was seen) when the end must not run now; None when it may."""
+        pids = idle.gpu_pids(self.session)
+        # The node's own probe (the exporter's runner) is no job to wait for: it yields to
+        # the pair's ranks, as to any process that is not its own.
+        found = None if pids is None else idle.foreign(
+            pids, self.procfs, {os.getsid(0), *(c.pid for c in ranks)}, self.known_own,
+            probes_are_own=True)
+        reason = verdict(found, self.backend)
+        if reason is None:
+            return None
+        if found:
+            return reason, (f"the GPUs are busy: {idle.describe(found, self.procfs)} is not "
+                            "the probe's")
+        why = self.session.error or "NVML cannot list their processes"
+        return reason, f"cannot tell whether the GPUs are free ({why})"
+
+
+def _no_word() -> str | None:
+    return None
+
+
+def run_pair(args: argparse.Namespace, turn: Turn, env: Mapping[str, str], gpus: Gpus,
+             peer_yielded: Callable[[], str | None] = _no_word) -> pairs.Pair:
+    """This node's end of one pair: its ranks started, watched and waited for up to the pair
+    timeout, and what its local rank 0 wrote, as this node's view of the pair.
+
+    No rank starts when ``gpus`` are not free; the ranks are killed the moment they stop being
+    free, or when ``peer_yielded`` returns the reason the peer's end did not run (it is asked
+    every WATCH_SECONDS): in all three cases the pair is not measured (``skipped``)."""
     where = pair_dir(args.state_dir, turn.peer)
     os.makedirs(where, exist_ok=True)
     path = results.result_path(where, "inter")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # an earlier run's result must not pass for this one's
-    argv = [sys.executable, "-m", "gpunet_exporter.probe.cli", "run", "--state-dir", where,
-            "--scope", "inter", "--rounds", "1", "--timeout", f"{args.pair_timeout:g}",
-            "--backend", args.backend, "--sizes", ",".join(str(s) for s in args.sizes),
-            "--warmup", str(args.warmup), "--iterations", str(args.iterations),
-            *args.run_args]
-    started = time.monotonic()
-    children: list[Child] = []
     with open(os.path.join(where, "probe.log"), "wb") as log:
+        stop = gpus.look()
+        if stop is not None:  # before any rank: nothing of the probe's touches a GPU
+            log.write(f"{PROG}: no rank started: {stop[1]}\n".encode())
+            return _skipped(turn, *stop)
+        argv = [sys.executable, "-m", "gpunet_exporter.probe.cli", "run", "--state-dir", where,
+                "--scope", "inter", "--rounds", "1", "--timeout", f"{args.pair_timeout:g}",
+                "--backend", args.backend, "--sizes", ",".join(str(s) for s in args.sizes),
+                "--warmup", str(args.warmup), "--iterations", str(args.iterations),
+                *args.run_args]
+        started = time.monotonic()
+        children: list[Child] = []
         try:
             for local in range(args.gpus_per_node):
                 children.append(Child(argv, stdout=log, stderr=log,
@@ -308,13 +379,10 @@ def run_pair(args: argparse.Namespace, turn: Turn, env: Mapping[str, str]) -> pa
             for c in children:
                 c.kill()
             return _failed(turn, f"cannot start gpunet-probe run: {exc}")
-        codes: list[int | None] = []
-        for c in children:
-            left = args.pair_timeout + 15 - (time.monotonic() - started)
-            rc = c.wait(max(left, 0.0))
-            if rc is None:
-                c.kill()
-            codes.append(rc)
+        codes, stop = _watch(children, started + args.pair_timeout + 15, gpus, peer_yielded)
+        if stop is not None:
+            log.write(f"{PROG}: ranks killed: {stop[1]}\n".encode())
+            return _skipped(turn, *stop)
     if any(rc is None for rc in codes):
         return _failed(turn, f"timed out after {args.pair_timeout:g} s (killed)")
     try:
@@ -322,6 +390,34 @@ def run_pair(args: argparse.Namespace, turn: Turn, env: Mapping[str, str]) -> pa
     except (OSError, results.BadResult) as exc:
         return _failed(turn, f"no result (ranks exited {codes}): {exc}")
     return judge(turn, res, args.sizes, args.gpus_per_node, args.backend)
+
+
+def _watch(children: Sequence[Child], deadline: float, gpus: Gpus,
+           peer_yielded: Callable[[], str | None]
+           ) -> tuple[list[int | None], tuple[str, str] | None]:
+    """Wait for the ranks until ``deadline`` (time.monotonic()), looking every WATCH_SECONDS at
+    the GPUs and at the peer. The ranks' exit codes (None: killed at the deadline), and why
+    they were killed before it, if they were."""
+    while True:
+        codes = [c.poll() for c in children]
+        running = [c for c, rc in zip(children, codes, strict=True) if rc is None]
+        if not running:
+            return codes, None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            for c in running:
+                c.kill()
+            return codes, None  # None for each rank killed
+        stop = gpus.look(children)
+        if stop is None:
+            word = peer_yielded()
+            if word is not None:
+                stop = (pairs.peer_reason(word), f"the peer's end did not run ({word})")
+        if stop is not None:
+            for c in children:
+                c.kill()
+            return codes, stop
+        running[0].wait(min(WATCH_SECONDS, left))
 
 
 def judge(turn: Turn, res: results.Result, sizes: Sequence[int], gpus: int, backend: str
@@ -349,6 +445,12 @@ def _transport(res: results.Result | None, backend: str) -> str | None:
     if res is not None and res.net:
         return res.net
     return "Socket" if backend == "gloo" else None  # gloo's all-reduce runs over TCP
+
+
+def _skipped(turn: Turn, reason: str, why: str) -> pairs.Pair:
+    """Not measured, for ``reason`` (pairs.SKIP_REASONS): neither ok nor failed."""
+    return pairs.Pair(peer=turn.peer, ok=False, peer_leaf=turn.peer_leaf, error=why[:500],
+                      skipped=reason)
 
 
 def _failed(turn: Turn, error: str, res: results.Result | None = None) -> pairs.Pair:
@@ -434,12 +536,22 @@ def run(args: argparse.Namespace, store: Store, rank: int, world: int, me: Membe
         return EXIT_BAD_ARGS
     by_round = {t.round: t for t in (_turn(x) for x in _take(store, f"turns/{me.node}", wait))}
     mine: list[pairs.Pair] = []
+    heard: list[Callable[[], str | None]] = []  # per pair: did its peer's end not run?
     barriers = Barriers(store, world)
     broken = False
+    gpus = Gpus(args.nvml_module, args.procfs, args.backend)
     for r in range(int(head["rounds"])):
         t = by_round.get(r)
         if t is not None:
-            mine.append(run_pair(args, t, env))
+            heard.append(_no_word if broken else _yielded(store, t))
+            p = run_pair(args, t, env, gpus, heard[-1])
+            mine.append(p)
+            if p.skipped is not None:
+                print(f"{PROG}: {me.node}: round {r}: the pair with {t.peer} is not measured "
+                      f"({p.skipped}): {p.error}", file=sys.stderr, flush=True)
+            if p.skipped in (pairs.BUSY, pairs.UNKNOWN) and not broken:
+                with contextlib.suppress(RuntimeError):  # the peer then waits for its ranks
+                    _put(store, f"yield/{r}/{me.node}", p.skipped)
         if broken:
             continue  # no barriers without the store: the pairs' own rendezvous still pair up
         try:
@@ -453,6 +565,11 @@ def run(args: argparse.Namespace, store: Store, rank: int, world: int, me: Membe
     if broken:
         write(args, me, mine)  # this node's own view: no peer to agree with
         return EXIT_RENDEZVOUS
+    # A pair end that failed as its peer's yielded (the peer killed its ranks, ours saw the
+    # connection go before the word came) was not measured either: every word is in by now,
+    # each end put it before the round's barrier.
+    mine = [_peer_did_not_run(p, ask()) if p.failed else p for p, ask in zip(mine, heard,
+                                                                             strict=True)]
     _put(store, f"view/{me.node}", [pairs.pair_json(p) for p in mine])
     write(args, me, [_agree(p, store, me.node, wait) for p in mine])
     if not barriers.wait("done", args.pair_timeout + 20):
@@ -470,15 +587,66 @@ def _view(store: Store, node: str, timeout: float) -> list[dict[str, Any]] | Non
     return got if isinstance(got, list) else None
 
 
+def _yielded(store: Store, turn: Turn) -> Callable[[], str | None]:
+    """Asks the store whether the peer's end of ``turn`` did not run, and why (its reason); the
+    busy end says so at once, so this end need not wait out the pair timeout for it. One
+    request a call; a store that fails is not asked again."""
+    key = f"yield/{turn.round}/{turn.peer}"
+    up = [True]
+
+    def ask() -> str | None:
+        if not up[0]:
+            return None
+        try:
+            if not store.check([PREFIX + key]):
+                return None
+            word = json.loads(store.get(PREFIX + key))
+        except (RuntimeError, ValueError):
+            up[0] = False
+            return None
+        return word if word in (pairs.BUSY, pairs.UNKNOWN) else pairs.BUSY
+
+    return ask
+
+
+def _peer_did_not_run(p: pairs.Pair, word: str | None, why: str | None = None) -> pairs.Pair:
+    """``p``, or when the peer's end did not run (``word``, its reason), this end's pair not
+    measured either."""
+    if word is None:
+        return p
+    return pairs.Pair(peer=p.peer, ok=False, peer_leaf=p.peer_leaf,
+                      error=f"the peer's end did not run: {why or word}"[:500],
+                      skipped=pairs.peer_reason(word))
+
+
+def agree(p: pairs.Pair, theirs: pairs.Pair | None) -> pairs.Pair:
+    """This end's view ``p`` of a pair, given the view of the peer's end (None: no report; a
+    silent peer's end finished with ours): ok only when both ends say so, and not measured
+    on this end either when the peer's end did not run."""
+    if p.skipped is not None or theirs is None:
+        return p
+    if theirs.skipped in (pairs.BUSY, pairs.UNKNOWN):
+        return _peer_did_not_run(p, theirs.skipped, theirs.error)
+    if p.ok and theirs.failed:
+        return replace(p, ok=False, error=f"the peer's end failed: {theirs.error}"[:500])
+    return p
+
+
+def _entry(view: Sequence[Any] | None, peer: str) -> pairs.Pair | None:
+    """The entry for ``peer`` of a node's view in the store; None when absent or malformed."""
+    raw = next((q for q in view or () if isinstance(q, dict) and q.get("peer") == peer), None)
+    try:
+        return None if raw is None else pairs.parse_pair(raw, "a peer's view")
+    except pairs.BadPairs:
+        return None
+
+
 def _agree(p: pairs.Pair, store: Store, node: str, timeout: float) -> pairs.Pair:
-    """``p`` is ok only when the peer's end of the pair says so too."""
+    """``p`` with the peer's end's view from the store (agree). A pair this end did not pass
+    stays as it is, without waiting for the view of a peer that may be dead."""
     if not p.ok:
         return p
-    theirs = _view(store, p.peer, timeout) or []  # silent peer: its end finished with ours
-    other = next((q for q in theirs if q.get("peer") == node), None)
-    if other is not None and other.get("ok") is False:
-        return replace(p, ok=False, error=f"the peer's end failed: {other.get('error')}"[:500])
-    return p
+    return agree(p, _entry(_view(store, p.peer, timeout), node))
 
 
 def write(args: argparse.Namespace, me: Member, mine: Sequence[pairs.Pair]) -> None:
@@ -501,13 +669,16 @@ def write(args: argparse.Namespace, me: Member, mine: Sequence[pairs.Pair]) -> N
 
 
 def _summary(store: Store, members: Sequence[Member], out: Any) -> None:
-    """Rank 0: one JSON line per pair of the plan, as its serving end saw it."""
+    """Rank 0: one JSON line per pair of the plan, as its serving end saw it, agreed with the
+    other end's view (a pair not measured on either end is not measured)."""
     nodes = sorted((m.node for m in members), key=_natural)
+    views = {n: _view(store, n, 1.0) for n in nodes}
     for n in nodes:
-        view = {p.get("peer"): p for p in (_view(store, n, 1.0) or [])}
         for t in (_turn(x) for x in _take(store, f"turns/{n}", 1.0)):
             if t.serve:
-                v = view.get(t.peer) or {"ok": False, "error": "no report from this node"}
+                mine = _entry(views[n], t.peer)
+                v = pairs.pair_json(agree(mine, _entry(views.get(t.peer), n))) if mine else \
+                    {"ok": False, "error": "no report from this node"}
                 print(json.dumps({"round": t.round, "node": n, **v, "peer": t.peer}), file=out,
                       flush=True)
 

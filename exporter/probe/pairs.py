@@ -10,7 +10,14 @@ exporter/probe/plan.py) writes the file on both nodes of each pair, atomically
                 "latency_seconds": 2.1e-05 | null,
                 "bus_bandwidth_bytes_per_second": 4.5e10 | null,
                 "transport": "IB" | "RoCE" | "Socket" | ... | null, "gdr": true | null,
-                "error": null | "one line"}]}
+                "error": null | "one line",
+                "skipped": "busy" | "unknown" | "peer_busy" | "peer_unknown"}]}
+
+``skipped`` (issue 31) is present only for a pair that was not measured: a foreign process was
+on this node's GPUs (``busy``) or the GPUs' processes could not be read (``unknown``), so this
+end did not start or was stopped; ``peer_busy`` and ``peer_unknown`` are the same on the peer's
+end. Such a pair is neither a success nor a failure: ``ok`` is false, the numbers are null, and
+``error`` says why. Files written before the field have no ``skipped``: every pair measured.
 
 A new file replaces the old one whole: the peers of an earlier plan are gone with it. The
 probe collector exports it (gpunet_fleet_* metrics). The reader is bounded and validating; it
@@ -34,6 +41,12 @@ MAX_BYTES = 1 << 20
 MAX_PAIRS = 4096  # per file; the exporter exports at most probe.fleet_max_peers of them
 MAX_NAME = 253  # a DNS name's length; label checks happen in the registry
 MAX_TEXT = 64  # plan kind, transport
+# Why a pair was not measured (``skipped``): this end's GPUs, or the peer's.
+BUSY = "busy"  # a process that is not the probe's on one of this node's GPUs
+UNKNOWN = "unknown"  # this node's GPU processes cannot be read (no NVML) and the pair uses GPUs
+PEER_BUSY = "peer_busy"
+PEER_UNKNOWN = "peer_unknown"
+SKIP_REASONS = (BUSY, UNKNOWN, PEER_BUSY, PEER_UNKNOWN)
 
 
 def pairs_path(state_dir: str) -> str:
@@ -50,6 +63,17 @@ class Pair:
     transport: str | None = None
     gdr: bool | None = None
     error: str | None = None
+    skipped: str | None = None  # one of SKIP_REASONS: not measured, neither ok nor failed
+
+    @property
+    def failed(self) -> bool:
+        """Measured, and not ok: what the alerts count against the node and the link."""
+        return not self.ok and self.skipped is None
+
+
+def peer_reason(reason: str) -> str:
+    """What the other end of a pair records when this end did not run for ``reason``."""
+    return {BUSY: PEER_BUSY, UNKNOWN: PEER_UNKNOWN}.get(reason, reason)
 
 
 @dataclass(frozen=True)
@@ -104,29 +128,40 @@ def parse(data: Any, where: str = FILE) -> Pairs:
     out: list[Pair] = []
     seen: set[str] = set()
     for i, p in enumerate(raw):
-        w = f"{where}: pairs[{i}]"
-        if not isinstance(p, dict):
-            raise BadPairs(f"{w}: expected an object")
-        peer = _name(p, "peer", w)
-        assert peer is not None
-        if peer in seen:
-            raise BadPairs(f"{w}: peer {short(peer)} appears twice (one entry per peer)")
-        seen.add(peer)
-        ok, gdr, error = p.get("ok"), p.get("gdr"), p.get("error")
-        if not isinstance(ok, bool):
-            raise BadPairs(f"{w}: 'ok' must be true or false")
-        if gdr is not None and not isinstance(gdr, bool):
-            raise BadPairs(f"{w}: 'gdr' must be true, false or null")
-        if error is not None and not isinstance(error, str):
-            raise BadPairs(f"{w}: 'error' must be a string or null")
-        out.append(Pair(
-            peer=peer, ok=ok, peer_leaf=_name(p, "peer_leaf", w, optional=True),
-            latency_seconds=_number(p, "latency_seconds", w),
-            bus_bandwidth_bytes_per_second=_number(p, "bus_bandwidth_bytes_per_second", w),
-            transport=_name(p, "transport", w, optional=True, limit=MAX_TEXT), gdr=gdr,
-            error=None if error is None else error[:500]))
+        got = parse_pair(p, f"{where}: pairs[{i}]")
+        if got.peer in seen:
+            raise BadPairs(f"{where}: pairs[{i}]: peer {short(got.peer)} appears twice (one "
+                           "entry per peer)")
+        seen.add(got.peer)
+        out.append(got)
     assert node is not None and kind is not None
     return Pairs(node=node, plan=kind, round_timestamp=ts, pairs=tuple(out), leaf=leaf)
+
+
+def parse_pair(p: Any, w: str) -> Pair:
+    """Validate one entry of ``pairs`` (also a peer's view in the fleet's store); BadPairs."""
+    if not isinstance(p, dict):
+        raise BadPairs(f"{w}: expected an object")
+    peer = _name(p, "peer", w)
+    assert peer is not None
+    ok, gdr, error, skipped = p.get("ok"), p.get("gdr"), p.get("error"), p.get("skipped")
+    if not isinstance(ok, bool):
+        raise BadPairs(f"{w}: 'ok' must be true or false")
+    if gdr is not None and not isinstance(gdr, bool):
+        raise BadPairs(f"{w}: 'gdr' must be true, false or null")
+    if error is not None and not isinstance(error, str):
+        raise BadPairs(f"{w}: 'error' must be a string or null")
+    if skipped is not None and skipped not in SKIP_REASONS:
+        raise BadPairs(f"{w}: 'skipped' must be one of {', '.join(SKIP_REASONS)} or null, got "
+                       f"{short(skipped)}")
+    if skipped is not None and ok:
+        raise BadPairs(f"{w}: a skipped pair (not measured) cannot be ok")
+    return Pair(
+        peer=peer, ok=ok, peer_leaf=_name(p, "peer_leaf", w, optional=True),
+        latency_seconds=_number(p, "latency_seconds", w),
+        bus_bandwidth_bytes_per_second=_number(p, "bus_bandwidth_bytes_per_second", w),
+        transport=_name(p, "transport", w, optional=True, limit=MAX_TEXT), gdr=gdr,
+        error=None if error is None else error[:500], skipped=skipped)
 
 
 def read(path: str) -> Pairs:
@@ -135,11 +170,15 @@ def read(path: str) -> Pairs:
 
 
 def pair_json(x: Pair) -> dict[str, Any]:
-    """One entry of the file's ``pairs``."""
-    return {"peer": x.peer, "peer_leaf": x.peer_leaf, "ok": x.ok,
-            "latency_seconds": x.latency_seconds,
-            "bus_bandwidth_bytes_per_second": x.bus_bandwidth_bytes_per_second,
-            "transport": x.transport, "gdr": x.gdr, "error": x.error}
+    """One entry of the file's ``pairs`` (``skipped`` only when set: a measured pair's entry
+    is what it was before the field)."""
+    out: dict[str, Any] = {"peer": x.peer, "peer_leaf": x.peer_leaf, "ok": x.ok,
+                           "latency_seconds": x.latency_seconds,
+                           "bus_bandwidth_bytes_per_second": x.bus_bandwidth_bytes_per_second,
+                           "transport": x.transport, "gdr": x.gdr, "error": x.error}
+    if x.skipped is not None:
+        out["skipped"] = x.skipped
+    return out
 
 
 def to_json(p: Pairs) -> dict[str, Any]:

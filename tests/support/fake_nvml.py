@@ -19,9 +19,11 @@ Tests call :func:`load`, :func:`push_event` and :func:`reload_driver`. An export
 a subprocess loads this module with ``--nvml.module support.fake_nvml`` (:data:`MODULE`, with
 tests/ on PYTHONPATH), reads its scenario from the JSON file named by ``GPUNET_FAKE_NVML``, and
 takes XID events from lines ``<gpu index> <xid>`` appended to the file named by
-``GPUNET_FAKE_NVML_EVENTS``; :func:`exporter_env` is that environment. Compute processes that
-come and go at run time (a stand-in job the probe must yield to) are lines ``<gpu index> <pid>``
-of the file named by ``GPUNET_FAKE_NVML_PROCESSES``, read on every call, added to the scenario's.
+``GPUNET_FAKE_NVML_EVENTS``; :func:`exporter_env` is that environment. Processes come and go
+at run time through the file named by ``GPUNET_FAKE_NVML_PROCESSES``: lines ``<gpu index>
+<pid>``, compute processes listed besides the scenario's, the whole file read again at each
+nvmlDeviceGetComputeRunningProcesses call (no file: none; replace it whole, or append whole
+lines: a last line without its newline is not read yet).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class _State:
         self.cond = threading.Condition()
         self.events_file = ""
         self.events_offset = 0
+        self.processes_file = ""
 
 
 _s = _State()
@@ -103,14 +106,21 @@ def load(scenario: dict[str, Any] | None = None) -> None:
         _s.registered.clear()
         _s.events_file = os.environ.get("GPUNET_FAKE_NVML_EVENTS", "")
         _s.events_offset = 0
+        _s.processes_file = os.environ.get("GPUNET_FAKE_NVML_PROCESSES", "")
 
 
-def exporter_env(scenario: Path, events: Path | None = None) -> dict[str, str]:
+def exporter_env(scenario: Path | None = None, events: Path | None = None,
+                 processes: Path | None = None) -> dict[str, str]:
     """The environment an exporter subprocess needs to load this module as :data:`MODULE`:
-    tests/ on PYTHONPATH, the scenario file and, when given, the XID event file."""
-    env = {"PYTHONPATH": str(TESTS), "GPUNET_FAKE_NVML": str(scenario)}
+    tests/ on PYTHONPATH, the scenario file (default: the H200 capture) and, when given, the XID
+    event file and the processes file."""
+    env = {"PYTHONPATH": str(TESTS)}
+    if scenario is not None:
+        env["GPUNET_FAKE_NVML"] = str(scenario)
     if events is not None:
         env["GPUNET_FAKE_NVML_EVENTS"] = str(events)
+    if processes is not None:
+        env["GPUNET_FAKE_NVML_PROCESSES"] = str(processes)
     return env
 
 
@@ -241,36 +251,40 @@ nvmlDeviceGetCurrPcieLinkWidth = _recorded("nvmlDeviceGetCurrPcieLinkWidth")
 nvmlDeviceGetMaxPcieLinkWidth = _recorded("nvmlDeviceGetMaxPcieLinkWidth")
 
 
-def _process_file(index: int) -> list[int]:
-    """PIDs the GPUNET_FAKE_NVML_PROCESSES file lists for GPU ``index`` now."""
-    path = os.environ.get("GPUNET_FAKE_NVML_PROCESSES")
-    if not path:
+def _file_processes(index: int) -> list[int]:
+    """The PIDs the processes file lists on GPU ``index`` now."""
+    if not _s.processes_file:
         return []
     try:
-        text = Path(path).read_text()
-    except OSError:
+        with open(_s.processes_file) as fh:
+            text = fh.read()
+    except FileNotFoundError:
         return []
     out = []
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit() \
-                and int(parts[0]) == index:
-            out.append(int(parts[1]))
+    for line in text[:text.rfind("\n") + 1].splitlines():
+        if line.strip():
+            gpu, pid = line.split()
+            if int(gpu) == index:
+                out.append(int(pid))
     return out
+
+
+def _processes(pids: list[int]) -> list[Any]:
+    return [SimpleNamespace(pid=p, usedGpuMemory=1 << 30) for p in pids]
 
 
 def nvmlDeviceGetComputeRunningProcesses(h: _Handle) -> list[Any]:
     dev = _dev(h, "nvmlDeviceGetComputeRunningProcesses")
     if "nvmlDeviceGetComputeRunningProcesses" in dev:
         return list(_answer(dev["nvmlDeviceGetComputeRunningProcesses"]))
-    pids = [*dev.get("processes", []), *_process_file(h.index)]
-    return [SimpleNamespace(pid=p, usedGpuMemory=1 << 30) for p in pids]
+    return _processes([*dev.get("processes", []), *_file_processes(h.index)])
 
 
 def nvmlDeviceGetGraphicsRunningProcesses(h: _Handle) -> list[Any]:
     dev = _dev(h, "nvmlDeviceGetGraphicsRunningProcesses")
-    return [SimpleNamespace(pid=p, usedGpuMemory=1 << 20)
-            for p in dev.get("graphics_processes", [])]
+    if "nvmlDeviceGetGraphicsRunningProcesses" in dev:
+        return list(_answer(dev["nvmlDeviceGetGraphicsRunningProcesses"]))
+    return _processes(dev.get("graphics_processes", []))
 
 
 def nvmlDeviceGetPcieThroughput(h: _Handle, counter: int) -> int:

@@ -5,21 +5,43 @@ task plus MASTER_ADDR/MASTER_PORT (``launcher="srun"``), or under torchrun with 
 rendezvous (``launcher="torchrun"``: ``python -m torch.distributed.run --nnodes=N
 --nproc-per-node=1 --rdzv-backend=c10d``), optionally inside a network namespace.
 ``finish(procs)`` waits for them and returns (exit status, output) per node.
+
+A node's GPUs can be the NVML stand-in's (``fake_gpus``), whose processes a test lists in a file,
+``<gpu index> <pid>`` per line; ``foreign_process()`` is a process to list there, one that is
+not the fleet's (a session of its own), as a training job's would be.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from support import netns
+from support import fake_nvml, netns
 
 # Small and quick: gloo on CPU, two sizes.
 QUICK = ("--backend", "gloo", "--sizes", "64KiB,1MiB", "--warmup", "1", "--iterations", "3")
+
+
+def fake_gpus(processes: Path) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The `gpunet-probe fleet` options and environment of a node whose GPUs are the NVML
+    stand-in's two H200, with the compute processes that ``processes`` lists."""
+    return ("--nvml.module", fake_nvml.MODULE), fake_nvml.exporter_env(processes=processes)
+
+
+@contextlib.contextmanager
+def foreign_process() -> Iterator[subprocess.Popen[bytes]]:
+    """A process in a session of its own (not the fleet's, not pytest's), killed at the end."""
+    p = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        yield p
+    finally:
+        p.kill()
+        p.wait()
 
 
 @dataclass
