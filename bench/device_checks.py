@@ -4,6 +4,8 @@
     python3 bench/device_checks.py probe [--rounds 3] [--sizes 1MiB,64MiB,256MiB] [--out DIR]
                                                                       (any number of GPUs)
     python3 bench/device_checks.py fleet [--nodes 4] [--out DIR]      (one GPU is enough)
+    python3 bench/device_checks.py job [--job-seconds 60] [--beside-seconds 60] [--out DIR]
+                                                     (every GPU of the machine, 1 or more)
 
 gpu: installs this checkout into a temporary directory, starts the exporter with the gpu and
 topology collectors on the machine's real /sys and NVML, puts load on GPU 0 with PyTorch (so
@@ -34,6 +36,26 @@ environment, one NCCL_HOSTID per node): a ring over --nodes nodes, then a repair
 merge into the files; every node's pairs.json must hold its ring peers, measured, with the
 transport NCCL reported (Socket without an HCA), and one node's exporter must serve them.
 
+job (issue 31): that the probe never gets in a training job's way, on every GPU of the machine,
+with bench/standin_job.py as the job (one rank per GPU, NCCL; each step bf16 matmuls and a
+256 MiB all-reduce, about 10 ms on an H100) and the exporter with the gpu and probe collectors
+(probe.interval_seconds 10, probe.holdoff_seconds 15). Every 0.1 s NVML's compute processes
+are sorted into the probe's (the exporter's process tree, or a session one of its processes
+leads: the runner and its workers) and the job's; the exporter is scraped alongside.
+(1) the job alone, twice (before and after (2), for the noise): step time median and p99;
+(2) the probe first: a complete round of every scope (intra with two GPUs or more, net), the
+probe's GPU memory per GPU and the host memory of the exporter's tree; then the job: how long
+until the probe holds nothing on any GPU, then at every poll no probe process and 0 MiB, state
+`yielded`, no failures_total increase of crash/init_error/timeout/nccl_error, the yields counter
+up; the job's step median and p99 within 1 % of alone (or the alone runs' own spread, if
+larger); after the job, `holdoff` then `measuring` and the next complete round within hold-off
++ the probe's start and round (as the first round measured) + slack;
+(3) the job first, holding all but 300 MiB of each GPU, then the exporter for 60 s beside it:
+the probe never on a GPU, failures_total all 0, state `yielded`, the runner not running; the job
+stopped (SIGTERM), the next complete round as in (2). Versions (torch, NCCL, driver, GPUs) go
+into the summary. About 7 minutes with the defaults on 4 GPUs; every process it starts is
+killed at the end, failure or not.
+
 Needs: python3 with nvidia-ml-py, prometheus_client, PyYAML and (for the load and the probe)
 torch, which the device image has. Every environment this script starts has NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 (NO_MULTICAST): NVLink multicast
@@ -45,8 +67,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import http.client
 import io
 import json
+import math
 import os
 import pstats
 import signal
@@ -197,13 +221,18 @@ def smi_nvlink(index: int) -> tuple[int, dict[tuple[str, str], int]]:
 
 
 class Checks:
-    def __init__(self) -> None:
+    """Check rows: what, the value found, the value wanted (named ``names``), and whether it
+    passed."""
+
+    def __init__(self, names: tuple[str, str] = ("exporter", "nvidia-smi")) -> None:
         self.rows: list[dict[str, Any]] = []
+        self.names = names
 
     def eq(self, what: str, ours: Any, theirs: Any, ok: bool | None = None) -> None:
         good = (ours == theirs) if ok is None else ok
-        self.rows.append({"check": what, "exporter": ours, "nvidia-smi": theirs, "ok": good})
-        print(f"  {'ok  ' if good else 'FAIL'} {what}: exporter={ours} nvidia-smi={theirs}")
+        a, b = self.names
+        self.rows.append({"check": what, a: ours, b: theirs, "ok": good})
+        print(f"  {'ok  ' if good else 'FAIL'} {what}: {a}={ours} {b}={theirs}", flush=True)
 
     @property
     def failed(self) -> int:
@@ -488,16 +517,21 @@ def proc_environ(pid: int, key: str) -> str | None:
     return None
 
 
-def tree_rss(root: int) -> tuple[int, int, int]:
-    """Resident bytes of ``root`` and every process under it, their count, and the largest
-    one's bytes (VmRSS from /proc; processes gone meanwhile are skipped)."""
+def process_tree(root: int) -> set[int]:
+    """``root`` and every process under it (from /proc; processes gone meanwhile are skipped)."""
     parent = parents()
     tree, grew = {root}, True
     while grew:
         more = {p for p, pp in parent.items() if pp in tree} - tree
         tree |= more
         grew = bool(more)
-    sizes = [n for pid in tree if (n := proc_rss(pid)) is not None]
+    return tree
+
+
+def tree_rss(root: int) -> tuple[int, int, int]:
+    """Resident bytes of ``root`` and every process under it, their count, and the largest
+    one's bytes (VmRSS from /proc; processes gone meanwhile are skipped)."""
+    sizes = [n for pid in process_tree(root) if (n := proc_rss(pid)) is not None]
     return sum(sizes), len(sizes), max(sizes, default=0)
 
 
@@ -1280,6 +1314,876 @@ def ras(args: argparse.Namespace) -> int:
     return finish(out, checks, args.out, "ras_check.json")
 
 
+# -- job: the probe beside a training job (issue 31) ---------------------------------------------
+
+JOB_SCRIPT = REPO / "bench" / "standin_job.py"
+# Everything here that runs NCCL (the stand-in job, the exporter's runner and its ranks).
+NCCL_SAFE = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+             "NVSHMEM_DISABLE_NVLS": "1"}
+# gpunet_probe_failures_total reasons that must not rise because the probe yields to a job.
+YIELD_BAD_REASONS = ("crash", "init_error", "timeout", "nccl_error")
+JOB_START_SECONDS = 180  # a job's start (spawn, CUDA, NCCL, warm-up) and end, at most
+HOLDOFF_SLACK = 2.0  # the exporter sees the GPUs' processes a poll later or earlier than we do
+VERSIONS = """
+import json, torch
+v = torch.cuda.nccl.version()
+print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
+                  "nccl": ".".join(map(str, v)) if isinstance(v, tuple) else str(v)}))
+"""
+
+Sink = dict[str, list[dict[str, Any]]]
+
+
+def nearest_rank(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty list (as the runner's)."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def step_stats(ms: list[float], skip: int) -> dict[str, Any]:
+    """Median, p99, mean and max of the step times after the first ``skip`` (warm-up)."""
+    kept = ms[skip:]
+    if not kept:
+        return {"steps": 0, "median_ms": None, "p99_ms": None}
+    return {"steps": len(kept), "median_ms": statistics.median(kept),
+            "p99_ms": nearest_rank(kept, 99), "mean_ms": statistics.fmean(kept),
+            "max_ms": max(kept)}
+
+
+def compare(value: float, alone: list[float], tolerance: float) -> dict[str, Any]:
+    """``value`` against the job-alone runs' mean: the ratio, the alone runs' own spread
+    ((max - min) / mean), the tolerance applied (``tolerance`` or that spread, the larger) and
+    whether the ratio is within it (and within ``tolerance`` alone: ``strict_ok``)."""
+    base = statistics.fmean(alone)
+    spread = (max(alone) - min(alone)) / base if len(alone) > 1 else 0.0
+    ratio = value / base
+    applied = max(tolerance, spread)
+    return {"ratio": ratio, "alone_spread": spread, "tolerance": applied,
+            "ok": abs(ratio - 1) <= applied, "strict_ok": abs(ratio - 1) <= tolerance}
+
+
+def collapse(seq: list[Any]) -> list[Any]:
+    """``seq`` without consecutive repeats."""
+    return [x for i, x in enumerate(seq) if i == 0 or x != seq[i - 1]]
+
+
+def total(s: dict[Any, float], name: str) -> float | None:
+    """The sum of a metric's samples over all their labels; None when it has none."""
+    values = [v for (n, _), v in s.items() if n == name]
+    return sum(values) if values else None
+
+
+def probe_view(s: dict[Any, float]) -> dict[str, Any]:
+    """The probe's state metrics of one scrape; a missing metric is None (the state: a text
+    saying what is wrong), never an exception."""
+    ones = [dict(lbl).get("state", "") for (n, lbl), v in s.items()
+            if n == "gpunet_probe_state" and v == 1]
+    present = any(n == "gpunet_probe_state" for (n, _) in s)
+    if len(ones) == 1:
+        state = ones[0]
+    elif ones:
+        state = "several: " + ",".join(sorted(ones))
+    else:
+        state = "no state is 1" if present else "gpunet_probe_state absent"
+    return {
+        "state": state,
+        "state_since": pick(s, "gpunet_probe_state_since_timestamp_seconds"),
+        "idle_since": pick(s, "gpunet_probe_idle_since_timestamp_seconds"),
+        "foreign": total(s, "gpunet_probe_foreign_processes"),
+        "yields": total(s, "gpunet_probe_yields_total"),
+        "running": pick(s, "gpunet_probe_runner_running"),
+        "last_success": {dict(lbl).get("scope", ""): v for (n, lbl), v in s.items()
+                         if n == "gpunet_probe_last_success_timestamp_seconds"},
+        "failures": {f"{dict(lbl).get('scope', '')}/{dict(lbl).get('reason', '')}": v
+                     for (n, lbl), v in s.items() if n == "gpunet_probe_failures_total"},
+    }
+
+
+def complete_round(view: dict[str, Any], scopes: list[str], after: float) -> float | None:
+    """When the round that completed every scope after ``after`` ended (the latest of their
+    last-success times), or None while a scope has none newer."""
+    times = [view.get("last_success", {}).get(s) for s in scopes]
+    if not times or any(t is None or t <= after for t in times):
+        return None
+    return max(t for t in times if t is not None)
+
+
+def failure_increase(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Counters of ``after`` that rose over ``before`` (a missing counter is 0)."""
+    return {k: v - before.get(k, 0.0) for k, v in sorted(after.items())
+            if v > before.get(k, 0.0)}
+
+
+def _pdeathsig() -> Any:
+    """A preexec_fn: the child is killed when this script dies (PR_SET_PDEATHSIG), so that
+    nothing outlives a run killed from outside; None where prctl is not there."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
+class Nvml:
+    """The GPUs' compute processes through NVML (this process makes no CUDA context)."""
+
+    def __init__(self) -> None:
+        import pynvml
+        self.nv = pynvml
+        pynvml.nvmlInit()
+        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
+                        for i in range(pynvml.nvmlDeviceGetCount())]
+
+    def processes(self) -> list[tuple[int, int, int | None]]:
+        """(GPU index, PID, bytes or None) of every compute process on every GPU."""
+        out = []
+        for i, h in enumerate(self.handles):
+            for p in self.nv.nvmlDeviceGetComputeRunningProcesses(h):
+                used = p.usedGpuMemory
+                out.append((i, int(p.pid), None if used is None else int(used)))
+        return out
+
+    def free_mib(self) -> list[int]:
+        return [int(self.nv.nvmlDeviceGetMemoryInfo(h).free) // MIB for h in self.handles]
+
+    def info(self) -> dict[str, Any]:
+        def text(v: Any) -> str:
+            return v.decode() if isinstance(v, bytes) else str(v)
+        return {"driver": text(self.nv.nvmlSystemGetDriverVersion()),
+                "gpus": [text(self.nv.nvmlDeviceGetName(h)) for h in self.handles],
+                "gpu_count": len(self.handles)}
+
+
+def _ppid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def _starttime(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()[19]
+
+
+class Owners:
+    """Whose a GPU process is: "probe" (the exporter's tree or a session one of its processes
+    leads: the runner's, which its workers share), "job" (the stand-in job's), "other", or
+    "gone" (no such PID here: exited, or in a PID namespace this script cannot see).
+    ``leaders`` keeps each such session's leader with its start time, for the final cleanup."""
+
+    def __init__(self) -> None:
+        self.roots: dict[int, str] = {}
+        self.sessions: dict[int, str] = {}
+        self.leaders: dict[int, str | None] = {}
+
+    def _session(self, sid: int, owner: str) -> None:
+        self.sessions[sid] = owner
+        self.leaders.setdefault(sid, _starttime(sid))
+
+    def add(self, pid: int, owner: str) -> None:
+        self.roots[pid] = owner
+        with contextlib.suppress(OSError):
+            self._session(os.getsid(pid), owner)
+
+    def of(self, pid: int) -> str:
+        try:
+            sid = os.getsid(pid)
+        except OSError:
+            return "gone"
+        if sid in self.sessions:
+            return self.sessions[sid]
+        p = pid
+        for _ in range(64):
+            if p in self.roots:
+                self._session(sid, self.roots[p])
+                return self.roots[p]
+            try:
+                p = _ppid(p)
+            except (OSError, ValueError, IndexError):
+                break
+            if p <= 1:
+                break
+        return "other"
+
+
+def _tail(path: Path, n: int = 30) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-n:]
+    except OSError:
+        return []
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _first(times: Any) -> float | None:
+    return next(iter(times), None)
+
+
+class JobBench:
+    """The scenarios of ``job``: the stand-in job alone, the probe first then the job, the
+    job first then the exporter. Every process it starts is in a session of its own, killed
+    (with every process group under it) at the end, failure or not."""
+
+    def __init__(self, args: argparse.Namespace, tmp: Path, site: Path, checks: Checks) -> None:
+        self.args, self.tmp, self.site, self.checks = args, tmp, site, checks
+        self.nv = Nvml()
+        self.owners = Owners()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.stopped: set[int] = set()
+        self.gone: dict[int, int] = {}  # PIDs NVML listed that are not here: polls
+        self.ngpu = len(self.nv.handles)
+        self.scopes = ["intra", "net"] if self.ngpu >= 2 else ["net"]
+        self.started = time.monotonic()
+        self.t0 = time.time()
+        self.env = {**os.environ, **NCCL_SAFE, "PYTHONUNBUFFERED": "1"}
+        self.preexec = _pdeathsig()
+        self.init_round: float | None = None  # the probe's start to a complete round, measured
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - self.started:6.1f}s] {msg}",
+              flush=True)
+
+    def rel(self, t: float | None) -> float | None:
+        return None if t is None else round(t - self.t0, 2)
+
+    def popen(self, argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        with open(log, "wb") as fh:
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh,
+                                 stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                 preexec_fn=self.preexec)
+        self.procs.append(p)
+        return p
+
+    def stop(self, p: subprocess.Popen[bytes], grace: float = 20.0) -> int | None:
+        """SIGTERM to the process's group, then SIGKILL to it and to every process group under
+        it (the exporter's runner has its own); the exit status. Once per process."""
+        if p.pid in self.stopped:
+            return p.returncode
+        self.stopped.add(p.pid)
+        groups = {p.pid}
+        for pid in process_tree(p.pid):
+            with contextlib.suppress(OSError):
+                groups.add(os.getpgid(pid))
+        groups.discard(os.getpgid(0))
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=grace)
+        for g in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(g, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
+        return p.returncode
+
+    def cleanup(self) -> None:
+        for p in self.procs:
+            self.stop(p, grace=5.0)
+        own = os.getpgid(0)
+        for sid, started in self.owners.leaders.items():  # a runner left over, say
+            if sid != own and started is not None and _starttime(sid) == started:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(sid, signal.SIGKILL)
+
+    def poll(self) -> dict[str, Any]:
+        rec: dict[str, Any] = {"t": time.time(), "probe": {}, "job": {}, "other": {},
+                               "gone": []}
+        try:
+            procs = self.nv.processes()
+        except self.nv.nv.NVMLError as exc:
+            rec["error"] = str(exc)
+            return rec
+        for gpu, pid, used in procs:
+            owner = self.owners.of(pid)
+            if owner == "gone":
+                rec["gone"].append(pid)
+                self.gone[pid] = self.gone.get(pid, 0) + 1
+            elif owner == "other":
+                rec["other"].setdefault(gpu, []).append(pid)
+            else:
+                mib = -1 if used is None else used // MIB  # -1: NVML does not say
+                have = rec[owner].get(gpu, 0)
+                rec[owner][gpu] = -1 if -1 in (mib, have) else have + mib
+        return rec
+
+    def scrape(self, url: str) -> dict[str, Any]:
+        t = time.time()
+        try:
+            s = scrape(url)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            return {"t": t, "ok": False, "error": repr(exc)[:200]}
+        return {"t": t, "ok": True, **probe_view(s)}
+
+    def watch(self, sink: Sink, until: Any, timeout: float, url: str | None = None,
+              scrape_every: float = 1.0, each_second: Any = None, label: str = "") -> bool:
+        """Poll the GPUs every --poll seconds (and scrape ``url`` every ``scrape_every``) into
+        ``sink`` until ``until()`` or ``timeout``; whether ``until()`` came true."""
+        deadline = time.monotonic() + timeout
+        next_scrape = next_second = next_report = 0.0
+        while True:
+            tick = time.monotonic()
+            sink["polls"].append(self.poll())
+            if url and tick >= next_scrape:
+                next_scrape = tick + scrape_every
+                sink["scrapes"].append(self.scrape(url))
+            if each_second is not None and tick >= next_second:
+                next_second = tick + 1.0
+                each_second()
+            if label and tick >= next_report:
+                next_report = tick + 10.0
+                self.report(label, sink)
+            if until():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(max(0.0, tick + self.args.poll - time.monotonic()))
+
+    def report(self, label: str, sink: Sink) -> None:
+        p = sink["polls"][-1]
+        s = next((x for x in reversed(sink["scrapes"]) if x["ok"]), None)
+        text = (f"{label}: GPUs with probe {sorted(p['probe'])} job {sorted(p['job'])}"
+                + (f" other {sorted(p['other'])}" if p["other"] else ""))
+        if s is not None:
+            text += (f"; state {s['state']}, foreign {s['foreign']}, yields {s['yields']}, "
+                     f"runner {s['running']}")
+        self.log(text)
+
+    def complete(self, sink: Sink, after: float) -> float | None:
+        s = next((x for x in reversed(sink["scrapes"]) if x["ok"]), None)
+        return None if s is None else complete_round(s, self.scopes, after)
+
+    def start_job(self, name: str, seconds: float, reserve: int | None = None
+                  ) -> tuple[subprocess.Popen[bytes], Path, Path]:
+        out, log = self.tmp / f"job-{name}.json", self.tmp / f"job-{name}.log"
+        argv = [sys.executable, str(JOB_SCRIPT), "--seconds", f"{seconds:g}", "--out", str(out),
+                "--matmuls", str(self.args.matmuls),
+                "--warmup-steps", str(self.args.warmup_steps)]
+        if reserve is not None:
+            argv += ["--reserve-all-but", str(reserve)]
+        p = self.popen(argv, log, self.env)
+        self.owners.add(p.pid, "job")
+        self.log(f"{name}: job started (pid {p.pid}): {' '.join(argv[1:])}")
+        return p, out, log
+
+    def start_exporter(self, name: str) -> tuple[subprocess.Popen[bytes], str, Path, Path]:
+        a = self.args
+        state = self.tmp / f"state-{name}"
+        cfg = self.tmp / f"{name}.yml"
+        cfg.write_text(f"probe:\n  state_dir: {json.dumps(str(state))}\n"
+                       f"  interval_seconds: {a.interval:g}\n  holdoff_seconds: {a.holdoff:g}\n")
+        port = free_port()
+        log = self.tmp / f"exporter-{name}.log"
+        p = self.popen([sys.executable, "-m", "gpunet_exporter",
+                        f"--web.listen-address=127.0.0.1:{port}", "--collector.disable-defaults",
+                        "--collector.gpu", "--collector.probe", f"--config.file={cfg}"],
+                       log, {**self.env, "PYTHONPATH": str(self.site)})
+        self.owners.add(p.pid, "probe")
+        self.log(f"{name}: exporter started (pid {p.pid}), probe interval {a.interval:g} s, "
+                 f"hold-off {a.holdoff:g} s, scopes {self.scopes}")
+        return p, f"http://127.0.0.1:{port}/metrics", state, log
+
+    def exited(self, name: str, exp: subprocess.Popen[bytes]) -> None:
+        """A failed check when the exporter is no longer running."""
+        rc = exp.poll()
+        if rc is not None:
+            self.log(f"{name}: the exporter exited with status {rc}")
+            self.checks.eq(f"{name}: the exporter keeps running", f"exited {rc}", "running",
+                           False)
+
+    def read_job(self, path: Path, log: Path) -> dict[str, Any]:
+        try:
+            job: dict[str, Any] = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            return {"missing": f"{path.name}: {exc}", "log_tail": _tail(log)}
+        if job.get("error"):
+            job["log_tail"] = _tail(log)
+        return job
+
+    def job_summary(self, job: dict[str, Any], after: float | None = None) -> dict[str, Any]:
+        """The job's times, versions and rank 0's step statistics (after warm-up; with
+        ``after``, also those of the steps that started after that time)."""
+        ms, starts = job.get("step_ms", []), job.get("step_start_unix", [])
+        skip = self.args.warmup_steps
+        out = {k: job.get(k) for k in ("world_size", "error", "missing", "versions",
+                                       "log_tail") if job.get(k)}
+        out |= {k: self.rel(job.get(k)) for k in ("first_alloc_unix", "ready_unix", "end_unix")}
+        out["stats"] = step_stats(ms, skip)
+        out["ranks"] = [{k: r.get(k) for k in ("rank", "steps", "median_ms", "p99_ms",
+                                               "context_seconds", "stopped_by", "reserve",
+                                               "missing") if k in r}
+                        for r in job.get("ranks", [])]
+        kept = sorted(zip(ms[skip:], starts[skip:], strict=False), reverse=True)[:20]
+        out["slowest_steps"] = [[self.rel(t), round(m, 3)] for m, t in kept]
+        if after is not None:
+            late = [m for m, t in zip(ms[skip:], starts[skip:], strict=False) if t >= after]
+            out["stats_after_probe_left"] = step_stats(late, 0)
+            out["steps_while_probe_on_gpus"] = sum(1 for t in starts[skip:] if t < after)
+        return out
+
+    def timeline(self, sink: Sink) -> dict[str, list[Any]]:
+        """The polls where what is on the GPUs changed, and the scrapes where the probe's state
+        changed (times from the start of the run)."""
+        polls, last = [], None
+        for p in sink["polls"]:
+            sig = (sorted(p["probe"]), sorted(p["job"]), sorted(p["other"]), bool(p["gone"]),
+                   p.get("error"))
+            if sig != last:
+                polls.append({"t": self.rel(p["t"]), **{k: p[k] for k in (
+                    "probe", "job", "other", "gone", "error") if p.get(k)}})
+                last = sig
+        scrapes, prev = [], None
+        for s in sink["scrapes"]:
+            sig = (s.get("state"), s.get("running"), s.get("yields"), s.get("foreign"),
+                   s.get("ok"))
+            if sig != prev:
+                scrapes.append({"t": self.rel(s["t"]), **{k: v for k, v in s.items()
+                                                          if k != "t"}})
+                prev = sig
+        return {"polls": polls, "scrapes": scrapes}
+
+    def wait_clean(self, label: str) -> None:
+        """Until neither the probe nor a job is on a GPU (30 s at most: then a failed check)."""
+        sink: Sink = {"polls": [], "scrapes": []}
+        ok = self.watch(sink, lambda: not (sink["polls"][-1]["probe"]
+                                           or sink["polls"][-1]["job"]), 30)
+        if not ok:
+            self.checks.eq(f"{label}: GPUs free of our processes afterwards",
+                           self.timeline(sink)["polls"][-1:], "nothing", False)
+
+    # -- scenarios ---------------------------------------------------------------------------
+
+    def alone(self, name: str) -> dict[str, Any]:
+        a = self.args
+        self.log(f"{name}: the job alone for {a.job_seconds:g} s")
+        proc, path, log = self.start_job(name, a.job_seconds)
+        sink: Sink = {"polls": [], "scrapes": []}
+        try:
+            self.watch(sink, lambda: proc.poll() is not None, a.job_seconds + JOB_START_SECONDS,
+                       label=name)
+        finally:
+            rc = self.stop(proc)
+        res = self.job_summary(self.read_job(path, log))
+        st = res["stats"]
+        self.log(f"{name}: exit {rc}, {st['steps']} steps, median {_ms(st['median_ms'])} ms, "
+                 f"p99 {_ms(st['p99_ms'])} ms")
+        self.checks.eq(f"{name}: the job ran and finished (exit 0, steps recorded)",
+                       (rc, st["steps"] > 0), (0, True))
+        others = sorted({pid for p in sink["polls"] for pids in p["other"].values()
+                         for pid in pids} | {-1 for p in sink["polls"] if p["probe"]})
+        self.checks.eq(f"{name}: no other process on the GPUs while the job ran alone "
+                       "(-1: the probe)", others, [])
+        res["timeline"] = self.timeline(sink)
+        self.wait_clean(name)
+        return res
+
+    def probe_first(self) -> dict[str, Any]:
+        a, ck, name = self.args, self.checks, "probe-first"
+        res: dict[str, Any] = {}
+        exp, url, state, elog = self.start_exporter(name)
+        t_exp = time.time()
+        first: Sink = {"polls": [], "scrapes": []}
+        during: Sink = {"polls": [], "scrapes": []}
+        after: Sink = {"polls": [], "scrapes": []}
+        rss: dict[str, Any] = {"peak_MB": 0.0, "processes_at_peak": 0, "largest_process_MB": 0.0,
+                               "exporter_alone_MB": None}
+
+        def sample_rss() -> None:  # the exporter, its runner and the runner's workers
+            total, count, largest = tree_rss(exp.pid)
+            if count == 1:
+                rss["exporter_alone_MB"] = round(total / 1e6)
+            if total / 1e6 > rss["peak_MB"]:
+                rss["peak_MB"], rss["processes_at_peak"] = round(total / 1e6), count
+            rss["largest_process_MB"] = max(rss["largest_process_MB"], round(largest / 1e6))
+
+        job: dict[str, Any] = {}
+        before: dict[str, Any] = {}
+        t_last: float | None = None
+        rc: int | None = None
+        proc: subprocess.Popen[bytes] | None = None
+        try:
+            self.log(f"{name}: waiting for a complete round of {self.scopes} (hold-off "
+                     f"{a.holdoff:g} s first)")
+            self.watch(first, lambda: exp.poll() is not None
+                       or self.complete(first, t_exp) is not None,
+                       a.holdoff + a.round_timeout, url=url, scrape_every=0.5,
+                       each_second=sample_rss, label=name)
+            self.exited(name, exp)
+            t_first = self.complete(first, t_exp)
+            ck.eq(f"{name}: a complete round of every scope {self.scopes} after the start",
+                  self.rel(t_first), f"within {a.holdoff + a.round_timeout:g} s",
+                  t_first is not None)
+            if t_first is None:
+                return res  # (the finally block stops the exporter)
+            self.init_round = max(0.0, t_first - t_exp - a.holdoff)
+            res["first_round_seconds_after_start"] = round(t_first - t_exp, 2)
+            self.log(f"{name}: complete round {t_first - t_exp:.1f} s after the start")
+            # A few more seconds: the probe's memory between rounds, and where it is now.
+            self.watch(first, lambda: False, 3.0, url=url, scrape_every=0.5,
+                       each_second=sample_rss)
+            mem = [max((p["probe"].get(g, 0) for p in first["polls"]), default=0)
+                   for g in range(self.ngpu)]
+            res["probe_gpu_memory_peak_mib"] = mem
+            res["probe_gpu_memory_now_mib"] = [first["polls"][-1]["probe"].get(g, 0)
+                                              for g in range(self.ngpu)]
+            res["host_rss"] = rss
+            t_on = _first(p["t"] for p in first["polls"] if p["probe"])
+            ck.eq(f"{name}: the probe stays off the GPUs for the hold-off after the start",
+                  None if t_on is None else round(t_on - t_exp, 1),
+                  f">= {a.holdoff - HOLDOFF_SLACK:g} s",
+                  t_on is not None and t_on - t_exp >= a.holdoff - HOLDOFF_SLACK)
+            view = next((s for s in reversed(first["scrapes"]) if s["ok"]), {})
+            ck.eq(f"{name}: state measuring after the round", view.get("state"), "measuring")
+            ck.eq(f"{name}: idle_since present while measuring",
+                  self.rel(view.get("idle_since")), "present", view.get("idle_since") is not None)
+            ck.eq(f"{name}: the probe holds memory on every GPU when the job starts (MiB)",
+                  res["probe_gpu_memory_now_mib"], "all > 0",
+                  all(m != 0 for m in res["probe_gpu_memory_now_mib"]))
+            before = view
+            # The job, while the probe holds the GPUs.
+            proc, path, log = self.start_job(name, a.job_seconds)
+            self.watch(during, lambda: proc.poll() is not None,
+                       a.job_seconds + JOB_START_SECONDS, url=url,
+                       scrape_every=a.scrape_interval, label=name)
+            rc = self.stop(proc)
+            job = self.read_job(path, log)
+            t_last = max((p["t"] for p in during["polls"] if p["job"]), default=None)
+            if t_last is not None:
+                self.log(f"{name}: job gone from the GPUs (exit {rc}); waiting for the next "
+                         "complete round")
+                bound = a.holdoff + self.init_round + a.recovery_slack
+                self.watch(after, lambda: exp.poll() is not None
+                           or self.complete(after, t_last) is not None,
+                           bound + 60, url=url, scrape_every=0.5, label=name)
+            self.exited(name, exp)
+        finally:
+            if proc is not None:
+                self.stop(proc)
+            self.stop(exp)
+            res["exporter_log_tail"] = _tail(elog)
+            res["runner_log_tail"] = _tail(state / "runner.log")
+            res["timeline"] = {"first_round": self.timeline(first),
+                               "job": self.timeline(during), "after": self.timeline(after)}
+        self.wait_clean(name)
+        self.judge_yield(name, res, before, during, after, job, rc, t_last)
+        return res
+
+    def judge_yield(self, name: str, res: dict[str, Any], before: dict[str, Any], during: Sink,
+                    after: Sink, job: dict[str, Any], rc: int | None,
+                    t_last: float | None) -> None:
+        """The checks of the probe-first scenario, once the job ran."""
+        a, ck = self.args, self.checks
+        polls = during["polls"] + after["polls"]
+        scrapes = [s for s in during["scrapes"] + after["scrapes"] if s["ok"]]
+        t_seen = _first(p["t"] for p in polls if p["job"])
+        t_gone = None if t_seen is None else _first(
+            p["t"] for p in polls if p["t"] >= t_seen and not p["probe"])
+        res["job"] = self.job_summary(job, after=t_gone)
+        ck.eq(f"{name}: the job ran and finished (exit 0)", rc, 0)
+        ck.eq(f"{name}: the job appeared on the GPUs", self.rel(t_seen), "seen",
+              t_seen is not None)
+        if t_seen is None or t_last is None:
+            return
+        alloc = job.get("first_alloc_unix")
+        res["yield_seconds_from_job_on_gpu"] = None if t_gone is None else round(
+            t_gone - t_seen, 3)
+        res["yield_seconds_from_job_first_allocation"] = None if t_gone is None or \
+            alloc is None else round(t_gone - alloc, 3)
+        ck.eq(f"{name}: the probe left every GPU within {a.yield_limit:g} s of the job's "
+              "first appearance (s)", res["yield_seconds_from_job_on_gpu"],
+              f"<= {a.yield_limit:g}", t_gone is not None and t_gone - t_seen <= a.yield_limit)
+        if t_gone is None:
+            return
+        self.log(f"{name}: the probe left the GPUs {t_gone - t_seen:.2f} s after the job "
+                 "appeared" + ("" if alloc is None else
+                               f", {t_gone - alloc:.2f} s after its first allocation"))
+        rest = [p for p in polls if t_gone < p["t"] <= t_last]
+        on = [p for p in rest if p["probe"]]
+        res["polls_while_yielded"] = len(rest)
+        ck.eq(f"{name}: no probe process on any GPU at any poll while the job ran "
+              "(polls with one / polls)", f"{len(on)}/{len(rest)}", f"0/{len(rest)}",
+              not on and bool(rest))
+        worst = max((m for p in rest for m in p["probe"].values()), default=0)
+        ck.eq(f"{name}: the probe's GPU memory 0 MiB on every GPU at every poll (max MiB; "
+              "-1: unknown)", worst, 0)
+        window = [s for s in scrapes if t_gone + 0.5 <= s["t"] <= t_last - 1.5]
+        states = sorted({s["state"] for s in window})
+        ck.eq(f"{name}: state yielded at every scrape while the job ran ({len(window)} scrapes)",
+              states, ["yielded"])
+        ck.eq(f"{name}: idle_since absent while yielded", sorted(
+            {s["idle_since"] is None for s in window}), [True])
+        foreign = max((s["foreign"] for s in window if s["foreign"] is not None), default=None)
+        ck.eq(f"{name}: foreign processes seen while the job ran (max)", foreign,
+              f">= 1 (job ranks: {self.ngpu})", foreign is not None and foreign >= 1)
+        last = scrapes[-1] if scrapes else {}
+        y0, y1 = before.get("yields"), last.get("yields")
+        ck.eq(f"{name}: gpunet_probe_yields_total rose (before, after)", [y0, y1], "+1 or more",
+              y1 is not None and y1 - (y0 or 0) >= 1)
+        rose = failure_increase(before.get("failures", {}), last.get("failures", {}))
+        res["failures_increase"] = rose
+        bad = {k: v for k, v in rose.items() if k.split("/")[-1] in YIELD_BAD_REASONS}
+        ck.eq(f"{name}: no failures_total increase of {'/'.join(YIELD_BAD_REASONS)} "
+              f"(all increases: {rose})", bad, {})
+        self.judge_recovery(name, res, after, t_last, scrapes, polls)
+
+    def judge_recovery(self, name: str, res: dict[str, Any], after: Sink, t_last: float,
+                       scrapes: list[dict[str, Any]], polls: list[dict[str, Any]]) -> None:
+        """After the job left the GPUs: hold-off, then a complete round within hold-off + the
+        probe's start and round (as measured, else --init-round) + --recovery-slack."""
+        a, ck = self.args, self.checks
+        init = self.init_round if self.init_round is not None else a.init_round
+        bound = a.holdoff + init + a.recovery_slack
+        t_done = self.complete(after, t_last)
+        res["recovery_seconds"] = None if t_done is None else round(t_done - t_last, 2)
+        res["recovery_bound_seconds"] = round(bound, 1)
+        ck.eq(f"{name}: next complete round after the job left (s; hold-off {a.holdoff:g} + "
+              f"start and round {init:.1f} + slack {a.recovery_slack:g})",
+              res["recovery_seconds"], f"<= {bound:.1f}",
+              t_done is not None and t_done - t_last <= bound)
+        seq = collapse([s["state"] for s in scrapes if s["t"] > t_last])
+        while seq and seq[0] == "yielded":
+            seq.pop(0)
+        res["states_after_job"] = seq
+        ck.eq(f"{name}: states after the job: holdoff then measuring", seq,
+              ["holdoff", "measuring"])
+        t_back = _first(p["t"] for p in polls if p["t"] > t_last and p["probe"])
+        ck.eq(f"{name}: the probe stays off the GPUs for the hold-off after the job (s)",
+              None if t_back is None else round(t_back - t_last, 2),
+              f">= {a.holdoff - HOLDOFF_SLACK:g}",
+              t_back is not None and t_back - t_last >= a.holdoff - HOLDOFF_SLACK)
+        hold = next((s for s in scrapes if s["t"] > t_last and s["state"] == "holdoff"), {})
+        meas = next((s for s in scrapes if s["t"] > t_last and s["state"] == "measuring"), {})
+        idle = meas.get("idle_since")
+        ck.eq(f"{name}: idle_since = the job's last sighting + hold-off (within 3 s; s after "
+              "that sighting)", None if idle is None else round(idle - t_last, 2),
+              f"{a.holdoff:g} +- 3", idle is not None and abs(idle - t_last - a.holdoff) <= 3)
+        since = [hold.get("state_since"), meas.get("state_since")]
+        got = [None if v is None or ref is None else round(v - ref, 2)
+               for v, ref in zip(since, (t_last, idle), strict=True)]
+        ck.eq(f"{name}: state_since of holdoff - the job's last sighting, of measuring - "
+              "idle_since (s)", got, "0 +- 3 each",
+              all(g is not None and abs(g) <= 3 for g in got))
+
+    def job_first(self) -> dict[str, Any]:
+        a, ck, name = self.args, self.checks, "job-first"
+        res: dict[str, Any] = {}
+        proc, path, log = self.start_job(name, a.beside_seconds + 600, reserve=a.reserve_mib)
+        pre: Sink = {"polls": [], "scrapes": []}
+        beside: Sink = {"polls": [], "scrapes": []}
+        after: Sink = {"polls": [], "scrapes": []}
+
+        def ready() -> bool:
+            return proc.poll() is not None or any(
+                line.startswith("ready") for line in _tail(log, 200))
+
+        self.watch(pre, ready, JOB_START_SECONDS, label=name)
+        up = proc.poll() is None and ready()
+        ck.eq(f"{name}: the job is up and holds all but {a.reserve_mib} MiB", up, True)
+        if not up:
+            self.stop(proc)
+            res["job"] = self.job_summary(self.read_job(path, log))
+            res["job_log_tail"] = _tail(log)
+            return res
+        free = self.nv.free_mib()
+        res["free_mib_after_reserve"] = free
+        ck.eq(f"{name}: free memory per GPU at most {a.reserve_mib} + 128 MiB (MiB)", free,
+              f"<= {a.reserve_mib + 128}", all(f <= a.reserve_mib + 128 for f in free))
+        exp, url, state, elog = self.start_exporter(name)
+        t_exp = time.time()
+        rc = None
+        t_last: float | None = None
+        try:
+            self.watch(beside, lambda: proc.poll() is not None, a.beside_seconds, url=url,
+                       scrape_every=a.scrape_interval, label=name)
+            alive = proc.poll() is None
+            ck.eq(f"{name}: the job still runs after {a.beside_seconds:g} s beside the exporter",
+                  alive, True)
+            self.log(f"{name}: stopping the job (SIGTERM)")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            self.watch(beside, lambda: proc.poll() is not None, 60, url=url,
+                       scrape_every=a.scrape_interval)
+            rc = self.stop(proc)
+            t_last = max((p["t"] for p in pre["polls"] + beside["polls"] if p["job"]),
+                         default=None)
+            if t_last is not None:
+                init = self.init_round if self.init_round is not None else a.init_round
+                self.log(f"{name}: job gone from the GPUs (exit {rc}); waiting for the next "
+                         "complete round")
+                self.watch(after, lambda: exp.poll() is not None
+                           or self.complete(after, t_last) is not None,
+                           a.holdoff + init + a.recovery_slack + 60, url=url, scrape_every=0.5,
+                           label=name)
+            self.exited(name, exp)
+        finally:
+            self.stop(proc)
+            self.stop(exp)
+            res["exporter_log_tail"] = _tail(elog)
+            res["runner_log_tail"] = _tail(state / "runner.log")
+            res["timeline"] = {"start": self.timeline(pre), "beside": self.timeline(beside),
+                               "after": self.timeline(after)}
+        self.wait_clean(name)
+        job = self.read_job(path, log)
+        res["job"] = self.job_summary(job)
+        ck.eq(f"{name}: the job stopped cleanly on SIGTERM (exit 0)", rc, 0)
+        if t_last is None:
+            ck.eq(f"{name}: the job appeared on the GPUs", None, "seen", False)
+            return res
+        polls = beside["polls"] + after["polls"]
+        scrapes = [s for s in beside["scrapes"] + after["scrapes"] if s["ok"]]
+        during = [p for p in polls if p["t"] <= t_last]
+        on = [p for p in during if p["probe"]]
+        ck.eq(f"{name}: no probe process on any GPU at any poll beside the job "
+              "(polls with one / polls)", f"{len(on)}/{len(during)}", f"0/{len(during)}",
+              not on and bool(during))
+        s_during = [s for s in scrapes if s["t"] <= t_last - 1.5]
+        ck.eq(f"{name}: the exporter answered beside the job (scrapes)", len(s_during), "> 0",
+              bool(s_during))
+        failed = sorted({f"{k}={v:g}" for s in s_during for k, v in s["failures"].items() if v})
+        ck.eq(f"{name}: gpunet_probe_failures_total all 0 beside the job", failed, [])
+        states = sorted({s["state"] for s in s_during if s["t"] >= t_exp + 3})
+        ck.eq(f"{name}: state yielded at every scrape beside the job (from 3 s after the "
+              "start)", states, ["yielded"])
+        early = sorted({s["state"] for s in s_during} & {"measuring", "failing"})
+        ck.eq(f"{name}: never measuring or failing beside the job", early, [])
+        running = sorted({str(s["running"]) for s in s_during})
+        ck.eq(f"{name}: gpunet_probe_runner_running 0 or absent beside the job", running,
+              "0 / None", all(s["running"] in (None, 0) for s in s_during))
+        yields = sorted({str(s["yields"]) for s in s_during})
+        ck.eq(f"{name}: gpunet_probe_yields_total 0 or absent (nothing was started to stop)",
+              yields, "0 / None", all(s["yields"] in (None, 0) for s in s_during))
+        foreign = max((s["foreign"] for s in s_during if s["foreign"] is not None), default=None)
+        ck.eq(f"{name}: foreign processes seen beside the job (max)", foreign,
+              f">= 1 (job ranks: {self.ngpu})", foreign is not None and foreign >= 1)
+        self.judge_recovery(name, res, after, t_last, scrapes, polls)
+        return res
+
+    def versions(self) -> dict[str, Any]:
+        out = self.nv.info()
+        stderr = ""
+        try:  # in a process of its own: this one makes no CUDA context
+            r = subprocess.run([sys.executable, "-c", VERSIONS], capture_output=True, text=True,
+                               timeout=180, env=self.env)
+            stderr = r.stderr[-500:]
+            out |= json.loads(r.stdout.strip().splitlines()[-1])
+        except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
+            out["torch_error"] = f"{exc!r} {stderr}"
+        return out
+
+
+def job(args: argparse.Namespace) -> int:
+    checks = Checks(("got", "want"))
+    out: dict[str, Any] = {"nvidia_smi": sh("nvidia-smi", "-L"), "args": vars(args)}
+    print(out["nvidia_smi"], flush=True)
+    def on_term(*_: Any) -> None:
+        print("SIGTERM: stopping every process started here", flush=True)
+        sys.exit(143)
+
+    # SIGTERM (a timeout from outside) ends through the finally blocks: nothing left running.
+    signal.signal(signal.SIGTERM, on_term)
+    with tempfile.TemporaryDirectory() as tmp_:
+        tmp = Path(tmp_)
+        bench = JobBench(args, tmp, install(tmp), checks)
+        a = args
+        est = (2 if a.repeat_alone else 1) * (a.job_seconds + 12) + \
+            (a.holdoff + 25 + a.job_seconds + 12 + a.holdoff + 25) + \
+            (12 + a.beside_seconds + 5 + a.holdoff + 25)
+        bench.log(f"{bench.ngpu} GPU(s); scenarios: job alone, probe first, job first; "
+                  f"about {est / 60:.1f} min")
+        results: dict[str, Any] = {}
+        try:
+            out["versions"] = bench.versions()
+            bench.log(f"versions: {out['versions']}")
+            p = bench.poll()
+            checks.eq("GPUs free at the start (no compute process)",
+                      {k: p[k] for k in ("probe", "job", "other", "gone") if p[k]}, {})
+            for key, run in (("alone", lambda: bench.alone("alone-1")),
+                             ("probe_first", bench.probe_first),
+                             ("alone_repeat", lambda: bench.alone("alone-2")),
+                             ("job_first", bench.job_first)):
+                if key == "alone_repeat" and not a.repeat_alone:
+                    continue
+                try:
+                    results[key] = run()
+                except Exception as exc:  # one scenario's bug or surprise: the others still run
+                    import traceback
+                    traceback.print_exc()
+                    checks.eq(f"{key}: ran to the end", f"{type(exc).__name__}: {exc}",
+                              "no exception", False)
+        finally:
+            bench.cleanup()
+        stale = sorted(pid for pid, n in bench.gone.items() if n >= 5)
+        checks.eq("every PID NVML listed was visible here (else: run in the host's PID "
+                  "namespace; PIDs listed in 5 polls or more but not found)", stale, [])
+        out |= results
+        versions = out.get("versions", {})
+        for res in results.values():  # what the job's rank 0 saw, where the probe run failed
+            for k, v in (res.get("job", res).get("versions") or {}).items():
+                versions.setdefault(k, v)
+        out["summary"] = {"versions": versions, **summarize(bench, results, checks)}
+    print("\n== summary")
+    print(json.dumps(out["summary"], indent=1, default=str), flush=True)
+    return finish(out, checks, args.out, "job_check.json")
+
+
+def summarize(bench: JobBench, results: dict[str, Any], checks: Checks) -> dict[str, Any]:
+    """The step-time comparison (a check) and the numbers worth reading first."""
+    a = bench.args
+    alone = [results[k]["stats"] for k in ("alone", "alone_repeat")
+             if k in results and results[k]["stats"]["steps"]]
+    pf, jf = results.get("probe_first", {}), results.get("job_first", {})
+    out: dict[str, Any] = {
+        "gpus": bench.ngpu, "scopes": bench.scopes,
+        "alone": [{k: s.get(k) for k in ("steps", "median_ms", "p99_ms")} for s in alone]}
+    for label, res, checked in (("probe_first", pf, True), ("job_first", jf, False)):
+        stats = res.get("job", {}).get("stats", {})
+        if not stats.get("steps"):
+            if checked:
+                checks.eq(f"{label}: job step times recorded", None, "steps", False)
+            continue
+        row: dict[str, Any] = {"steps": stats["steps"]}
+        for stat in ("median_ms", "p99_ms"):
+            row[stat] = stats[stat]
+            if not alone:
+                if checked:
+                    checks.eq(f"{label}: job step {stat} vs alone", stats[stat],
+                              "no job-alone run to compare with", False)
+                continue
+            c = compare(stats[stat], [s[stat] for s in alone], a.tolerance)
+            row[f"{stat}_ratio_to_alone"] = round(c["ratio"], 4)
+            row[f"{stat}_alone_spread"] = round(c["alone_spread"], 4)
+            row[f"{stat}_within_{a.tolerance:.0%}"] = c["strict_ok"]
+            if checked:
+                checks.eq(f"{label}: job step {stat} / alone (tolerance {c['tolerance']:.2%}: "
+                          f"{a.tolerance:.0%} or the alone runs' spread "
+                          f"{c['alone_spread']:.2%}, the larger)", round(c["ratio"], 4),
+                          f"1 +- {c['tolerance']:.4f}", c["ok"])
+        out[f"{label}_job"] = row
+    for k in ("first_round_seconds_after_start", "probe_gpu_memory_peak_mib", "host_rss",
+              "yield_seconds_from_job_on_gpu", "yield_seconds_from_job_first_allocation",
+              "failures_increase", "recovery_seconds", "recovery_bound_seconds",
+              "states_after_job"):
+        if k in pf:
+            out[f"probe_first_{k}"] = pf[k]
+    if "job" in pf:
+        out["probe_first_steps_while_probe_on_gpus"] = pf["job"].get("steps_while_probe_on_gpus")
+        out["probe_first_stats_after_probe_left"] = pf["job"].get("stats_after_probe_left")
+    for k in ("free_mib_after_reserve", "recovery_seconds", "recovery_bound_seconds",
+              "states_after_job"):
+        if k in jf:
+            out[f"job_first_{k}"] = jf[k]
+    out["checks_failed"] = [r["check"] for r in checks.rows if not r["ok"]]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -1304,9 +2208,40 @@ def main() -> int:
     fl.add_argument("--out", help="directory for fleet_check.json")
     ra = sub.add_parser("ras", help="NCCL RAS captures and the nccl collector, live")
     ra.add_argument("--out", help="directory for ras_check.json and the NCCL logs")
+    jb = sub.add_parser("job", help="the probe beside a stand-in training job on every GPU")
+    jb.add_argument("--job-seconds", type=float, default=60,
+                    help="the job's stepping time, alone and with the probe first (60)")
+    jb.add_argument("--beside-seconds", type=float, default=60,
+                    help="the exporter beside the job that took the GPUs first (60)")
+    jb.add_argument("--no-repeat-alone", dest="repeat_alone", action="store_false",
+                    help="run the job alone once, not twice (the second run shows the noise)")
+    jb.add_argument("--holdoff", type=float, default=15, help="probe.holdoff_seconds (15)")
+    jb.add_argument("--interval", type=float, default=10, help="probe.interval_seconds (10)")
+    jb.add_argument("--reserve-mib", type=int, default=300,
+                    help="job first: the job leaves this much of each GPU free (300)")
+    jb.add_argument("--matmuls", type=int, default=6, help="the job's matmuls per step (6)")
+    jb.add_argument("--warmup-steps", type=int, default=20,
+                    help="job steps left out of the statistics (20)")
+    jb.add_argument("--tolerance", type=float, default=0.01,
+                    help="job step median and p99 with the probe vs alone: this ratio or the "
+                         "alone runs' own spread, the larger (0.01)")
+    jb.add_argument("--yield-limit", type=float, default=10,
+                    help="seconds from the job's appearance to the probe off every GPU (10)")
+    jb.add_argument("--round-timeout", type=float, default=150,
+                    help="seconds after the hold-off to wait for the first complete round (150)")
+    jb.add_argument("--init-round", type=float, default=60,
+                    help="the probe's start and round, when the first round did not measure it "
+                         "(60)")
+    jb.add_argument("--recovery-slack", type=float, default=15,
+                    help="seconds allowed past hold-off + start and round for the next complete "
+                         "round after a job (15)")
+    jb.add_argument("--poll", type=float, default=0.1, help="GPU process poll period (0.1)")
+    jb.add_argument("--scrape-interval", type=float, default=1.0,
+                    help="scrape period while a job runs (1.0; 0.5 otherwise)")
+    jb.add_argument("--out", help="directory for job_check.json")
     args = p.parse_args()
     os.environ.update(NO_MULTICAST)  # every child inherits it: NVLink multicast stays off
-    return {"gpu": gpu, "probe": probe, "fleet": fleet, "ras": ras}[args.cmd](args)
+    return {"gpu": gpu, "probe": probe, "fleet": fleet, "ras": ras, "job": job}[args.cmd](args)
 
 
 if __name__ == "__main__":
