@@ -294,7 +294,8 @@ class ProbeSettings(Settings):
         minimum=1 << 20)
     busy_utilization: float = setting(
         "GPU utilization (0 to 1) above which a GPU is busy with other work: sizes of 1 MiB and "
-        "up are skipped while it is (with `skip_busy`)", default=_default("busy_utilization"),
+        "up are skipped while it is (with `skip_busy`); cluster-mode rounds only, since the "
+        "node's own run on idle GPUs", default=_default("busy_utilization"),
         minimum=0)
     holdoff_seconds: float = setting(
         "rounds run only once no process other than the probe's has been on any GPU for this "

@@ -218,8 +218,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-cap", type=parse_bytes, default=1 << 30,
                    help="GPU memory the probe may allocate per GPU (default 1GiB)")
     p.add_argument("--busy-utilization", type=float, default=0.5,
-                   help="a GPU above this utilization (0 to 1) counts as busy with other work "
-                        "(0.5)")
+                   help="a GPU above this utilization (0 to 1) counts as busy with other work, "
+                        "in cluster mode (a node's own rounds run on idle GPUs) (0.5)")
     p.add_argument("--busy-min-size", type=parse_bytes, default=1 << 20,
                    help="sizes from this one up are skipped while a GPU is busy (1MiB)")
     p.add_argument("--no-skip-busy", dest="skip_busy", action="store_false",
@@ -751,9 +751,12 @@ class _Probe:
         except self.nvml.NVMLError:
             return False
         # NVML's utilization covers the last fraction of a second to a second: right after the
-        # group started, that is the probe's own NCCL setup (the likely cause of the one round
-        # skipped as busy on an H100, docs/probe.md), so the first round goes by processes alone.
-        busy = self.rounds > 0 and util > self.args.busy_utilization
+        # group started, that is the probe's own NCCL setup, so the first round goes by
+        # processes alone. A node's own ranks (launched) go by processes alone always: the
+        # exporter starts them on idle GPUs only, so what utilization they see is their own
+        # other scope's round just before (4 H100s: one round of each scope skipped so,
+        # docs/probe.md).
+        busy = self.rounds > 0 and not self.launched and util > self.args.busy_utilization
         return busy or any(not self._own(int(p.pid)) for p in procs)
 
     def _sync(self) -> None:
