@@ -114,3 +114,13 @@ def test_every_family_of_the_golden_scrape_is_documented() -> None:
     for family in families:
         assert family in documented, f"{family} is exported but not declared"
         assert f"`{family}`" in doc_text, family
+
+
+def test_readme_counts_the_alerts_the_rules_hold() -> None:
+    """The README's alert count is the generated rules file's, not a number written once."""
+    from gpunet_exporter.health import rules
+
+    readme = (REPO / "README.md").read_text()
+    stated = re.search(r"\((\d+) alerts:", readme)
+    assert stated, "README.md no longer says how many alerts there are"
+    assert int(stated.group(1)) == len(rules.ALERT_NAMES)
