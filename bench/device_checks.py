@@ -70,7 +70,6 @@ import cProfile
 import http.client
 import io
 import json
-import math
 import os
 import pstats
 import signal
@@ -82,6 +81,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from standin_job import summary  # bench/standin_job.py, beside this script: the job's steps
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -1337,22 +1338,6 @@ print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
 Sink = dict[str, list[dict[str, Any]]]
 
 
-def nearest_rank(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty list (as the runner's)."""
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))]
-
-
-def step_stats(ms: list[float], skip: int) -> dict[str, Any]:
-    """Median, p99, mean and max of the step times after the first ``skip`` (warm-up)."""
-    kept = ms[skip:]
-    if not kept:
-        return {"steps": 0, "median_ms": None, "p99_ms": None}
-    return {"steps": len(kept), "median_ms": statistics.median(kept),
-            "p99_ms": nearest_rank(kept, 99), "mean_ms": statistics.fmean(kept),
-            "max_ms": max(kept)}
-
-
 def compare(value: float, alone: list[float], tolerance: float) -> dict[str, Any]:
     """``value`` against the job-alone runs' mean: the ratio, the alone runs' own spread
     ((max - min) / mean), the tolerance applied (``tolerance`` or that spread, the larger) and
@@ -1719,7 +1704,7 @@ class JobBench:
         out = {k: job.get(k) for k in ("world_size", "error", "missing", "versions",
                                        "log_tail") if job.get(k)}
         out |= {k: self.rel(job.get(k)) for k in ("first_alloc_unix", "ready_unix", "end_unix")}
-        out["stats"] = step_stats(ms, skip)
+        out["stats"] = summary(ms, skip)
         out["ranks"] = [{k: r.get(k) for k in ("rank", "steps", "median_ms", "p99_ms",
                                                "context_seconds", "stopped_by", "reserve",
                                                "missing") if k in r}
@@ -1728,7 +1713,7 @@ class JobBench:
         out["slowest_steps"] = [[self.rel(t), round(m, 3)] for m, t in kept]
         if after is not None:
             late = [m for m, t in zip(ms[skip:], starts[skip:], strict=False) if t >= after]
-            out["stats_after_probe_left"] = step_stats(late, 0)
+            out["stats_after_probe_left"] = summary(late, 0)
             out["steps_while_probe_on_gpus"] = sum(1 for t in starts[skip:] if t < after)
         return out
 

@@ -50,7 +50,7 @@ def summary(ms: list[float], skip: int) -> dict[str, Any]:
     """Step statistics after the first ``skip`` steps (warm-up)."""
     kept = ms[skip:]
     if not kept:
-        return {"steps": 0}
+        return {"steps": 0, "median_ms": None, "p99_ms": None}
     return {"steps": len(kept), "median_ms": statistics.median(kept),
             "p99_ms": percentile(kept, 99), "mean_ms": statistics.fmean(kept),
             "max_ms": max(kept)}
