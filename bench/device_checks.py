@@ -82,7 +82,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from standin_job import summary  # bench/standin_job.py, beside this script: the job's steps
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, also when loaded by path
+from standin_job import summary  # beside this script: the job's step statistics
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20

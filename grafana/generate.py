@@ -69,6 +69,19 @@ def count_or_zero(expr: str) -> str:
     return f"count({expr}) or vector(0)"
 
 
+def idle_without_round(*matchers: str) -> str:
+    """Over the nodes whose GPUs are idle, the longest time since the later of the node's last
+    complete round (its oldest scope) and the start of its idle time: what GpunetProbeStale
+    fires on past probe.stale_seconds. 0 when no idle node waits; busy nodes never count."""
+    rounds = ("max by (instance, job) (time() - "
+              + sel("gpunet_probe_last_success_timestamp_seconds", 'scope!="inter"', *matchers)
+              + ")")
+    idle = sel("gpunet_probe_idle_since_timestamp_seconds")
+    return (f'max(min by (instance, job) (label_replace({rounds}, "age", "round", "", "") or '
+            f'label_replace(time() - {idle}, "age", "idle", "", "")) and on (instance, job) '
+            f"{idle}) or vector(0)")
+
+
 def sum_or_zero(expr: str) -> str:
     return f"sum({expr}) or vector(0)"
 
@@ -509,15 +522,12 @@ def fleet() -> Json:
                  [target("min by (scope) (" + sel("gpunet_probe_bus_bandwidth_link_ratio")
                          + ")", "{{scope}}")], "percentunit", thresholds=LINK_RATE_STEPS,
                  text_mode="value_and_name"), 8, 4)
-    lay.add(stat("Oldest successful probe (idle nodes)", "Longest time since a node's last "
-                 "successful probe round, over the nodes whose GPUs are idle (the probe runs "
-                 "only there, docs/probe.md). Rounds run every minute by default: minutes old "
-                 "means the probe is failing or stuck. Nodes busy with jobs are left out.",
-                 [target("max(time() - " + sel("gpunet_probe_last_success_timestamp_seconds",
-                                               'scope!="inter"')
-                         + " and on (instance, job) "
-                         + sel("gpunet_probe_idle_since_timestamp_seconds") + ")")],
-                 "s", thresholds=STALE), 8, 4)
+    lay.add(stat("Idle GPUs without a probe round", "The probe runs only on idle GPUs "
+                 "(docs/probe.md). Over the nodes whose GPUs are idle, the longest time since "
+                 "the later of the node's last complete round and the start of its idle time; "
+                 "0 when none waits. Rounds run every minute by default: minutes means the "
+                 "probe is failing or stuck (GpunetProbeStale). Nodes busy with jobs never "
+                 "count.", [target(idle_without_round())], "s", thresholds=STALE), 8, 4)
 
     lay.row("Health matrix")
     cells = override("instance\\class", ("displayName", "node"), ("links", NODE_LINK),
@@ -1146,15 +1156,11 @@ def collectives() -> Json:
                  [target(count_or_zero(sel("gpunet_probe_state", 'state="failing"')
                                        + " == 1"))],
                  "short", thresholds=OK_RED), 6, 4)
-    lay.add(stat("Oldest successful probe (idle nodes)", "Longest time since a successful "
-                 "round on the nodes whose GPUs are idle (the probe runs only there). Rounds "
-                 "run every minute by default; minutes old: the probe is failing or stuck, "
-                 "and the panels below show stale values.",
-                 [target("max(time() - " + sel("gpunet_probe_last_success_timestamp_seconds",
-                                               *probe)
-                         + " and on (instance, job) "
-                         + sel("gpunet_probe_idle_since_timestamp_seconds") + ")")],
-                 "s", thresholds=STALE), 6, 4)
+    lay.add(stat("Idle GPUs without a probe round", "Over the nodes whose GPUs are idle "
+                 "(the probe runs only there), the longest time since the later of the last "
+                 "complete round and the start of the idle time; 0 when none waits. Minutes: "
+                 "the probe is failing or stuck, and the panels below show stale values.",
+                 [target(idle_without_round(*probe))], "s", thresholds=STALE), 6, 4)
     lay.add(stat("Socket fallback", "Node scopes where NCCL used TCP sockets although an "
                  "RDMA port is ACTIVE (or the network for intra-node traffic). The net scope "
                  "checks every node's own NICs. Far slower; check NCCL_IB_* settings and the "

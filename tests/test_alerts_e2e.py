@@ -477,11 +477,13 @@ def test_doctor_agrees_with_prometheus(bundle: Bundle) -> None:
         # Each NCCL job that answered RAS is described (the faulty node's stopped one is not).
         jobs = {f"NCCL job on RAS port {p}" for p in bundle.ras_ports[node][:2]}
         assert {w for w in notes if w.startswith("NCCL job")} == jobs, notes
+        # Both nodes' GPUs run a job: the probe did not run, and the doctor says so.
+        assert "a job's processes are on the GPUs" in notes["probe"]
         if node == HEALTHY:
-            assert set(notes) - jobs == {"NCCL_SOCKET_IFNAME", "NCCL_ALGO"}, notes
+            assert set(notes) - jobs == {"NCCL_SOCKET_IFNAME", "NCCL_ALGO", "probe"}, notes
             assert notes["NCCL_SOCKET_IFNAME"].startswith("1 GPU processes set it "
                                                           "(non_rdma_netdev): bootstrap")
             (job,) = jobs
             assert "2 of 2 ranks answered" in notes[job] and "dead" not in notes[job]
-        else:
-            assert set(notes) == jobs
+        else:  # its GPUs run a job too (the starved one): no probe round there either
+            assert set(notes) == jobs | {"probe"}, notes

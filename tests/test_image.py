@@ -776,7 +776,7 @@ def test_the_probe_image_is_the_exporter_s_with_torch(probe_image: Image, image:
     # the fleet probe pods' command (torchrun, found on the PATH) with their privileges
     pod = manifests.fleet_pod()
     flags = kubelet_flags(manifests.fleet, pod, container_named(pod, "probe"),
-                          {PROBE_STATE: tmp_path}, tmp_path)
+                          {PROBE_STATE: tmp_path, "/proc": Path("/proc")}, tmp_path)
     out = podman_once(probe_image, flags, "--help")
     assert out.returncode == 0 and "--rdzv-backend" in out.stdout, out.stdout + out.stderr
     print(f"image {probe_image.tag}: {probe_image.size / 1e6:.1f} MB")
