@@ -74,6 +74,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 # Environment of torchrun's agent that must not reach a pair's ranks: with it, the pair's
 # rendezvous would look for the agent's store instead of serving its own.
 _AGENT_ENV = ("TORCHELASTIC_", "GROUP_", "ROLE_", "LOCAL_WORLD_SIZE", "TORCH_NCCL_ASYNC")
+VIEW_SECONDS = 2.0  # how long a node waits for a peer's view once every live node put its own
 EXIT_BAD_ARGS = 2
 EXIT_RENDEZVOUS = 4
 WATCH_SECONDS = 0.5  # how often a running pair end looks at the GPUs and at its peer
@@ -571,7 +572,17 @@ def run(args: argparse.Namespace, store: Store, rank: int, world: int, me: Membe
     mine = [_peer_did_not_run(p, ask()) if p.failed else p for p, ask in zip(mine, heard,
                                                                              strict=True)]
     _put(store, f"view/{me.node}", [pairs.pair_json(p) for p in mine])
-    write(args, me, [_agree(p, store, me.node, wait) for p in mine])
+    # Every node that is still there puts its view before this barrier; after it, a view that
+    # is missing is a dead node's, and is not waited for. (Waiting for it, up to the rendezvous
+    # timeout, once made the partner of a node that died after their pair miss the "done"
+    # barrier, and rank 0's store was gone before it finished: exit 4.)
+    try:
+        barriers.wait("views", args.pair_timeout + 20)
+    except StoreBroken as exc:
+        print(f"{PROG}: {me.node}: {exc}", file=sys.stderr)
+        write(args, me, mine)
+        return EXIT_RENDEZVOUS
+    write(args, me, [_agree(p, store, me.node, VIEW_SECONDS) for p in mine])
     if not barriers.wait("done", args.pair_timeout + 20):
         print(f"{PROG}: {me.node}: not every node finished", file=sys.stderr)
     if rank == 0:  # the others are done with the store, which rank 0 may be serving
