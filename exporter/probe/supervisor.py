@@ -145,7 +145,6 @@ class Supervisor:
         self._closed = False
         self._look, self._describe = look, describe
         self.gate = idle.Gate(holdoff)
-        self._gate_state = idle.UNKNOWN
         self._state, self._state_since = "", 0.0
         self._yields = 0
         self._tick_lock = threading.Lock()  # one tick at a time; close() waits for it
@@ -195,10 +194,11 @@ class Supervisor:
         try:
             self._poll_results()
             if self.command is not None and not self._closed:
-                free = self._look_at_gpus()
-                if free:
+                state = self._look_at_gpus()
+                if state == idle.MEASURING:
                     self._watch_runner()
-                self._set_state(self._gate_state if not free else self._run_state())
+                    state = self._run_state()
+                self._set_state(state)
             return self._snapshot()
         finally:
             self._tick_lock.release()
@@ -216,29 +216,25 @@ class Supervisor:
 
     # -- the GPUs: idle, or a job's ----------------------------------------------------------
 
-    def _look_at_gpus(self) -> bool:
-        """Whether the runner may run now; kills it (a yield) when a foreign process appeared
-        or the GPUs' processes cannot be read."""
+    def _look_at_gpus(self) -> str:
+        """The gate's state: the runner may run only in MEASURING; it is killed (a yield) when
+        a foreign process appeared or the GPUs' processes cannot be read."""
         if self._look is None:
-            self._gate_state = idle.MEASURING
-            return True
+            return idle.MEASURING
         try:
             pids = self._look()
         except Exception as exc:  # a check that breaks is a check that cannot run
             self._log(logging.WARNING, "probe: cannot read the GPUs' processes: %s", exc)
             pids = None
         state = self.gate.observe(pids)
-        self._gate_state = state
-        if state == idle.MEASURING:
-            return True
-        if self._child is not None:
+        if state != idle.MEASURING and self._child is not None:
             if state == idle.YIELDED:
                 self._yields += 1
                 self._kill(f"yielding the GPUs to {self._describe(self.gate.foreign)}",
                            logging.INFO)
             else:
                 self._kill("the GPUs' processes cannot be read (NVML)")
-        return False
+        return state
 
     def _run_state(self) -> str:
         """MEASURING, or FAILING when the runner keeps exiting or a scope's last round since the
