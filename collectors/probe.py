@@ -342,16 +342,14 @@ class ProbeCollector(Collector):
         """The processes on the node's GPUs that are not the probe's (None: cannot tell). With
         gloo on a node without NVIDIA's library there is no GPU to protect: none."""
         session = nvml.session(self.ctx.nvml_module)
-        pids = idle.gpu_pids(session)
-        if pids is None:
-            if session.state == "absent" and self.settings.backend == "gloo":
-                self.supervisor.gate.holdoff = 0.0  # nothing to wait for
-                return set()
-            return None
         # A one-off reader (the doctor) does not wait for the exporter's own probe: the
         # exporter sees the doctor's ranks as foreign and yields to them.
-        return idle.foreign(pids, self.ctx.procfs, nvml.own_sessions(), self._known_own,
-                            probes_are_own=not self.ctx.learn)
+        found = idle.foreign_on_gpus(session, self.ctx.procfs, nvml.own_sessions(),
+                                     self._known_own, self.settings.backend,
+                                     probes_are_own=not self.ctx.learn)
+        if found is not None and session.state == "absent":
+            self.supervisor.gate.holdoff = 0.0  # gloo, no GPU: nothing to wait for
+        return found
 
     def command(self) -> list[str]:
         """The runner's command line: its options only where the configuration differs from

@@ -327,12 +327,11 @@ class Gpus:
 
     def look(self, ranks: Sequence[Child] = ()) -> tuple[str, str] | None:
         """(reason, what was seen) when the end must not run now; None when it may."""
-        pids = idle.gpu_pids(self.session)
         # The node's own probe (the exporter's runner) is no job to wait for: it yields to
         # the pair's ranks, as to any process that is not its own.
-        found = None if pids is None else idle.foreign(
-            pids, self.procfs, {os.getsid(0), *(c.pid for c in ranks)}, self.known_own,
-            probes_are_own=True)
+        found = idle.foreign_on_gpus(self.session, self.procfs,
+                                     {os.getsid(0), *(c.pid for c in ranks)}, self.known_own,
+                                     self.backend, probes_are_own=True)
         reason = verdict(found, self.backend)
         if reason is None:
             return None

@@ -123,6 +123,18 @@ def foreign(pids: Iterable[int], procfs: Root, own_sessions: Collection[int],
     return out
 
 
+def foreign_on_gpus(session: nvml.Session, procfs: Root, own_sessions: Collection[int],
+                    known_own: set[int], backend: str, probes_are_own: bool = False
+                    ) -> set[int] | None:
+    """The foreign processes on the node's GPUs (gpu_pids, then foreign); None when NVML
+    cannot say. With gloo on a node without NVIDIA's library there is no GPU to protect:
+    none."""
+    pids = gpu_pids(session)
+    if pids is None:
+        return set() if backend == "gloo" and session.state == "absent" else None
+    return foreign(pids, procfs, own_sessions, known_own, probes_are_own)
+
+
 @dataclass
 class Gate:
     """The hold-off: the node is idle for the probe once no foreign process has been seen for
