@@ -25,7 +25,7 @@ size, printed as markdown and written, with every raw number, to --out:
   answers every MAD) per sweep; what the sweep found (switches, switch ports, host-facing and
   switch-facing ports, series) and checks that it is the whole fabric, every port Active;
 - scrape, in process: collect() alone, and the OpenMetrics text of its families as the exporter
-  writes it (exporter/web/openmetrics.py encode()), on the warm cache;
+  writes it (src/gpunet_exporter/web/openmetrics.py encode()), on the warm cache;
 - scrape, over HTTP: a real `gpunet-exporter --collector.disable-defaults --collector.fabric`
   (config file: the simulator's environment, interval_seconds 3600, so that no sweep runs
   while it is timed) scraped as Prometheus scrapes it (bench/scrape.py's Target: one

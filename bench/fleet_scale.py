@@ -10,12 +10,12 @@ generated fleet rules cost for fleets far larger than the test fleets.
 Four parts, each printed as markdown and written, with every raw number, to --out:
 
 - plans: for 100, 1,000 and 10,000 nodes (--plan-sizes) and each kind of
-  exporter/probe/plan.py (ring, random, leaf with 32 nodes per leaf, repair with 1% suspects):
+  gpunet_exporter.probe.plan (ring, random, leaf with 32 nodes per leaf, repair with 1% suspects):
   generation time (median of repeats), rounds, pairs, pairs per node, the size of a node's
   pairs.json (written as statefile.write_json writes it) and the series its exporter serves for
   it (the probe collector's own _export_pairs, counted).
 - prometheus: a real Prometheus (Debian's `prometheus` on PATH) loads the generated rules
-  (exporter/health/rules.py, every `for:` at 0s as tests/support/prometheus.py makes them, the
+  (gpunet_exporter.health.rules, every `for:` at 0s as tests/support/prometheus.py makes them, the
   expressions unchanged) and scrapes synthetic fleets: per node the gpunet_fleet_* series its
   exporter would serve for a plan of 2 pairs per node (the ring) or 4 (the ring plus a ring
   through the leaves, whose pairs all cross leaves), 32 nodes per leaf, a few nodes slow (every

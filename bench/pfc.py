@@ -270,7 +270,7 @@ def git(*args: str) -> str:
 
 def machine() -> dict[str, Any]:
     cpu = cpu_model()
-    dirty = git("status", "--porcelain", "--", "exporter", "collectors")
+    dirty = git("status", "--porcelain", "--", "src")
     ethtool = subprocess.run(["ethtool", "--version"], capture_output=True, text=True,
                              check=False).stdout.strip()
     return {
@@ -281,7 +281,7 @@ def machine() -> dict[str, Any]:
         "prometheus_client": dist_version("prometheus_client"),
         "ethtool": ethtool,
         "git_commit": (git("rev-parse", "--short", "HEAD") or "unknown")
-        + (" + uncommitted exporter/collectors changes" if dirty else ""),
+        + (" + uncommitted src/ changes" if dirty else ""),
         "loadavg_at_start": Path("/proc/loadavg").read_text().split()[:3],
     }
 

@@ -7,7 +7,7 @@ One rank per GPU (local rank modulo the GPUs) is the intra scope's set-up. With
 BENCH_HOSTID_PER_RANK=1 every rank gets its own NCCL_HOSTID (the net scope: NCCL goes through its
 network), and ranks may share a GPU. bench/device_checks.py ``probe`` runs it both ways.
 
-Every rank builds the runner's own probe state (exporter/probe/runner.py ``_Probe``: one process
+Every rank builds the runner's own probe state (gpunet_exporter.probe.runner ``_Probe``: one process
 group, its memory cap, its rounds) and, in the same process on the same GPUs:
 
 1. accuracy, per size: the bus bandwidth of the probe's own rounds (``_Probe.round``: each size's

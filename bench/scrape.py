@@ -347,7 +347,7 @@ def machine() -> dict[str, Any]:
         check=False,
     ).stdout.strip()
     dirty = subprocess.run(
-        ["git", "-C", str(REPO), "status", "--porcelain", "--", "exporter", "collectors"],
+        ["git", "-C", str(REPO), "status", "--porcelain", "--", "src"],
         capture_output=True,
         text=True,
         check=False,
@@ -361,7 +361,7 @@ def machine() -> dict[str, Any]:
         "python_bench": platform.python_version(),
         "gpunet_exporter_version": ours,
         "git_commit": (git or "unknown")
-        + (" + uncommitted exporter/collectors changes" if dirty else ""),
+        + (" + uncommitted src/ changes" if dirty else ""),
         "prometheus_client_version": dist_version("prometheus_client"),
         "loadavg_at_start": Path("/proc/loadavg").read_text().split()[:3],
         "gpunet_exporter_cli": tool_version([OURS, "--version"]),

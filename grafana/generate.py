@@ -99,7 +99,7 @@ OK_RED = steps(("green", None), ("red", 1))
 OK_ORANGE = steps(("green", None), ("orange", 1))
 NEUTRAL = steps(("blue", None))
 STALE = steps(("green", None), ("yellow", 180), ("red", 600))  # probe interval is 60 s
-# gpunet_probe_state's values (exporter/probe/idle.py STATES, checked by tests/test_grafana.py),
+# gpunet_probe_state's values (gpunet_exporter.probe.idle STATES, checked by tests/test_grafana.py),
 # each drawn as its position from 1 in this list.
 PROBE_STATES = ("measuring", "failing", "holdoff", "yielded", "unknown")
 PROBE_STATE_MAP = ((1, "measuring", "green"), (2, "FAILING", "red"), (3, "hold-off", "blue"),
@@ -722,8 +722,8 @@ def port_legend(what: str) -> str:
     return "{{device}}/{{port}} " + what
 
 
-# --- NCCL jobs, from NCCL's RAS service (collectors/nccl.py; both the node and collectives
-# dashboards show them)
+# --- NCCL jobs, from NCCL's RAS service (gpunet_exporter.collectors.nccl; both the node and
+# collectives dashboards show them)
 
 RAS_ANSWER = mapping((1, "answered", "green"), (0, "NO ANSWER", "red"))
 JOB_COLUMNS = (  # (column, metric, matchers)
@@ -1382,7 +1382,8 @@ def collectives() -> Json:
 
 # --- pairs (the pair plan of fleet probes) ---
 
-# Recording rules of alerts/gpunet.rules.yml (exporter/health/rules.py) the pair dashboard reads.
+# Recording rules of alerts/gpunet.rules.yml (gpunet_exporter.health.rules) that the pair
+# dashboard reads.
 _PAIR_BW = "gpunet_fleet_pair_bus_bandwidth_bytes_per_second"
 NODE_MEDIAN_BW = f"instance:{_PAIR_BW}:median"
 FLEET_MEDIAN_BW = f"job:{_PAIR_BW}:median"
@@ -1393,7 +1394,7 @@ NODE_PAIRS_HEALTHY = "instance:gpunet_fleet_pairs_healthy:count"
 LEAF_INTRA_BW = f"leaf:{_PAIR_BW}:median_intra_leaf"
 LEAF_CROSS_BW = f"leaf:{_PAIR_BW}:median_cross_leaf"
 LEAF_CROSS_RATIO = f"leaf:{_PAIR_BW}:cross_to_intra_leaf_ratio"
-# The default thresholds of exporter/health/thresholds.py ("fleet"), which this stdlib-only file
+# The default thresholds of gpunet_exporter.health.thresholds ("fleet"), which this stdlib-only file
 # cannot import: fleet.link_slow_ratio, fleet.cross_leaf_ratio, fleet.stale_seconds.
 LINK_SLOW_RATIO = 0.5
 CROSS_LEAF_RATIO = 0.6

@@ -48,7 +48,7 @@ venv=.venv
 "$venv/bin/pip" install -q ".[test,probe]"  # probe: torch==2.13.0, CPU build, gloo tests
 export PATH="$PWD/$venv/bin:$PATH"
 
-echo "run.sh: ruff"; ruff check exporter collectors tests bench grafana examples kubernetes \
+echo "run.sh: ruff"; ruff check src tests bench grafana examples kubernetes \
   slurm/gpunet-healthcheck
 echo "run.sh: mypy"; mypy
 echo "run.sh: pytest"; exec python -m pytest "$@"

@@ -1,4 +1,4 @@
-"""The one pattern of slow work (exporter/background.py): the Refresher's timeout, the scrape's
+"""The one pattern of slow work (gpunet_exporter.background): the Refresher's timeout, the scrape's
 bounded wait for a first value, last good values, and freshness exported alike everywhere; and
 the registry giving each collection its deadline."""
 

@@ -1,4 +1,4 @@
-"""Subprocesses the exporter's way (exporter/sources/commands.py): run_command and Child, with
+"""Subprocesses the exporter's way (gpunet_exporter.sources.commands): run_command and Child, with
 real processes: their process groups killed on timeout, at kill, after a leader's exit and at
 kill_running, nothing left behind."""
 

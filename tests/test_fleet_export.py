@@ -1,4 +1,4 @@
-"""pairs.json (exporter/probe/pairs.py) and the gpunet_fleet_* metrics of the probe collector."""
+"""pairs.json (gpunet_exporter.probe.pairs) and the probe collector's gpunet_fleet_* metrics."""
 
 from __future__ import annotations
 

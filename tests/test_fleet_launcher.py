@@ -1,5 +1,5 @@
-"""``gpunet-probe fleet`` (exporter/probe/fleet.py): the schedule each node gets, the environment
-of a pair's ranks, the file each node writes, bad input, and a real run of four nodes on
+"""``gpunet-probe fleet`` (gpunet_exporter.probe.fleet): the schedule each node gets, the
+environment of a pair's ranks, the file each node writes, bad input, and a real run of four nodes on
 loopback (gloo over TCP, started with srun's environment) that writes the ring's pairs on both
 ends of every pair. Issue 31: a pair end runs only on GPUs free of other work (the NVML
 stand-in's, whose processes the test lists): the decision, the watch, and real runs with a

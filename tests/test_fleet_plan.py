@@ -1,4 +1,4 @@
-"""Pairing plans for fleet probes (exporter/probe/plan.py) and `gpunet-probe plan`."""
+"""Pairing plans for fleet probes (src/gpunet_exporter/probe/plan.py) and `gpunet-probe plan`."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ infiniband.py)                                                              infi
 InfinibandCollector.collect           completes and renders; garbage costs  infiniband_link_tree
                                       values (unreadable), not the scrape
 parse_ibv_devinfo, roce_active_mtu    dict / int or None, never raises      ibv_devinfo
-(collectors/link.py)
+(src/gpunet_exporter/collectors/link.py)
 LinkCollector.collect                 as InfinibandCollector                infiniband_link_tree
 drop_unexposable (exporter/           renders through both encoders; a      names_end_to_end
 registry.py) on names from listings   name that can be a label is exported
@@ -39,7 +39,7 @@ netdevs) and text in labels           samples, counted
 parse_stats_text (exporter/           NicStats (names and values of equal   ethtool_text
 ethtool.py)                           length), never raises
 EthtoolReader.read (ioctl buffers)    NicStats or OSError                   ethtool_ioctl
-_plan (collectors/pfc.py)             never raises                          pfc_plan
+_plan (gpunet_exporter.collectors.pfc)             never raises                          pfc_plan
 parse_mlnx_qos (collectors/           QosConfig or ValueError ("not the     mlnx_qos_near_valid
 pfc_config.py)                        tool's output at all")
 parse_dcb                             QosConfig or ValueError               dcb_near_valid
@@ -48,9 +48,9 @@ parse_qos_sysfs                       QosConfig or ValueError (the          qos_
 read_ecn                              Ecn; bad files go to ``skip``         pfc_tree
 PfcCollector.refresh/collect          completes; garbage costs values       pfc_tree
 ncclog.parse_lines/parse_file/        never raises (module docstring)       nccl_log_*
-looks_like_nccl_log (exporter/probe)
+looks_like_nccl_log (src/gpunet_exporter/probe)
 results.parse/results.read            Result, or BadResult (read: also      probe_result_*
-(exporter/probe/results.py)           OSError)
+(src/gpunet_exporter/probe/results.py)           OSError)
 supervisor.read_status (exporter/     never raises                          probe_status_file
 probe, status.json)
 runner.parse_bytes/parse_sizes        value, or ArgumentTypeError/          runner_arguments
@@ -77,14 +77,14 @@ nvml.sysfs_bus_id                     sysfs form or "", never raises        nvml
 nvml.Session + GpuCollector           completes and renders on odd NVML     gpu_odd_nvml_values
 (collect, refresh, device_event)      values (bytes or str, huge/negative
                                       ints, any NVMLError, lost GPUs)
-tables.load (collectors/tables.py)    rows of str -> str, or ValueError     regression only
+collectors.tables.load                rows of str -> str, or ValueError     regression only
                                       naming file and row
 ====================================  ====================================  ====================
 
 Already fuzzed elsewhere, not repeated here: random text into parse_mlnx_qos and its whitespace
 invariance (test_pfc.py); random lines, random NCCL-prefixed lines, random bytes and every
 truncation of real lines into ncclog.parse_lines (test_ncclog.py); random bytes through
-json.loads into results.parse (test_probe.py). exporter/web/http.py (parse_listen_address) is left
+json.loads into results.parse (test_probe.py). web.http (parse_listen_address) is left
 out while it is being reworked.
 
 Bugs this suite found are pinned by regression tests at the end, each with its minimal input

@@ -733,7 +733,7 @@ def test_generator_uses_only_the_standard_library() -> None:
 
 
 def test_probe_state_panel_knows_every_state() -> None:
-    """The probe state timeline draws each of gpunet_probe_state's states (exporter/probe/idle.py)
+    """The probe state timeline draws each of gpunet_probe_state's states (probe.idle STATES)
     as a number it maps to a name; a state added there must be drawn here."""
     from gpunet_exporter.probe import idle
 

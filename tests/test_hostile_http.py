@@ -1,4 +1,4 @@
-"""Hostile clients against the real exporter and its real HTTP server (exporter/web/httpserver.py):
+"""Hostile clients against the real exporter and its real HTTP server (web.httpserver):
 request desync and smuggling, garbage, HTTP/0.9, oversized heads and bodies, slowloris with a
 legitimate scraper alongside, a burst of connections, the connection cap, clients that leave in
 the middle of an answer. bench/hostile.py measures the same cases side by side with

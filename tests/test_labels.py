@@ -3,7 +3,7 @@ UTF-8, holds a NUL or is longer than LABEL_VALUE_MAX costs that sample, never th
 
 Linux allows any bytes but '/' and NUL in a file name, and os.listdir gives those that are not
 UTF-8 as lone surrogates, which prometheus_client's encoders refuse: before the check in
-exporter/registry.py one such name (a hw_counters file, an RDMA device, a netdev) failed every
+gpunet_exporter.registry one such name (a hw_counters file, an RDMA device, a netdev) failed every
 scrape with HTTP 500. Each test here puts one such name where the system can put it, in a real
 tree, and renders the scrape with prometheus_client's own encoders (text format 0.0.4 and
 OpenMetrics, parsed back), or over HTTP from the installed exporter.
@@ -109,7 +109,7 @@ def dgx(tmp_path: Path) -> Path:
     return st.build_dgx_h100(tmp_path)
 
 
-# ---- the one place: exporter/registry.py -------------------------------------------------------
+# ---- the one place: gpunet_exporter.registry ------------------------------------------------
 
 
 def test_label_problem() -> None:

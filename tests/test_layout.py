@@ -31,15 +31,14 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def modules() -> dict[str, Path]:
-    """Module name -> file, for the package as pyproject.toml installs it."""
+    """Module name -> file, read from the source tree (src/, as pyproject.toml installs it)."""
     out = {}
-    for folder, prefix in ((REPO / "exporter", PACKAGE), (REPO / "collectors",
-                                                          f"{PACKAGE}.collectors")):
-        for path in sorted(folder.rglob("*.py")):
-            parts = list(path.relative_to(folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            out[".".join([prefix, *parts])] = path
+    folder = REPO / "src" / PACKAGE
+    for path in sorted(folder.rglob("*.py")):
+        parts = list(path.relative_to(folder).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join([PACKAGE, *parts])] = path
     return out
 
 

@@ -431,7 +431,7 @@ def test_blocking_nvml_call_costs_only_gpu(node: Node) -> None:
 def test_fifo_in_sysfs_costs_one_value(node: Node, writer: bool) -> None:
     """FIFOs in place of a port counter (infiniband), a netdev attribute (link) and a PCI
     bridge's config space (topology), with no writer or with one that holds them open and
-    writes nothing. Reads open with O_NONBLOCK (exporter/sources/sysfs.py), so a FIFO blocks
+    writes nothing. Reads open with O_NONBLOCK (gpunet_exporter.sources.sysfs), so a FIFO blocks
     nothing: each costs its one value (gpunet_scrape_collector_unreadable_values), the collectors
     succeed, the scrape answers in time, and nothing piles up across scrapes."""
     port = node.sysfs / "class/infiniband/mlx5_0/ports/1"

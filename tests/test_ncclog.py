@@ -1,4 +1,4 @@
-"""The NCCL INFO log parser (exporter/nccl/log.py) and explain-log (exporter/nccl/explain.py).
+"""The NCCL INFO log parser (nccl.log) and explain-log (nccl.explain), in gpunet_exporter.
 
 Lines are built from the format strings quoted in docs/formats.md section 5, with the
 NCCL versions that print them; the real 2.28.9 logs and the synthetic IB+GDR log are checked in

@@ -1,6 +1,6 @@
 """The probe runs only while the node's GPUs are idle, and leaves when a job comes (issue 31).
 
-The gate (exporter/probe/idle.py) against real processes, and the probe collector with its real
+The gate (gpunet_exporter.probe.idle) against real processes, and the probe collector with its real
 runner and gloo ranks beside a stand-in job: a real process that the NVML stand-in lists on a
 GPU (tests/support/fake_nvml.py, GPUNET_FAKE_NVML_PROCESSES), as NVML lists a training job's.
 """

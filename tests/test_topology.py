@@ -900,7 +900,7 @@ def test_placement_cache_follows_hot_plug(dgx: Path, proc: Path) -> None:
         c.close()
 
 
-# ---- the probe's HCA pinning (exporter/probe/placement.py) ------------------------------------
+# ---- the probe's HCA pinning (gpunet_exporter.probe.placement)  ----------------------------------
 
 
 def test_probe_pins_each_gpu_to_the_nearest_active_port(dgx: Path) -> None:

@@ -1,11 +1,11 @@
-"""probe collector: the results of micro all-reduce probes (exporter/probe/runner.py).
+"""probe collector: the results of micro all-reduce probes (probe/runner.py).
 
 The collector never imports torch. With ``runner: intra`` (default) the probe's supervisor
-(exporter/probe/supervisor.py) keeps ``gpunet-probe run`` running in its own process group,
+(probe/supervisor.py) keeps ``gpunet-probe run`` running in its own process group,
 which runs rounds every ``interval_seconds``: the ``intra`` scope (the GPUs among themselves,
 with two or more) and the ``net`` scope (the GPUs through the node's NICs); it kills a hung
 runner's whole process group and starts it again, as after any exit. Results come from the files
-the runner writes atomically into ``state_dir`` (exporter/probe/results.py); cluster-mode ranks
+the runner writes atomically into ``state_dir`` (probe/results.py); cluster-mode ranks
 started by torchrun or srun write ``inter.json`` there, and the collector exports whatever it
 finds, so ``runner: none`` serves those alone.
 
@@ -14,8 +14,8 @@ and the configuration's defaults are the runner's (runner.run_defaults): each de
 once, in runner.add_run_arguments.
 
 Fleet probes (issue 18): whoever runs pair probes between nodes (a Slurm or Kubernetes job
-following a plan of exporter/probe/plan.py) writes this node's view of the last plan into
-``<state_dir>/pairs.json`` (exporter/probe/pairs.py); the collector exports it as the
+following a plan of probe/plan.py) writes this node's view of the last plan into
+``<state_dir>/pairs.json`` (probe/pairs.py); the collector exports it as the
 ``gpunet_fleet_*`` metrics, one ``peer`` label value per peer of that plan and at most
 ``fleet_max_peers`` of them. A pair that was not measured (a GPU busy with other work on either
 end, issue 31) has no ``gpunet_fleet_pair_success``, only ``gpunet_fleet_pair_skipped`` with

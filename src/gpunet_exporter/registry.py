@@ -108,7 +108,7 @@ SCRAPE_METRICS = (
 # of a label; and a Prometheus whose label_value_length_limit (which fails the whole scrape for
 # one longer value) is 256 or more keeps every scrape of this exporter.
 LABEL_VALUE_MAX = 256
-# The label names every Prometheus version parses, and that exporter/web/http.py's encoding
+# The label names every Prometheus version parses, and that web/http.py's encoding
 # shortcut assumes; a third-party collector's other names are refused here.
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _good_label_names: set[str] = set()  # names found valid: those of the specs, a few dozen

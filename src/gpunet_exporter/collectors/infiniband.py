@@ -299,7 +299,7 @@ class InfinibandCollector(Collector):
         return iter(self._fams)
 
     def _inventory_families(self, cfg: InfinibandSettings) -> None:
-        """Expected, present and missing devices, ports and netdevs (exporter/inventory.py).
+        """Expected, present and missing devices, ports and netdevs (inventory.py).
         Learned names outside device_include/exclude are not expected; a kind neither seen nor
         configured has no series."""
         missing = self._inventory.update(self._present)

@@ -235,7 +235,7 @@ def parse_listen_address(addr: str) -> tuple[str, int]:
 def serve(app: WSGIApp, host: str, port: int, ssl_context: ssl.SSLContext | None = None,
           max_connections: int = DEFAULT_MAX_CONNECTIONS, max_requests: int = DEFAULT_MAX_REQUESTS
           ) -> Server:
-    """Bind and start serving in a thread (exporter/web/httpserver.py), over TLS with
+    """Bind and start serving in a thread (web/httpserver.py), over TLS with
     ``ssl_context``. Raises OSError when the address cannot be bound. ``max_requests`` (0: no
     limit) sizes the pool of threads that run the app: RequestLimit refuses a scrape beyond it
     at once, and a few more threads answer / and /-/healthy meanwhile."""

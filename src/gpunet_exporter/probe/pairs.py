@@ -1,7 +1,7 @@
 """Pair results of fleet probes: ``<state_dir>/pairs.json``, this node's view of the last plan.
 
 Whoever runs a round of pair probes (a Slurm or Kubernetes job following a plan of
-exporter/probe/plan.py) writes the file on both nodes of each pair, atomically
+probe/plan.py) writes the file on both nodes of each pair, atomically
 (gpunet_exporter.statefile.write_json), one entry per peer of this node in the last plan::
 
     {"version": 1, "node": "n1", "leaf": "leaf-a" | null, "plan": "ring",

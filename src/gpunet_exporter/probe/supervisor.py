@@ -2,7 +2,7 @@
 it and cluster-mode ranks write, outside the scrape.
 
 A Refresher (gpunet_exporter.background) ticks every POLL_SECONDS. Each tick reads the result
-files that changed (exporter/probe/results.py) and, when the exporter runs the runner itself,
+files that changed (probe/results.py) and, when the exporter runs the runner itself,
 watches it:
 - the runner runs as a ``commands.Child``: in a session and process group of its own, registered
   for ``kill_running``, its output in ``<state_dir>/runner.log``; the session is one of the
@@ -16,11 +16,11 @@ watches it:
   result file explains counts as a ``crash``, so do a runner that cannot be started at all;
 - failures that result files name count under their reason (``nccl_error``, ``init_error`` ...),
   unreadable result files as ``bad_result``, rounds that skipped sizes as ``skipped_busy``;
-- ``pairs.json`` (exporter/probe/pairs.py), the fleet probes' pair results, is read when its
+- ``pairs.json`` (probe/pairs.py), the fleet probes' pair results, is read when its
   mtime, inode or size changes; a bad one leaves no pairs (its old peers are not this node's
   view any more) and counts one ``bad_result`` under ``pair_failures``.
 
-The runner runs only while the node's GPUs are idle (exporter/probe/idle.py, issue 31): each
+The runner runs only while the node's GPUs are idle (probe/idle.py, issue 31): each
 tick looks at the GPUs' processes first; the runner is started only once no foreign process has
 been seen for the hold-off, and the moment one appears its whole process group is killed (a
 yield, not a failure: nothing is counted but ``yields``), whatever it was doing, so that its

@@ -1,7 +1,7 @@
 """Which RDMA port each probe rank uses, and how fast that port's link is.
 
 The net scope pins each rank to the ACTIVE RDMA port nearest its GPU on the PCIe tree (the
-distance nvidia-smi topo and the topology collector use, exporter/sources/pcie.py), through
+distance nvidia-smi topo and the topology collector use, sources/pcie.py), through
 ``NCCL_IB_HCA==<device>:<port>``, so a node with eight GPUs and eight HCAs exercises all eight
 rails and a result can be told apart per HCA. The link rate comes from the port's ``rate`` file
 (docs/formats.md §1.3). No torch here.

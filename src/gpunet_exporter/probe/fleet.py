@@ -13,13 +13,13 @@ rank 0, or torchrun's agent, serves). No process group spans the fleet: the stor
 the little there is to share, in O(N) requests, so a few thousand nodes cost the store little.
 
 1. Every node puts its name, address and leaf in the store; rank 0 reads them all, makes the
-   plan (exporter/probe/plan.py; nodes in natural name order, so a ring follows rack order when
+   plan (probe/plan.py; nodes in natural name order, so a ring follows rack order when
    names do) and puts each node's own schedule in the store: per round, the peer, which end
    serves the pair's rendezvous, and where.
 2. Per round, each node in a pair starts ``gpunet-probe run`` for its end (``--gpus-per-node``
    ranks of a world of two nodes, RANK/WORLD_SIZE/MASTER_ADDR of the pair: the probe's own
    cluster mode, results in ``<state_dir>/fleet/<peer>/inter.json``), killed after
-   ``--pair-timeout``. Only on GPUs free of other work (issue 31, exporter/probe/idle.py): an
+   ``--pair-timeout``. Only on GPUs free of other work (issue 31, probe/idle.py): an
    end whose node has a process that is not the fleet's on a GPU starts no rank, an end whose
    node gets one while the pair runs is killed at once (watched every WATCH_SECONDS), and
    either way the pair is not measured (``skipped``), never failed; the end says so in the
@@ -29,7 +29,7 @@ the little there is to share, in O(N) requests, so a few thousand nodes cost the
    waiting there at once, and the rounds go on.
 3. Each node puts its view in the store and reads its peers' views: a pair is ok only when both
    ends say so, and not measured on both ends when either end did not run. Each node writes
-   ``<state_dir>/pairs.json`` atomically (exporter/probe/pairs.py); a repair plan merges its
+   ``<state_dir>/pairs.json`` atomically (probe/pairs.py); a repair plan merges its
    pairs into the file there, other plans replace it, a node with no pair leaves it alone.
    Rank 0 prints one JSON line per pair.
 
@@ -316,7 +316,7 @@ def verdict(foreign: Collection[int] | None, backend: str) -> str | None:
 
 class Gpus:
     """This node's GPUs as its pair ends see them: the processes on them that are not the
-    fleet's (exporter/probe/idle.py). The fleet's own are those of this process's session and
+    fleet's (probe/idle.py). The fleet's own are those of this process's session and
     of the sessions of the running end's ranks, each a session of its own (commands.Child)."""
 
     def __init__(self, module: str, procfs: str, backend: str) -> None:

@@ -8,8 +8,8 @@
 
 ``run`` is what the exporter's probe collector starts (intra-node), and what torchrun or srun
 start on every node for cluster mode. ``python -m gpunet_exporter.probe.cli`` is the same program.
-``plan`` prints a pairing plan for fleet probes as JSON (exporter/probe/plan.py); ``fleet``
-runs one across nodes (exporter/probe/fleet.py). Exit codes of
+``plan`` prints a pairing plan for fleet probes as JSON (probe/plan.py); ``fleet``
+runs one across nodes (probe/fleet.py). Exit codes of
 run: 0 after --rounds, 2 bad arguments, 3 no GPU, 4 a round failed (the exporter
 starts it again).
 """

@@ -3,7 +3,7 @@ XID errors, and lost GPUs.
 
 Calls, return types and errors: docs/formats.md §6 (nvidia-ml-py, ``import pynvml``; verified on
 2 x H200 and on an H100, see docs/gpu.md). NVML is reached through the process-wide session of
-exporter/sources/nvml.py, so the gpu and topology collectors share one initialisation.
+sources/nvml.py, so the gpu and topology collectors share one initialisation.
 
 Two tiers, because some NVML reads are firmware round trips (measured on an H100 with driver
 580: about 0.17 ms for each PCIe error counter field, 20 ms for each PCIe throughput sample):
