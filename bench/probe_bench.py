@@ -44,7 +44,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gpunet_exporter.probe import runner
+from gpunet_exporter.probe import run_options, runner
+from gpunet_exporter.probe.run_options import RunOptions
 
 REFERENCE_LOOP = 20  # all-reduces in the reference's loop (nccl-tests' default -n is 20)
 REFERENCE_WARMUP = 5
@@ -53,12 +54,9 @@ MIB = 1 << 20
 
 
 def args_for(sizes: Sequence[int], warmup: int, iterations: int,
-             memory_cap: int = 1 << 30) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    runner.add_run_arguments(p)
-    return p.parse_args(["--state-dir", "/tmp", "--backend", "nccl", "--memory-cap",
-                         str(memory_cap), "--sizes", ",".join(map(str, sizes)), "--warmup",
-                         str(warmup), "--iterations", str(iterations), "--no-skip-busy"])
+             memory_cap: int = 1 << 30) -> RunOptions:
+    return RunOptions(state_dir="/tmp", backend="nccl", memory_cap_bytes=memory_cap,
+                      sizes=tuple(sizes), warmup=warmup, iterations=iterations, skip_busy=False)
 
 
 def memory_cap_for(sizes: Sequence[int]) -> int:
@@ -181,8 +179,8 @@ def accuracy(probe: Any, sizes: Sequence[int], reps: int, logdir: str) -> dict[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", type=runner.parse_sizes,
-                    default=runner.parse_sizes(DEFAULT_SIZES),
+    ap.add_argument("--sizes", type=run_options.parse_sizes,
+                    default=run_options.parse_sizes(DEFAULT_SIZES),
                     help=f"sizes of the accuracy part ({DEFAULT_SIZES})")
     ap.add_argument("--reps", type=int, default=3, help="rounds and references each (3)")
     opts = ap.parse_args()

@@ -53,7 +53,7 @@ results.parse/results.read            Result, or BadResult (read: also      prob
 (src/gpunet_exporter/probe/results.py)           OSError)
 supervisor.read_status (exporter/     never raises                          probe_status_file
 probe, status.json)
-runner.parse_bytes/parse_sizes        value, or ArgumentTypeError/          runner_arguments
+run_options.parse_bytes/parse_sizes   value, or ArgumentTypeError/          runner_arguments
                                       ValueError (argparse reports both)
 runner.cluster_from_env               Cluster or None, never raises         runner_arguments
 config.validate, read_yaml,           value, or ConfigError only; a valid   config_validate,
@@ -156,7 +156,8 @@ from gpunet_exporter.nccl.env import (
     strtol,
 )
 from gpunet_exporter.probe import results, supervisor
-from gpunet_exporter.probe.runner import Cluster, cluster_from_env, parse_bytes, parse_sizes
+from gpunet_exporter.probe.run_options import parse_bytes, parse_sizes
+from gpunet_exporter.probe.runner import Cluster, cluster_from_env
 from gpunet_exporter.registry import drop_unexposable, label_problem
 from gpunet_exporter.sources import nvml, rdma
 from gpunet_exporter.sources.ethtool import (

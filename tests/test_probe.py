@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as hs
 
-from gpunet_exporter.collectors.probe import REASONS, RUN_OPTIONS, ProbeCollector
-from gpunet_exporter.probe import results, runner
+from gpunet_exporter.collectors.probe import REASONS, ProbeCollector, ProbeSettings
+from gpunet_exporter.config import settings_fields
+from gpunet_exporter.flags import Parser
+from gpunet_exporter.probe import results, run_options, runner
+from gpunet_exporter.probe.run_options import RunOptions
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.statefile import write_json
 
@@ -114,11 +118,15 @@ def test_percentile_nearest_rank() -> None:
 
 
 def test_sizes_parse_with_units_and_reject_bad_ones() -> None:
-    assert runner.parse_sizes("8KiB,1MiB,64MiB") == [8192, 1 << 20, 64 << 20]
-    assert runner.parse_sizes("65536, 8k") == [8192, 65536]
+    assert run_options.parse_sizes("8KiB,1MiB,64MiB") == [8192, 1 << 20, 64 << 20]
+    assert run_options.parse_sizes("65536, 8k") == [8192, 65536]
     for bad in ("", "8KB", "-1", "3", "1.5MiB"):
         with pytest.raises(argparse.ArgumentTypeError, match=r"size|multiples"):
-            runner.parse_sizes(bad)
+            run_options.parse_sizes(bad)
+    # What the command line writes reads back the same.
+    for sizes in ([8192, 1 << 20, 64 << 20], [4, 65540, 3 << 30]):
+        assert run_options.parse_sizes(run_options.sizes_text(sizes)) == sizes
+    assert run_options.sizes_text([8192, 1 << 20, 64 << 20]) == "8KiB,1MiB,64MiB"
 
 
 def test_cluster_environment() -> None:
@@ -388,13 +396,17 @@ def test_collector_runs_the_real_runner(collector: Probe) -> None:
     assert len(workers.stdout.split()) >= 3  # the launcher and its two gloo ranks share it
 
 
-def run_args(command: list[str]) -> tuple[argparse.Namespace, list[str]]:
+def run_args(command: list[str]) -> tuple[RunOptions, list[str]]:
     """What the runner's own parser makes of a command line the collector built, and the
     arguments after ``run``."""
     assert command[:4] == [sys.executable, "-m", "gpunet_exporter.probe.cli", "run"], command
-    p = argparse.ArgumentParser()
-    runner.add_run_arguments(p)
-    return p.parse_args(command[4:]), command[4:]
+    return parse_run(command[4:]), command[4:]
+
+
+def parse_run(argv: list[str]) -> RunOptions:
+    p = Parser(prog="gpunet-probe run")
+    run_options.add_arguments(p)
+    return run_options.from_args(p.parse_args(argv))
 
 
 def test_command_leaves_the_defaults_to_the_runner(sysfs: Path, tmp_path: Path) -> None:
@@ -404,13 +416,12 @@ def test_command_leaves_the_defaults_to_the_runner(sysfs: Path, tmp_path: Path) 
     assert isinstance(c, ProbeCollector)
     args, argv = run_args(c.command())
     assert argv == ["--state-dir", str(tmp_path), "--path.sysfs", str(sysfs)]
-    defaults = runner.run_defaults()
-    assert vars(args) == {**defaults, "state_dir": str(tmp_path), "sysfs": str(sysfs)}
-    for key, dest in RUN_OPTIONS.items():
-        assert c.ctx.config[key] == defaults[dest], key
+    assert args == RunOptions(state_dir=str(tmp_path), sysfs=str(sysfs))
+    keys = run_options.keys(c.settings)
+    assert keys and all(v == getattr(args, k) for k, v in keys.items()), keys
     # The supervisor's limits are the runner's.
-    assert c.supervisor.interval == defaults["interval"]
-    assert c.supervisor.timeout == defaults["timeout"]
+    assert c.supervisor.interval == args.interval_seconds == 60
+    assert c.supervisor.timeout == args.timeout_seconds == 120
 
 
 def test_command_passes_every_setting_that_differs(sysfs: Path, tmp_path: Path) -> None:
@@ -418,52 +429,56 @@ def test_command_passes_every_setting_that_differs(sysfs: Path, tmp_path: Path) 
               "straggler_min_ratio": 0.35, "sizes": [4096, 65536], "warmup": 2,
               "iterations": 7, "interval_seconds": 2.5, "timeout_seconds": 9,
               "memory_cap_bytes": 1 << 21, "busy_utilization": 0.75, "skip_busy": False}
-    assert set(config) == set(RUN_OPTIONS)  # every option the configuration has
     c = make_collector(ProbeCollector, sysfs, {"state_dir": str(tmp_path), **config})
     assert isinstance(c, ProbeCollector)
+    assert set(config) == set(run_options.keys(c.settings))  # every run option it has
     args, argv = run_args(c.command())
-    for key, dest in RUN_OPTIONS.items():
-        assert getattr(args, dest) == config[key], key
-        assert getattr(args, dest) != runner.run_defaults()[dest], key  # so it was passed
+    for name, want in config.items():
+        got = getattr(args, name)
+        assert got == (tuple(want) if isinstance(want, list) else want), name
+        assert got != run_options.default(name), name  # so it was passed
     assert "--no-pin-hca" in argv and "--no-skip-busy" in argv
+    assert argv[argv.index("--sizes") + 1] == "4KiB,64KiB"
 
 
-CHANGED_DEFAULT = """
-import argparse, json, sys
-from gpunet_exporter.probe import runner
-original = runner.add_run_arguments
-def changed(p):
-    original(p)
-    p.set_defaults(warmup=7, sizes=[4096], interval=30.0, skip_busy=False)
-runner.add_run_arguments = changed
-from gpunet_exporter.collectors.probe import ProbeCollector
-from gpunet_exporter.config import Field, validate
-sys.path.insert(0, sys.argv[1])
-from support.metrics import make_collector
-from support.wait import wait_for
-c = make_collector(ProbeCollector, "/sys", {"state_dir": sys.argv[2]})
-p = argparse.ArgumentParser()
-runner.add_run_arguments(p)
-args = p.parse_args(c.command()[4:])
-print(json.dumps({"run": {k: getattr(args, k) for k in ("warmup", "sizes", "interval",
-                                                         "skip_busy")},
-                  "config": {k: c.ctx.config[k] for k in ("warmup", "sizes",
-                                                          "interval_seconds", "skip_busy")},
-                  "interval": c.supervisor.interval}))
-"""
+def test_every_run_option_round_trips_through_its_command_line() -> None:
+    """argv gives back, through the runner's parser, every option it was given: the ones the
+    configuration has and the runner's own (rounds, scope, busy_min_size, sysfs)."""
+    other = RunOptions(
+        state_dir="/x", backend="gloo", nprocs=3, scopes=("net",), sizes=(4, 65540, 3 << 30),
+        warmup=0, iterations=3, interval_seconds=0.1, rounds=2, memory_cap_bytes=3 << 20,
+        busy_utilization=0.125, busy_min_size=65540, skip_busy=False, timeout_seconds=1e-3,
+        scope="inter", straggler_min_ratio=1 / 3, sysfs="/host/sys", pin_hca=False)
+    defaults = RunOptions(state_dir="/x")
+    for name in other.__dataclass_fields__:
+        assert name == "state_dir" or getattr(other, name) != getattr(defaults, name), name
+    assert parse_run(run_options.argv(other)) == other
+    assert run_options.argv(defaults) == ["--state-dir", "/x"]
+    assert parse_run(["--state-dir", "/x"]) == defaults
 
 
-def test_a_default_changed_in_the_runner_is_what_the_collector_runs(tmp_path: Path) -> None:
-    """A fresh interpreter whose runner has other defaults (as if add_run_arguments had been
-    edited): the collector's runs and its own configuration follow them, nothing restated."""
-    out = subprocess.run([sys.executable, "-c", CHANGED_DEFAULT, str(REPO / "tests"),
-                          str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout)
-    assert got["run"] == {"warmup": 7, "sizes": [4096], "interval": 30.0, "skip_busy": False}
-    assert got["config"] == {"warmup": 7, "sizes": [4096], "interval_seconds": 30.0,
-                             "skip_busy": False}
-    assert got["interval"] == 30.0
+def test_the_keys_that_are_run_options_are_declared_by_the_runner() -> None:
+    """Each probe: key that is a run option has the option's name, type, default, help and
+    bounds, from RunOptions alone; the run options that are no key are the runner's own."""
+    keys = run_options.keys(ProbeSettings())
+    options = settings_fields(RunOptions)
+    schema = settings_fields(ProbeSettings)
+    types, run_types = typing.get_type_hints(ProbeSettings), typing.get_type_hints(RunOptions)
+    for name in keys:
+        assert schema[name] == options[name], name  # help, default, bounds, choices
+        assert types[name] == run_types[name], name
+    assert set(options) - set(keys) == {"state_dir", "rounds", "busy_min_size", "scope",
+                                        "sysfs"}
+    for name in set(options) - set(keys):
+        with pytest.raises(TypeError, match="no probe: key"):
+            run_options.key(name)
+    # The runner's --help shows each default as its flag takes it.
+    p = Parser(prog="gpunet-probe run")
+    run_options.add_arguments(p)
+    text = " ".join(p.format_help().split())
+    for shown in ("(default 8KiB,1MiB,64MiB)", "(default 1GiB)", "(1MiB)", "next (60)",
+                  "(default intra,net)", "(default 0.2)", "(default /sys)"):
+        assert shown in text, shown
 
 
 @pytest.mark.parametrize("collector", [{
@@ -800,8 +815,8 @@ def test_probe_bench_helpers() -> None:
     assert pb.memory_cap_for([1 << 20, 256 << 20]) == 1 << 30
     assert pb.memory_cap_for([1 << 30]) == 2 << 30
     args = pb.args_for([1 << 20, 256 << 20], 5, 20, pb.memory_cap_for([256 << 20]))
-    assert args.sizes == [1 << 20, 256 << 20] and args.iterations == 20
-    assert args.memory_cap == 1 << 30 and not args.skip_busy
+    assert args.sizes == (1 << 20, 256 << 20) and args.iterations == 20
+    assert args.memory_cap_bytes == 1 << 30 and not args.skip_busy
     assert pb.busbw(1 << 20, 20, 0.002, 4) == pytest.approx((1 << 20) * 20 / 0.002 * 1.5)
     assert pb.busbw(1 << 20, 20, 0.0, 4) == 0.0
     assert pb.ratio(1.0, 0.0) is None and pb.ratio(3.0, 4.0) == 0.75

@@ -9,9 +9,10 @@ the runner writes atomically into ``state_dir`` (probe/results.py); cluster-mode
 started by torchrun or srun write ``inter.json`` there, and the collector exports whatever it
 finds, so ``runner: none`` serves those alone.
 
-The runner's command line carries only the settings that differ from the runner's own defaults,
-and the configuration's defaults are the runner's (runner.run_defaults): each default is written
-once, in runner.add_run_arguments.
+The keys that are options of ``gpunet-probe run`` (``sizes``, ``interval_seconds`` ...) are
+declared once, in probe/run_options.py (``key``): their defaults, help and bounds are the
+runner's. The runner's command line (run_options.argv) carries only those that differ from
+their defaults.
 
 Fleet probes (issue 18): whoever runs pair probes between nodes (a Slurm or Kubernetes job
 following a plan of probe/plan.py) writes this node's view of the last plan into
@@ -31,14 +32,14 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client.core import Metric
 
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
 from gpunet_exporter.config import Settings, setting
-from gpunet_exporter.probe import idle, pairs, results, runner, supervisor
+from gpunet_exporter.probe import idle, pairs, run_options, supervisor
 from gpunet_exporter.probe.results import Result
+from gpunet_exporter.probe.run_options import RunOptions, key
 from gpunet_exporter.sources import nvml, rdma
 
 REASONS = supervisor.REASONS
@@ -46,29 +47,6 @@ _S = ("scope",)
 _CACHED = (" Cached: from the probe's last round (every probe.interval_seconds; "
            "gpunet_probe_last_round_timestamp_seconds says when)")
 _FILE = "<probe.state_dir>/<scope>.json, written by gpunet-probe"
-# The runner's defaults (`gpunet-probe run`), the configuration's defaults too.
-RUNNER_DEFAULTS = runner.run_defaults()
-# Configuration keys that are options of `gpunet-probe run`: the option's name there.
-RUN_OPTIONS = {"backend": "backend", "nprocs": "nprocs", "scopes": "scopes",
-               "pin_hca": "pin_hca", "straggler_min_ratio": "straggler_min_ratio",
-               "sizes": "sizes", "warmup": "warmup", "iterations": "iterations",
-               "interval_seconds": "interval", "timeout_seconds": "timeout",
-               "memory_cap_bytes": "memory_cap", "busy_utilization": "busy_utilization",
-               "skip_busy": "skip_busy"}
-
-
-def _default(key: str) -> Any:
-    """The runner's default of a configuration key that is one of its options (a list as a
-    tuple, as the settings hold it)."""
-    value = RUNNER_DEFAULTS[RUN_OPTIONS[key]]
-    return tuple(value) if isinstance(value, list) else value
-
-
-def _plain(value: Any) -> Any:
-    """A setting as the runner's parser holds it (a tuple as a list)."""
-    return list(value) if isinstance(value, tuple) else value
-
-
 SUCCESS = MetricSpec(
     "gpunet_probe_success", "gauge",
     "1 if the last probe round finished with results, else 0 (timeout, error, no GPU); scope "
@@ -247,7 +225,8 @@ FLEET_SCOPE = "fleet"  # where an unreadable pairs.json counts in gpunet_probe_f
 
 @dataclass(frozen=True)
 class ProbeSettings(Settings):
-    """probe: the options of `gpunet-probe run` take their defaults from the runner."""
+    """probe: the keys declared with ``key`` are options of `gpunet-probe run`, which
+    run_options.RunOptions declares."""
 
     runner: str = setting(
         "`intra`: the exporter starts and supervises the intra-node runner; `none`: it only "
@@ -259,51 +238,23 @@ class ProbeSettings(Settings):
         "the runner program (empty: `<this Python> -m gpunet_exporter.probe.cli`, i.e. "
         "`gpunet-probe` of the exporter's environment, which needs the `probe` extra: torch)",
         default=())
-    backend: str = setting("`nccl` on GPUs; `gloo` runs the same code on CPUs",
-                           default=_default("backend"), choices=("nccl", "gloo"))
-    nprocs: int = setting("local GPUs the runner probes (0: every visible GPU; with gloo, how "
-                          "many GPUs to stand in for: 2)", default=_default("nprocs"), minimum=0)
-    scopes: tuple[str, ...] = setting(
-        "what the node's rounds measure: `intra`, the GPUs among themselves (NVLink/P2P, SHM; "
-        "only with two GPUs or more); `net`, the GPUs through the node's NICs (NIC loopback, "
-        "below)", default=_default("scopes"), choices=results.NODE_SCOPES)
-    pin_hca: bool = setting(
-        "net scope: pin each rank to the ACTIVE RDMA port nearest its GPU with `NCCL_IB_HCA`, so "
-        "that every NIC is exercised (an `NCCL_IB_HCA` in the exporter's environment wins)",
-        default=_default("pin_hca"))
-    straggler_min_ratio: float = setting(
-        "the late rank is named (`gpunet_probe_straggler_info`) when the other ranks wait at "
-        "least this share of their collective time for it",
-        default=_default("straggler_min_ratio"), minimum=0, maximum=1)
-    sizes: tuple[int, ...] = setting("all-reduce message sizes in bytes (float32: multiples of "
-                                     "4)", default=_default("sizes"), minimum=4, multiple_of=4)
-    warmup: int = setting("untimed all-reduces per size and round", default=_default("warmup"),
-                          minimum=0)
-    iterations: int = setting("timed all-reduces per size and round",
-                              default=_default("iterations"), minimum=1)
-    interval_seconds: float = setting("from one round's start to the next",
-                                      default=_default("interval_seconds"), minimum=1)
-    timeout_seconds: float = setting(
-        "a scope's start or round taking longer has that scope's workers killed by the runner, "
-        "and a runner stuck that long plus a grace period (the timeout, at most 10 s) has its "
-        "whole process group killed by the exporter", default=_default("timeout_seconds"),
-        minimum=1)
-    memory_cap_bytes: int = setting(
-        "GPU memory in bytes that the probe's PyTorch allocations may use per GPU (the CUDA "
-        "context and NCCL's own buffers are outside it)", default=_default("memory_cap_bytes"),
-        minimum=1 << 20)
-    busy_utilization: float = setting(
-        "GPU utilization (0 to 1) above which a GPU is busy with other work: sizes of 1 MiB and "
-        "up are skipped while it is (with `skip_busy`); cluster-mode rounds only, since the "
-        "node's own run on idle GPUs", default=_default("busy_utilization"),
-        minimum=0)
+    backend: str = key("backend")
+    nprocs: int = key("nprocs")
+    scopes: tuple[str, ...] = key("scopes")
+    pin_hca: bool = key("pin_hca")
+    straggler_min_ratio: float = key("straggler_min_ratio")
+    sizes: tuple[int, ...] = key("sizes")
+    warmup: int = key("warmup")
+    iterations: int = key("iterations")
+    interval_seconds: float = key("interval_seconds")
+    timeout_seconds: float = key("timeout_seconds")
+    memory_cap_bytes: int = key("memory_cap_bytes")
+    busy_utilization: float = key("busy_utilization")
     holdoff_seconds: float = setting(
         "rounds run only once no process other than the probe's has been on any GPU for this "
         "long (and since the exporter started); the probe's workers leave the moment one "
         "appears", default=120.0, minimum=0)
-    skip_busy: bool = setting("skip sizes of 1 MiB and up while a GPU is busy: above "
-                              "`busy_utilization`, or running a process that is not the "
-                              "probe's", default=_default("skip_busy"))
+    skip_busy: bool = key("skip_busy")
     fleet_max_peers: int = setting(
         "most peers of `pairs.json` (fleet pair probes) exported with a `peer` label; the rest "
         "are dropped, failed pairs kept first, and counted in `gpunet_fleet_pairs_dropped`",
@@ -353,12 +304,12 @@ class ProbeCollector(Collector):
 
     def command(self) -> list[str]:
         """The runner's command line: its options only where the configuration differs from
-        the runner's defaults (which are the configuration's defaults too)."""
+        their defaults."""
         cfg = self.settings
         base = list(cfg.command or (sys.executable, "-m", "gpunet_exporter.probe.cli"))
-        options = {dest: _plain(getattr(cfg, key)) for key, dest in RUN_OPTIONS.items()}
-        return [*base, "run", *runner.run_argv(
-            {"state_dir": self.state_dir, "sysfs": self.ctx.sysfs.root, **options})]
+        run = RunOptions(state_dir=self.state_dir, sysfs=self.ctx.sysfs.root,
+                         **run_options.keys(cfg))
+        return [*base, "run", *run_options.argv(run)]
 
     # -- scrape ----------------------------------------------------------------------------
 

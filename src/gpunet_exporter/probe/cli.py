@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpunet_exporter.flags import Parser
-from gpunet_exporter.probe import plan, runner
+from gpunet_exporter.probe import plan, run_options, runner
 
 PROG = "gpunet-probe"
 
@@ -39,12 +39,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fleet.main(args_list[1:])
     if args_list[:1] == ["worker"]:  # one rank, started by `run`: not a command for people
         work = Parser(prog=f"{PROG} worker")
-        runner.add_run_arguments(work)
-        return runner.worker(work.parse_args(args_list[1:]))
+        run_options.add_arguments(work)
+        return runner.worker(run_options.from_args(work.parse_args(args_list[1:])))
     p = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{run,explain-log,plan,fleet}")
     run = sub.add_parser("run", help="probe rounds, results to --state-dir")
-    runner.add_run_arguments(run)
+    run_options.add_arguments(run)
     sub.add_parser("explain-log", help="what NCCL INFO logs say about network, transports, GDR")
     pl = sub.add_parser("plan", help="a pairing plan for fleet probes, as JSON")
     add_plan_arguments(pl)
@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(args_list)
     if args.cmd == "plan":
         return print_plan(pl, args)
-    return runner.launch(args, args_list[1:])
+    return runner.launch(run_options.from_args(args))
 
 
 def _names(text: str) -> list[str]:

@@ -58,7 +58,7 @@ import yaml
 
 from gpunet_exporter.config import ConfigError, read_regular, short
 from gpunet_exporter.flags import Parser
-from gpunet_exporter.probe import idle, pairs, plan, results, runner
+from gpunet_exporter.probe import idle, pairs, plan, results, run_options, runner
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.sources.commands import Child
 from gpunet_exporter.sources.sysfs import Root, parse_uint
@@ -119,7 +119,7 @@ def _names(text: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = runner.run_defaults()
+    d = run_options.default
     p.add_argument("--state-dir", required=True,
                    help="the exporter's probe.state_dir: pairs.json is written there")
     p.add_argument("--kind", choices=KINDS, default="ring", help="the pairing plan (ring)")
@@ -149,13 +149,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the port a pair's serving end listens on (29600)")
     p.add_argument("--gpus-per-node", type=int, default=1,
                    help="ranks per node in each pair: GPUs (nccl) or processes (gloo) (1)")
-    p.add_argument("--backend", choices=("nccl", "gloo"), default=d["backend"],
+    p.add_argument("--backend", choices=("nccl", "gloo"), default=d("backend"),
                    help="nccl on GPUs (default), gloo on CPUs")
-    p.add_argument("--sizes", type=runner.parse_sizes, default=d["sizes"],
+    p.add_argument("--sizes", type=run_options.parse_sizes, default=list(d("sizes")),
                    help="all-reduce message sizes (default 8KiB,1MiB,64MiB): the latency is "
                         "the smallest's, the bus bandwidth the largest's")
-    p.add_argument("--warmup", type=int, default=d["warmup"], help="untimed all-reduces per size")
-    p.add_argument("--iterations", type=int, default=d["iterations"],
+    p.add_argument("--warmup", type=int, default=d("warmup"), help="untimed all-reduces per size")
+    p.add_argument("--iterations", type=int, default=d("iterations"),
                    help="timed all-reduces per size")
     p.add_argument("--nvml.module", dest="nvml_module", default="pynvml", metavar="MODULE",
                    help="Python module implementing the pynvml API through which a pair end "
@@ -364,11 +364,12 @@ def run_pair(args: argparse.Namespace, turn: Turn, env: Mapping[str, str], gpus:
         if stop is not None:  # before any rank: nothing of the probe's touches a GPU
             log.write(f"{PROG}: no rank started: {stop[1]}\n".encode())
             return _skipped(turn, *stop)
-        argv = [sys.executable, "-m", "gpunet_exporter.probe.cli", "run", "--state-dir", where,
-                "--scope", "inter", "--rounds", "1", "--timeout", f"{args.pair_timeout:g}",
-                "--backend", args.backend, "--sizes", ",".join(str(s) for s in args.sizes),
-                "--warmup", str(args.warmup), "--iterations", str(args.iterations),
-                *args.run_args]
+        run = run_options.RunOptions(
+            state_dir=where, scope="inter", rounds=1, timeout_seconds=args.pair_timeout,
+            backend=args.backend, sizes=tuple(args.sizes), warmup=args.warmup,
+            iterations=args.iterations)
+        argv = [sys.executable, "-m", "gpunet_exporter.probe.cli", "run",
+                *run_options.argv(run), *args.run_args]
         started = time.monotonic()
         children: list[Child] = []
         try:

@@ -34,7 +34,6 @@ transports and HCAs carried the round.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import json
@@ -52,7 +51,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpunet_exporter.probe import results
+from gpunet_exporter.probe import results, run_options
+from gpunet_exporter.probe.run_options import RunOptions
 from gpunet_exporter.sources.commands import Child, CommandError, run_command
 from gpunet_exporter.sources.sysfs import parse_uint
 from gpunet_exporter.statefile import write_json
@@ -147,131 +147,6 @@ def straggler(matrix: Sequence[Sequence[float]]) -> Straggler | None:
     total = statistics.median(others)
     return Straggler(cand, wait, min(1.0, wait / total) if total > 0 else 0.0,
                      counts[cand] / len(cols))
-
-
-# -- arguments -------------------------------------------------------------------------------
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
-          "g": 1 << 30, "gib": 1 << 30}
-LAUNCHED_SCOPES = results.NODE_SCOPES
-
-
-def parse_bytes(text: str) -> int:
-    t = text.strip().lower()
-    digits = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(digits):]
-    n = parse_uint(digits)
-    if n is None or unit not in _UNITS or n <= 0:
-        raise argparse.ArgumentTypeError(
-            f"expected a size such as 8KiB, 1MiB or 65536, got {text!r}")
-    return n * _UNITS[unit]
-
-
-def parse_sizes(text: str) -> list[int]:
-    sizes = sorted({parse_bytes(part) for part in text.split(",") if part.strip()})
-    if not sizes:
-        raise argparse.ArgumentTypeError("expected at least one size")
-    bad = [s for s in sizes if s % 4]
-    if bad:
-        raise argparse.ArgumentTypeError(f"sizes must be multiples of 4 bytes (float32), got {bad}")
-    return sizes
-
-
-def parse_scopes(text: str) -> list[str]:
-    scopes = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in scopes if s not in LAUNCHED_SCOPES]
-    if bad or not scopes:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of {', '.join(LAUNCHED_SCOPES)}, got {text!r}")
-    return [s for s in LAUNCHED_SCOPES if s in scopes]
-
-
-def parse_ratio(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not 0 <= v <= 1:
-        raise argparse.ArgumentTypeError(f"expected a ratio from 0 to 1, got {text!r}")
-    return v
-
-
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--state-dir", required=True, help="where result files are written")
-    p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
-                   help="nccl on GPUs (default), gloo on CPUs (tests, machines without GPUs)")
-    p.add_argument("--nprocs", type=int, default=0,
-                   help="local GPUs to probe (default: every visible GPU); with gloo, how many "
-                        "GPUs to stand in for (default 2)")
-    p.add_argument("--scopes", type=parse_scopes, default=list(LAUNCHED_SCOPES),
-                   help="what a node's rounds measure: intra (the GPUs' own paths, with two "
-                        "GPUs or more), net (through the NICs) (default intra,net)")
-    p.add_argument("--sizes", type=parse_sizes, default=[8 << 10, 1 << 20, 64 << 20],
-                   help="all-reduce message sizes (default 8KiB,1MiB,64MiB)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed all-reduces per size (5)")
-    p.add_argument("--iterations", type=int, default=20,
-                   help="timed all-reduces per size, each timed on its own (latency), then as "
-                        "many in a tight loop (bandwidth) (20)")
-    p.add_argument("--interval", type=float, default=60.0,
-                   help="seconds from one round's start to the next (60)")
-    p.add_argument("--rounds", type=int, default=0, help="stop after this many rounds (0: never)")
-    p.add_argument("--memory-cap", type=parse_bytes, default=1 << 30,
-                   help="GPU memory the probe may allocate per GPU (default 1GiB)")
-    p.add_argument("--busy-utilization", type=float, default=0.5,
-                   help="a GPU above this utilization (0 to 1) counts as busy with other work, "
-                        "in cluster mode (a node's own rounds run on idle GPUs) (0.5)")
-    p.add_argument("--busy-min-size", type=parse_bytes, default=1 << 20,
-                   help="sizes from this one up are skipped while a GPU is busy (1MiB)")
-    p.add_argument("--no-skip-busy", dest="skip_busy", action="store_false",
-                   help="measure every size even while GPUs are busy with other work "
-                        "(default: skip them)")
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds a group's start or round may take before it is killed (120)")
-    p.add_argument("--scope", choices=("auto", "intra", "net", "inter"), default="auto",
-                   help="auto: inter when started by torchrun or srun (default auto)")
-    p.add_argument("--straggler-min-ratio", type=parse_ratio, default=0.2,
-                   help="the late rank is named when the others wait at least this share of "
-                        "their collective time for it (default 0.2)")
-    p.add_argument("--path.sysfs", dest="sysfs", default="/sys",
-                   help="sysfs mount point, for the RDMA ports and their rates (default /sys)")
-    p.add_argument("--no-pin-hca", dest="pin_hca", action="store_false",
-                   help="net scope: let NCCL choose the HCAs instead of pinning each rank to "
-                        "the ACTIVE RDMA port nearest its GPU (default: pin)")
-
-
-def _run_actions() -> dict[str, argparse.Action]:
-    p = argparse.ArgumentParser(add_help=False)
-    add_run_arguments(p)
-    return {a.dest: a for a in p._actions}
-
-
-def run_defaults() -> dict[str, Any]:
-    """The defaults of the run options, by their destination (``interval``, ``sizes`` ...):
-    add_run_arguments is the one place they are written."""
-    return {dest: a.default for dest, a in _run_actions().items()}
-
-
-def run_argv(options: Mapping[str, Any]) -> list[str]:
-    """The run arguments for ``options`` (by destination, as run_defaults names them): an
-    option at its default is left out, so the runner's own default applies. Lists are joined
-    with commas; a switch (``--no-skip-busy``) stands for the value it sets. KeyError for
-    what is not a run option, ValueError for a switch's other value."""
-    actions = _run_actions()
-    argv: list[str] = []
-    for dest, value in options.items():
-        action = actions[dest]
-        if value == action.default and not action.required:
-            continue
-        flag = action.option_strings[0]
-        if action.nargs == 0:  # store_true or store_false
-            if value != action.const:
-                raise ValueError(f"{flag} cannot give {dest}={value!r}")
-            argv.append(flag)
-        elif isinstance(value, (list, tuple)):
-            argv += [flag, ",".join(str(v) for v in value)]
-        else:
-            argv += [flag, str(value)]
-    return argv
 
 
 # -- the node's launcher ---------------------------------------------------------------------
@@ -440,15 +315,15 @@ class _Group:
         self.stop()
 
 
-def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Run a node's probe groups round after round; returns the exit status. ``argv`` are the
-    run arguments, passed on to each worker."""
+def launch(args: RunOptions) -> int:
+    """Run a node's probe groups round after round; returns the exit status. Each worker is
+    given the same run options (run_options.argv)."""
     os.makedirs(args.state_dir, exist_ok=True)
     cluster = cluster_from_env(os.environ)
     if cluster is not None:  # started by torchrun or srun: this process is a rank itself
         return worker(args, cluster)
     if args.backend == "nccl":
-        devices = _visible_gpus(args.timeout)
+        devices = _visible_gpus(args.timeout_seconds)
         if devices == 0:
             for scope in args.scopes:
                 _fail(args.state_dir, scope, "no_gpu", "no CUDA device visible", args.backend)
@@ -463,6 +338,7 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     logdir = os.path.join(args.state_dir, LOG_SUBDIR)
     shutil.rmtree(logdir, ignore_errors=True)
     os.makedirs(logdir, mode=0o700, exist_ok=True)
+    argv = run_options.argv(args)
     groups = {scope: _Group(scope, devs, argv, logdir, args.backend)
               for scope, devs in plan(args.scopes, devices).items()}
     if "intra" in args.scopes and "intra" not in groups:
@@ -487,17 +363,17 @@ def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
             if args.rounds and round_no >= args.rounds:
                 return EXIT_ROUND_FAILED if failed_last else 0
             write_status(args.state_dir, "sleep", "", time.time(), round_no)
-            while time.time() < started + args.interval:
+            while time.time() < started + args.interval_seconds:
                 if os.getppid() != parent:  # whoever started us (the exporter) is gone
                     return 143
-                time.sleep(min(0.2, max(0.0, started + args.interval - time.time())))
+                time.sleep(min(0.2, max(0.0, started + args.interval_seconds - time.time())))
     finally:
         for group in groups.values():
             if group.running:
                 group.kill()
 
 
-def _group_round(args: argparse.Namespace, scope: str, group: _Group, round_no: int,
+def _group_round(args: RunOptions, scope: str, group: _Group, round_no: int,
                  parent: int) -> str:
     """One round of one group, starting it first when it is not running. A group that fails
     is killed (the next round starts it again) and its failure written unless it said why."""
@@ -505,25 +381,25 @@ def _group_round(args: argparse.Namespace, scope: str, group: _Group, round_no: 
     if not group.running:
         write_status(args.state_dir, "init", scope, since, round_no)
         group.start()
-        outcome = group.wait("ready", time.monotonic() + args.timeout, parent)
+        outcome = group.wait("ready", time.monotonic() + args.timeout_seconds, parent)
         if outcome != "ok":
             return _group_failed(args, scope, group, outcome, since, "start")
     since = time.time()
     write_status(args.state_dir, "round", scope, since, round_no)
-    outcome = group.wait("done", time.monotonic() + args.timeout, parent) if group.send(
-        f"round {since!r}") else "failed"
+    outcome = group.wait("done", time.monotonic() + args.timeout_seconds, parent) \
+        if group.send(f"round {since!r}") else "failed"
     return outcome if outcome == "ok" else _group_failed(args, scope, group, outcome, since,
                                                          "round")
 
 
-def _group_failed(args: argparse.Namespace, scope: str, group: _Group, outcome: str,
+def _group_failed(args: RunOptions, scope: str, group: _Group, outcome: str,
                   since: float, what: str) -> str:
     group.kill()
     if outcome == "orphaned":
         return outcome
     if not _said_since(args.state_dir, scope, since):
         reason = "timeout" if outcome == "timeout" else "crash"
-        error = (f"the {scope} probe's {what} took longer than {args.timeout:g}s" if
+        error = (f"the {scope} probe's {what} took longer than {args.timeout_seconds:g}s" if
                  outcome == "timeout" else f"a {scope} probe worker exited during its {what}")
         _fail(args.state_dir, scope, reason, error, args.backend, since)
     print(f"gpunet-probe: {scope}: {what} {outcome}; the group starts again next round",
@@ -565,7 +441,7 @@ def host_key() -> str:
     return socket.gethostname() + boot
 
 
-def worker(args: argparse.Namespace, cluster: Cluster | None = None) -> int:
+def worker(args: RunOptions, cluster: Cluster | None = None) -> int:
     """One rank: init the process group once, then rounds: on the launcher's command when it
     has one, else every --interval until --rounds (cluster mode), or until a failure."""
     cluster = cluster or cluster_from_env(os.environ)
@@ -629,7 +505,7 @@ def worker(args: argparse.Namespace, cluster: Cluster | None = None) -> int:
             round_no += 1
             if args.rounds and round_no >= args.rounds:
                 return 0
-            time.sleep(max(0.0, args.interval - (time.time() - started)))
+            time.sleep(max(0.0, args.interval_seconds - (time.time() - started)))
     finally:
         probe.close()
 
@@ -652,7 +528,7 @@ def _delay(rank: int) -> float:
 class _Probe:
     """A rank's persistent state: process group, device, buffers, NVML for the busy check."""
 
-    def __init__(self, args: argparse.Namespace, cluster: Cluster, scope: str,
+    def __init__(self, args: RunOptions, cluster: Cluster, scope: str,
                  launched: bool) -> None:
         import torch
         import torch.distributed as dist
@@ -677,10 +553,11 @@ class _Probe:
             torch.cuda.set_device(index)
             self.device = torch.device("cuda", index)
             total = torch.cuda.get_device_properties(index).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap / total), index)
-            if max(args.sizes) > args.memory_cap // 2:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_bytes / total),
+                                                       index)
+            if max(args.sizes) > args.memory_cap_bytes // 2:
                 raise ValueError(f"largest size {max(args.sizes)} does not fit the memory cap "
-                                 f"{args.memory_cap} (needs twice the size)")
+                                 f"{args.memory_cap_bytes} (needs twice the size)")
             if scope == "net" and args.pin_hca and "NCCL_IB_HCA" not in os.environ:
                 self._pin_hca(index)
         else:
@@ -688,7 +565,8 @@ class _Probe:
         from datetime import timedelta
         self.dist.init_process_group(
             args.backend, rank=cluster.rank, world_size=cluster.world_size,
-            timeout=timedelta(seconds=args.timeout), device_id=self.device if self.cuda else None)
+            timeout=timedelta(seconds=args.timeout_seconds),
+            device_id=self.device if self.cuda else None)
         self.world = cluster.world_size
         self.host = host_key()
         self.peers = self._gather_json({"pid": os.getpid(), "host": self.host, "gpu": self.gpu})
