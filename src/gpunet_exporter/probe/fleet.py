@@ -152,8 +152,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("nccl", "gloo"), default=d("backend"),
                    help="nccl on GPUs (default), gloo on CPUs")
     p.add_argument("--sizes", type=run_options.parse_sizes, default=list(d("sizes")),
-                   help="all-reduce message sizes (default 8KiB,1MiB,64MiB): the latency is "
-                        "the smallest's, the bus bandwidth the largest's")
+                   help=f"all-reduce message sizes (default {run_options.sizes_text(d('sizes'))})"
+                        ": the latency is the smallest's, the bus bandwidth the largest's")
     p.add_argument("--warmup", type=int, default=d("warmup"), help="untimed all-reduces per size")
     p.add_argument("--iterations", type=int, default=d("iterations"),
                    help="timed all-reduces per size")

@@ -85,7 +85,7 @@ def parse_ratio(text: str) -> float:
     return v
 
 
-def number_text(value: float) -> str:
+def _number_text(value: float) -> str:
     """A number as float() reads it back exactly: 60, 2.5, 0.1."""
     if float(value).is_integer() and abs(value) < 1e16:
         return str(int(value))
@@ -134,7 +134,7 @@ def _plain_text(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return ",".join(_plain_text(v) for v in value)
     if isinstance(value, float):
-        return number_text(value)
+        return _number_text(value)
     return str(value)
 
 
