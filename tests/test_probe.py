@@ -19,7 +19,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as hs
 
+from gpunet_exporter.collector import Scrape
 from gpunet_exporter.collectors.probe import REASONS, RUN_OPTIONS, ProbeCollector
+from gpunet_exporter.config import settings_items
 from gpunet_exporter.probe import results, runner
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.statefile import write_json
@@ -334,7 +336,7 @@ class Probe:
         self.supervisor = self.c.supervisor
 
     def scrape(self) -> Samples:
-        return samples_of(list(self.c.collect()))
+        return samples_of(list(self.c.collect(Scrape())))
 
     def wait(self, name: str, timeout: float = 60, **labels: str) -> Samples:
         def scrape() -> Samples | None:
@@ -406,8 +408,10 @@ def test_command_leaves_the_defaults_to_the_runner(sysfs: Path, tmp_path: Path) 
     assert argv == ["--state-dir", str(tmp_path), "--path.sysfs", str(sysfs)]
     defaults = runner.run_defaults()
     assert vars(args) == {**defaults, "state_dir": str(tmp_path), "sysfs": str(sysfs)}
+    settings = settings_items(c.settings)
     for key, dest in RUN_OPTIONS.items():
-        assert c.ctx.config[key] == defaults[dest], key
+        value = settings[key]
+        assert (list(value) if isinstance(value, tuple) else value) == defaults[dest], key
     # The supervisor's limits are the runner's.
     assert c.supervisor.interval == defaults["interval"]
     assert c.supervisor.timeout == defaults["timeout"]
@@ -437,7 +441,7 @@ def changed(p):
     p.set_defaults(warmup=7, sizes=[4096], interval=30.0, skip_busy=False)
 runner.add_run_arguments = changed
 from gpunet_exporter.collectors.probe import ProbeCollector
-from gpunet_exporter.config import Field, validate
+from gpunet_exporter.config import settings_items
 sys.path.insert(0, sys.argv[1])
 from support.metrics import make_collector
 from support.wait import wait_for
@@ -447,8 +451,8 @@ runner.add_run_arguments(p)
 args = p.parse_args(c.command()[4:])
 print(json.dumps({"run": {k: getattr(args, k) for k in ("warmup", "sizes", "interval",
                                                          "skip_busy")},
-                  "config": {k: c.ctx.config[k] for k in ("warmup", "sizes",
-                                                          "interval_seconds", "skip_busy")},
+                  "config": {k: settings_items(c.settings)[k] for k in (
+                      "warmup", "sizes", "interval_seconds", "skip_busy")},
                   "interval": c.supervisor.interval}))
 """
 
