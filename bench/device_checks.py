@@ -297,18 +297,12 @@ def time_calls(n: int, site: Path) -> dict[str, Any]:
     sys.path.insert(0, str(site))
     import pynvml
 
-    from gpunet_exporter.collector import CollectorContext, LogOnce, collector_logger
+    from gpunet_exporter.collector import Scrape, build_collector
     from gpunet_exporter.collectors.gpu import GpuCollector
-    from gpunet_exporter.config import Field, validate
     from gpunet_exporter.sources import nvml
-    from gpunet_exporter.sources.sysfs import Root
 
-    cfg = validate({"counters_interval_seconds": 3600}, Field(
-        "map", fields=dict(GpuCollector.config_fields)), "gpu")
-    log = collector_logger("gpu")
-    c = GpuCollector(CollectorContext("gpu", Root("/sys"), Root("/proc"), cfg, log,
-                                      LogOnce(log)))
-    list(c.collect())  # discovery, info, NVLink link count, background round, XID thread
+    c = build_collector(GpuCollector, {"counters_interval_seconds": 3600})
+    list(c.collect(Scrape()))  # discovery, info, NVLink link count, background round, XID thread
     gpus = nvml.session().gpus() or []
     ngpu = len(gpus)
     fields = ("utilization.gpu,memory.used,memory.total,pcie.link.gen.current,"
@@ -316,7 +310,7 @@ def time_calls(n: int, site: Path) -> dict[str, Any]:
 
     def ours() -> float:
         t = time.perf_counter()
-        list(c.collect())
+        list(c.collect(Scrape()))
         return time.perf_counter() - t
 
     def peer() -> float:
@@ -338,7 +332,7 @@ def time_calls(n: int, site: Path) -> dict[str, Any]:
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(100):
-        list(c.collect())
+        list(c.collect(Scrape()))
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)

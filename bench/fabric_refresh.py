@@ -66,6 +66,7 @@ sys.path.insert(0, str(REPO / "bench"))  # scrape.Target
 
 from scrape import SCRAPE_HEADERS, Stats, Target, count_samples, self_reported  # noqa: E402
 
+from gpunet_exporter.collector import Scrape  # noqa: E402
 from gpunet_exporter.collectors.fabric import FabricCollector  # noqa: E402
 from gpunet_exporter.web.openmetrics import encode  # noqa: E402
 
@@ -222,7 +223,7 @@ def sweeps(sim: Sim, env: list[str], size: Size, refreshes: int, result: Result)
         c.refresh()
         wall = time.perf_counter() - t0
         cpu1, kids1, sim1 = time.process_time(), children_cpu(), proc_cpu(ibsim_pid)
-        samples = samples_of(list(c.collect()))
+        samples = samples_of(list(c.collect(Scrape())))
         steps = {dict(lbl)["step"]: v for lbl, v in
                  series(samples, "gpunet_fabric_step_duration_seconds").items()}
         failed = [dict(lbl)["step"] for lbl, v in
@@ -234,13 +235,13 @@ def sweeps(sim: Sim, env: list[str], size: Size, refreshes: int, result: Result)
                                    sim1 - sim0))
         log(f"  sweep {i + 1}/{refreshes}: {wall:.2f} s (sweep {duration:.2f} s; "
             + ", ".join(f"{s} {steps.get(s, 0):.2f}" for s in STEPS) + ")")
-    samples = samples_of(list(c.collect()))
+    samples = samples_of(list(c.collect(Scrape())))
     result.found = check_found(size, samples)
     result.bench_memory_kb = own_memory_kb()
 
     for _ in range(10):
         t0 = time.perf_counter()
-        families = list(c.collect())
+        families = list(c.collect(Scrape()))
         result.collect_ms.append((time.perf_counter() - t0) * 1000)
         t0 = time.perf_counter()
         encoded = encode(families)  # the exporter's own encoder, as /metrics uses it

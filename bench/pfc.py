@@ -22,7 +22,7 @@ There is no mlx5 NIC on the benchmark machine, so the stand-in is:
 Timed per scrape (``time.perf_counter``), after warm-up, interleaved in one loop (the order
 rotates each round) so all see the same machine noise:
 
-- ours, collect: ``list(collector.collect())`` over va0 and va1;
+- ours, collect: ``list(collector.collect(Scrape()))`` over va0 and va1;
 - ours, collect + exposition: ``generate_latest`` (text format 0.0.4) of a registry whose one
   collector returns that collect;
 - ioctl only: ``EthtoolReader.read`` of both interfaces (a reader of its own);
@@ -60,11 +60,9 @@ from prometheus_client.exposition import generate_latest  # noqa: E402
 from prometheus_client.registry import CollectorRegistry  # noqa: E402
 from scrape import cpu_model, emit  # noqa: E402  (bench/scrape.py, next to this script)
 
-from gpunet_exporter.collector import CollectorContext, LogOnce, collector_logger  # noqa: E402
+from gpunet_exporter.collector import Scrape, build_collector  # noqa: E402
 from gpunet_exporter.collectors.pfc import PfcCollector  # noqa: E402
-from gpunet_exporter.config import Field, validate  # noqa: E402
 from gpunet_exporter.sources.ethtool import EthtoolReader, NicStats, parse_stats_text  # noqa: E402
-from gpunet_exporter.sources.sysfs import Root  # noqa: E402
 
 MLX5_CAPTURE = REPO / "tests/fixtures/synthetic/ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
 INTERFACES = ("va0", "va1")
@@ -161,16 +159,16 @@ class _Families:
         self.collector = collector
 
     def collect(self) -> list[Metric]:
-        return list(self.collector.collect())
+        return list(self.collector.collect(Scrape()))
 
 
 def make_pfc(reader: WithMlx5) -> PfcCollector:
-    """As make_collector() of tests/support/metrics.py builds one, with the reader injected."""
+    """As the service builds one (build_collector), with the reader injected."""
     config = {"interfaces": list(INTERFACES), "config": {"sources": ["sysfs"]}}
-    section = validate(config, Field("map", fields=dict(PfcCollector.config_fields)), "pfc")
-    logger = collector_logger("pfc")
-    ctx = CollectorContext("pfc", Root("/sys"), Root("/proc"), section, logger, LogOnce(logger))
-    return PfcCollector(ctx, reader=reader)
+    collector = build_collector(PfcCollector, config)
+    collector.reader.close()
+    collector.reader = reader
+    return collector
 
 
 def run_ethtool(ethtool: str, ifname: str) -> NicStats:
@@ -218,7 +216,7 @@ def measure(scrapes: int, ethtool: str) -> dict[str, Any]:
     registry.register(_Families(pfc))
     ioctl_reader = EthtoolReader()
     steps: dict[str, Callable[[], object]] = {
-        OURS: lambda: list(pfc.collect()),
+        OURS: lambda: list(pfc.collect(Scrape())),
         OURS_EXPO: lambda: generate_latest(registry),
         IOCTL: lambda: [ioctl_reader.read(i) for i in INTERFACES],
         PEER: lambda: [run_ethtool(ethtool, i) for i in INTERFACES],
@@ -240,7 +238,7 @@ def measure(scrapes: int, ethtool: str) -> dict[str, Any]:
                 times[step].append(time.perf_counter() - t0)
         wall = time.perf_counter() - wall0
         busy1, steal1, own1 = cpu_seconds()
-        families = list(pfc.collect())
+        families = list(pfc.collect(Scrape()))
         body = generate_latest(registry)
         rejoined = wrapped.joins - joins0
     finally:

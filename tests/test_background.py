@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.core import Metric
 
 from gpunet_exporter.background import Fresh, Refresher, add_freshness, last_success_spec
-from gpunet_exporter.collector import Collector, Families, MetricSpec
+from gpunet_exporter.collector import Collector, Families, MetricSpec, Scrape
 from gpunet_exporter.registry import WAIT_RESERVE_MAX, Scraper
 
 from support.metrics import make_collector, samples_of, series, value
@@ -180,8 +180,8 @@ def test_freshness_is_exported_alike() -> None:
 class DeadlineRecorder(Collector):
     name = "recorder"
 
-    def collect(self) -> Iterable[Metric]:
-        self.seen = (time.monotonic(), self.ctx.deadline)
+    def collect(self, scrape: Scrape) -> Iterable[Metric]:
+        self.seen = (time.monotonic(), scrape.deadline)
         return []
 
 
@@ -189,7 +189,7 @@ class DeadlineRecorder(Collector):
 def test_the_registry_gives_each_collection_its_deadline(tmp_path: Any, timeout: float,
                                                          header: float | None) -> None:
     c = make_collector(DeadlineRecorder, tmp_path)
-    assert c.ctx.deadline is None  # outside a scrape
+    assert Scrape().deadline is None  # outside a scrape: none
     scraper = Scraper({"recorder": c}, timeout)
     before = time.monotonic()
     s = samples_of(list(scraper.collect(header)))

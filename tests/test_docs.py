@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from gpunet_exporter.collector import Scrape
 from gpunet_exporter.collectors.infiniband import InfinibandCollector
 from gpunet_exporter.collectors.link import LinkCollector
 from gpunet_exporter.collectors.pfc import PfcCollector
@@ -75,7 +76,7 @@ def test_every_exported_family_is_documented(tmp_path: Path) -> None:
     pfc = make_collector(PfcCollector, sysfs, {"config": {"sources": ["sysfs"]}})
     pfc.reader = Capture()  # type: ignore[attr-defined]
     try:
-        for name, _labels in samples_of(list(pfc.collect())):
+        for name, _labels in samples_of(list(pfc.collect(Scrape()))):
             assert name in documented and f"`{name}`" in doc_text, name
             seen.add(name)
     finally:

@@ -6,12 +6,13 @@ import re
 
 import yaml
 
-from gpunet_exporter.collectors.fabric import FabricCollector, FabricSettings
-from gpunet_exporter.collectors.gpu import GpuCollector
-from gpunet_exporter.collectors.pfc import PfcCollector
-from gpunet_exporter.collectors.probe import ProbeCollector
-from gpunet_exporter.config import Field, load_file, settings_from, validate
-from gpunet_exporter.options import config_schema
+from gpunet_exporter.collectors.fabric import FabricSettings
+from gpunet_exporter.collectors.gpu import GpuSettings
+from gpunet_exporter.collectors.link import MtuRule
+from gpunet_exporter.collectors.pfc import PfcSettings
+from gpunet_exporter.collectors.probe import ProbeSettings
+from gpunet_exporter.config import load_file, parse_settings, settings_fields, settings_items
+from gpunet_exporter.options import config_type
 from gpunet_exporter.registry import discover
 
 from support.paths import REPO
@@ -20,23 +21,19 @@ EXAMPLE = REPO / "examples" / "gpunet.yml"
 
 
 def test_example_config_loads() -> None:
-    cfg = load_file(str(REPO / "examples" / "gpunet.yml"), config_schema(discover()))
-    assert cfg["collectors"] == {"infiniband": True, "link": True, "pfc": True, "gpu": True,
-                                 "topology": True, "probe": False}
-    assert cfg["infiniband"]["device_include"].search("mlx5_3")
-    assert [r["gbps"] for r in cfg["infiniband"]["expected_rate"]] == [400, 400]
-    assert cfg["link"]["expected_mtu"][0] == {"link_layer": "Ethernet", "mtu": 9000,
-                                              "rdma_mtu": 4096}
+    cfg = settings_items(load_file(str(REPO / "examples" / "gpunet.yml"), config_type(discover())))
+    switches = {k: v for k, v in settings_items(cfg["collectors"]).items() if v is not None}
+    assert switches == {"infiniband": True, "link": True, "pfc": True, "gpu": True,
+                        "topology": True, "probe": False}
+    assert cfg["infiniband"].device_include.search("mlx5_3")
+    assert [r.gbps for r in cfg["infiniband"].expected_rate] == [400, 400]
+    assert cfg["link"].expected_mtu[0] == MtuRule(link_layer="Ethernet", mtu=9000, rdma_mtu=4096)
     # The pfc section spells out the defaults: it documents them and changes nothing.
-    defaults = validate({}, Field("map", fields=dict(PfcCollector.config_fields)), "pfc")
-    assert cfg["pfc"] == defaults
-    assert defaults["config"]["sources"] == ["mlnx_qos", "dcb", "sysfs"]
-    gpu_defaults = validate({}, Field("map", fields=dict(GpuCollector.config_fields)), "gpu")
-    assert cfg["gpu"] == gpu_defaults
-    assert gpu_defaults["counters_interval_seconds"] == 15
-    probe_defaults = validate({}, Field("map", fields=dict(ProbeCollector.config_fields)),
-                              "probe")
-    assert cfg["probe"] == probe_defaults
+    assert cfg["pfc"] == PfcSettings()
+    assert cfg["pfc"].config.sources == ("mlnx_qos", "dcb", "sysfs")
+    assert cfg["gpu"] == GpuSettings()
+    assert cfg["gpu"].counters_interval_seconds == 15
+    assert cfg["probe"] == ProbeSettings()
 
 
 def test_example_fabric_section_is_commented_defaults() -> None:
@@ -50,8 +47,7 @@ def test_example_fabric_section_is_commented_defaults() -> None:
     uncommented = "\n".join(line for line in lines if line.strip() and
                             not line.lstrip().startswith("#"))
     section = yaml.safe_load(uncommented)["fabric"]
-    assert set(section) == set(FabricCollector.config_fields)
-    schema = config_schema(discover())
-    cfg = validate({"fabric": section}, schema, "")
-    assert settings_from(FabricSettings, cfg["fabric"]) == FabricSettings()
-    assert "collectors" not in cfg or "fabric" not in cfg["collectors"]
+    assert set(section) == set(settings_fields(FabricSettings))
+    cfg = settings_items(parse_settings(config_type(discover()), {"fabric": section}, ""))
+    assert cfg["fabric"] == FabricSettings()
+    assert settings_items(cfg["collectors"])["fabric"] is None

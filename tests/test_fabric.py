@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from gpunet_exporter.collector import Scrape
 from gpunet_exporter.collectors.fabric import FabricCollector
 from gpunet_exporter.sources import ibdiag
 
@@ -102,7 +103,7 @@ def collector(sim: ibsim.Sim, **config: object) -> Iterator[FabricCollector]:
 
 def scrape(c: FabricCollector) -> dict:
     c.refresh()
-    return samples_of(list(c.collect()))
+    return samples_of(list(c.collect(Scrape())))
 
 
 @pytest.fixture
@@ -314,7 +315,7 @@ def test_a_vanished_fabric_fails_the_sweep_and_keeps_the_last_values(
         sim.stop()
         with pytest.raises(ibdiag.CommandError):
             c.refresh()
-        s = samples_of(list(c.collect()))
+        s = samples_of(list(c.collect(Scrape())))
     assert value(s, "gpunet_fabric_sweep_success") == 0
     assert value(s, "gpunet_fabric_sweep_last_success_timestamp_seconds") == value(
         good, "gpunet_fabric_sweep_last_success_timestamp_seconds")

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as hs
 
+from gpunet_exporter.collector import Scrape
 from gpunet_exporter.collectors.probe import ProbeCollector
 from gpunet_exporter.probe import pairs
 from gpunet_exporter.registry import drop_unexposable
@@ -60,7 +61,7 @@ class Node:
 
     def scrape(self) -> Samples:
         self.c.supervisor.refresh()
-        return samples_of(list(self.c.collect()))
+        return samples_of(list(self.c.collect(Scrape())))
 
 
 @pytest.fixture
@@ -229,7 +230,7 @@ def test_a_newer_file_replaces_the_old_peers(node: Node) -> None:
 def test_peer_names_go_through_the_label_checks(node: Node) -> None:
     node.write(pairs_file(pair("n2"), pair("bad\0name")))
     node.c.supervisor.refresh()
-    fams = list(node.c.collect())
+    fams = list(node.c.collect(Scrape()))
     skipped: list[str] = []
     drop_unexposable(fams, lambda what, why: skipped.append(what))
     s = samples_of(fams)

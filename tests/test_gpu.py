@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from gpunet_exporter.collector import Scrape
 from gpunet_exporter.collectors.gpu import XID_LABELS_PER_GPU, GpuCollector, XidWatcher
 from gpunet_exporter.registry import Scraper
 from gpunet_exporter.sources import nvml
@@ -55,8 +56,11 @@ class Gpu:
                                 procfs=procfs, nvml_module=fake_nvml.MODULE)
 
     def scrape(self) -> Samples:
-        self.c.ctx.unreadable = 0
-        return samples_of(list(self.c.collect()))
+        """One scrape's samples; ``unreadable``: the values it skipped."""
+        before = self.c.ctx.unreadable
+        s = samples_of(list(self.c.collect(Scrape())))
+        self.unreadable = self.c.ctx.unreadable - before
+        return s
 
     def close(self) -> None:
         self.c.close()
@@ -82,7 +86,7 @@ def scrape_once(sysfs: Path, scenario: dict[str, Any] | None = None) -> Samples:
 
 def test_capture_values_exactly(gpu: Gpu) -> None:
     s = gpu.scrape()
-    assert gpu.c.ctx.unreadable == 0
+    assert gpu.unreadable == 0
     for i, (uuid, bdf) in enumerate(((UUID0, "0000:00:06.0"), (UUID1, "0000:00:07.0"))):
         dev, g = CAPTURE["devices"][i], str(i)
         info = {"gpu": g, "uuid": uuid, "name": "NVIDIA H200", "pci_address": bdf,
@@ -180,7 +184,7 @@ def test_not_supported_is_skipped_for_that_gpu_alone(gpu: Gpu,
     with caplog.at_level(logging.INFO, logger="gpunet"):
         for _ in range(3):
             s = gpu.scrape()
-            assert gpu.c.ctx.unreadable == 0  # not supported is not an error
+            assert gpu.unreadable == 0  # not supported is not an error
     assert value(s, "gpunet_gpu_pcie_link_width", gpu="0") == 16
     assert value(s, "gpunet_gpu_pcie_link_width", gpu="1") is None
     assert value(s, "gpunet_gpu_pcie_link_degraded", gpu="1") is None  # cannot be judged
@@ -196,7 +200,7 @@ def test_other_errors_cost_one_value_each_scrape(gpu: Gpu) -> None:
     fake_nvml.device(0)["nvmlDeviceGetUtilizationRates"] = {"exc": "NVMLError_Unknown"}
     for _ in range(2):
         s = gpu.scrape()
-        assert gpu.c.ctx.unreadable == 1
+        assert gpu.unreadable == 1
         assert value(s, "gpunet_gpu_utilization_ratio", gpu="0") is None
         assert value(s, "gpunet_gpu_memory_used_bytes", gpu="0") is not None
     assert fake_nvml.calls("nvmlDeviceGetUtilizationRates", 0) == 2  # retried: may be transient

@@ -22,14 +22,13 @@ from typing import Any
 import pytest
 
 from gpunet_exporter.background import Refresher
-from gpunet_exporter.collector import Collector, CollectorContext, LogOnce, collector_logger
+from gpunet_exporter.collector import Collector, CollectorContext, Scrape, build_collector
 from gpunet_exporter.collectors.gpu import GpuCollector
 from gpunet_exporter.collectors.link import LinkCollector
 from gpunet_exporter.collectors.pfc import PfcCollector
 from gpunet_exporter.daemon.hotplug import Hotplug
 from gpunet_exporter.registry import Scraper
 from gpunet_exporter.sources import nvml
-from gpunet_exporter.sources.sysfs import Root
 
 from support import fake_nvml
 from support import sysfs_tree as st
@@ -61,15 +60,13 @@ def scrape(scraper: Scraper, hotplug: Hotplug | None = None) -> dict[Any, float]
 
 class Recorder(Collector):
     name = "recorder"
+    fail = False
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, ctx: CollectorContext) -> None:
+        super().__init__(ctx)
         self.events: list[tuple[str, str, dict[str, str]]] = []
-        self.fail = fail
-        logger = collector_logger("recorder")
-        super().__init__(CollectorContext("recorder", Root("/"), Root("/"), {}, logger,
-                                          LogOnce(logger)))
 
-    def collect(self) -> list[Any]:
+    def collect(self, scrape: Scrape) -> list[Any]:
         return []
 
     def device_event(self, subsystem: str, action: str, properties: Mapping[str, str]) -> None:
@@ -79,7 +76,8 @@ class Recorder(Collector):
 
 
 def test_counting_label_bounds_and_dispatch() -> None:
-    broken, rec = Recorder(fail=True), Recorder()
+    broken, rec = build_collector(Recorder, sysfs="/"), build_collector(Recorder, sysfs="/")
+    broken.fail = True
     hp = Hotplug({"broken": broken, "rec": rec})
     for ev in (Ev("net", "add", {"INTERFACE": "veth0"}), Ev("net", "add"), Ev("net", "remove"),
                Ev("pci", "bind", NVIDIA), Ev("infiniband", "move"), Ev("net", "change"),
@@ -171,7 +169,7 @@ def test_pfc_forgets_gone_interfaces_and_refreshes_now(dgx: Path) -> None:
     hp = Hotplug({"pfc": c})
     try:
         hp.dispatch(Ev("net", "add"))  # before the first scrape: nothing started, nothing to do
-        c.collect()
+        c.collect(Scrape())
         wait_for(lambda: len(rounds) == 1)
         assert rounds[0] == {ROCE, ROCE2}  # veth7 does not exist (yet)
 
@@ -222,7 +220,7 @@ def test_link_refreshes_ibv_devinfo_now(dgx: Path, tmp_path: Path) -> None:
 
     try:
         hp.dispatch(Ev("infiniband", "add"))  # not started yet: nothing to wake
-        c.collect()
+        c.collect(Scrape())
         wait_for(lambda: count() == 1)  # the thread's first round
         for ev in (Ev("net", "add"), Ev("pci", "bind", MELLANOX), Ev("infiniband", "change")):
             hp.dispatch(ev)
@@ -252,18 +250,18 @@ def test_gpu_session_invalidated_only_for_nvidia_pci_events(gpu_sysfs: Path) -> 
     session = nvml.session(fake_nvml.MODULE)
     hp = Hotplug({"gpu": c})
     try:
-        s = samples_of(list(c.collect()))
+        s = samples_of(list(c.collect(Scrape())))
         assert value(s, "gpunet_gpu_nvml_up") == 1 and session.generation == 1
         for ev in (Ev("pci", "add", MELLANOX), Ev("pci", "unbind", MELLANOX),
                    Ev("pci", "change", NVIDIA), Ev("net", "add", NVIDIA), Ev("pci", "bind", {})):
             hp.dispatch(ev)
-            s = samples_of(list(c.collect()))
+            s = samples_of(list(c.collect(Scrape())))
             assert session.state == "up" and session.generation == 1, ev
         inits = fake_nvml.calls("nvmlInit")
         for n, action in enumerate(("unbind", "bind", "remove", "add"), start=2):
             hp.dispatch(Ev("pci", action, NVIDIA))
             assert session.generation == n - 1  # nothing on the hot-plug thread ...
-            s = samples_of(list(c.collect()))  # ... the next scrape initialises again
+            s = samples_of(list(c.collect(Scrape())))  # ... the next scrape initialises again
             assert value(s, "gpunet_gpu_nvml_up") == 1 and session.generation == n
             assert fake_nvml.calls("nvmlInit") == inits + n - 1
             assert len(series(s, "gpunet_gpu_info")) == 2
@@ -276,7 +274,7 @@ def test_gpu_session_invalidated_only_for_nvidia_pci_events(gpu_sysfs: Path) -> 
 def test_without_pyudev_monitoring_0_and_logged_once(monkeypatch: pytest.MonkeyPatch,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setitem(sys.modules, "pyudev", None)  # import pyudev raises ImportError
-    rec = Recorder()
+    rec = build_collector(Recorder, sysfs="/")
     hp = Hotplug({"rec": rec})
     with caplog.at_level(logging.INFO, logger="gpunet.hotplug"):
         assert hp.start() is False

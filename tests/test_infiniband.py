@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from gpunet_exporter.collector import Scrape, build_collector
 from gpunet_exporter.collectors.infiniband import COUNTER_SPECS, InfinibandCollector
 from gpunet_exporter.config import ConfigError
 from gpunet_exporter.sources.sysfs import Root
@@ -136,7 +137,7 @@ def test_generic_hw_counters_capped_per_port(dgx: Path) -> None:
     before, _ = run(st.build_dgx_h100(dgx.parent / "clean"))
     root = CountingRoot(str(dgx))
     c = make_collector(InfinibandCollector, dgx, root=root)
-    s = samples_of(list(c.collect()))
+    s = samples_of(list(c.collect(Scrape())))
     c.close()
     assert c.ctx.unreadable == 0
     # The files beyond the cap are not even read: the scrape costs their listing only.
@@ -485,7 +486,7 @@ def test_upstream_procfs_tree() -> None:
 
 def test_device_info_reread_when_device_is_recreated(dgx: Path) -> None:
     c = make_collector(InfinibandCollector, dgx)
-    first = samples_of(list(c.collect()))
+    first = samples_of(list(c.collect(Scrape())))
     old = next(dict(lbl) for lbl in series(first, "gpunet_infiniband_device_info")
                if ("device", "mlx5_0") in lbl)
     # A firmware update plus driver reload re-creates the device: a new directory.
@@ -496,7 +497,7 @@ def test_device_info_reread_when_device_is_recreated(dgx: Path) -> None:
     (fresh / "fw_ver").write_text("28.40.1000\n")
     shutil.rmtree(real)
     fresh.rename(real)
-    second = samples_of(list(c.collect()))
+    second = samples_of(list(c.collect(Scrape())))
     new = next(dict(lbl) for lbl in series(second, "gpunet_infiniband_device_info")
                if ("device", "mlx5_0") in lbl)
     assert old["fw_ver"] == "28.39.2048" and new["fw_ver"] == "28.40.1000"
@@ -521,7 +522,7 @@ def test_inventory_learns_persists_and_notices_a_device_gone(dgx: Path, tmp_path
     state.parent.mkdir()
     cfg = {"inventory_state_file": str(state)}
     c = make_collector(InfinibandCollector, dgx, cfg)
-    s = samples_of(list(c.collect()))
+    s = samples_of(list(c.collect(Scrape())))
     assert _inventory(s, "gpunet_inventory_expected") == {
         "rdma_device": 10, "rdma_port": 10, "netdev": 10}
     assert _inventory(s, "gpunet_inventory_missing") == dict.fromkeys(
@@ -535,7 +536,7 @@ def test_inventory_learns_persists_and_notices_a_device_gone(dgx: Path, tmp_path
     netdev = next(dict(lbl)["interface"] for lbl in series(s, "gpunet_infiniband_port_info")
                   if ("device", "mlx5_3") in lbl)
     (dgx / "class/infiniband/mlx5_3").unlink()
-    s = samples_of(list(c.collect()))
+    s = samples_of(list(c.collect(Scrape())))
     c.close()
     missing = _inventory(s, "gpunet_inventory_missing")
     assert missing == {"rdma_device": 1, "rdma_port": 1, "netdev": 1}
@@ -550,10 +551,8 @@ def test_inventory_learns_persists_and_notices_a_device_gone(dgx: Path, tmp_path
     assert _inventory(s, "gpunet_inventory_missing")["rdma_device"] == 1
     # A reader that must not learn (the doctor) sees the same and writes nothing.
     before = state.read_bytes()
-    ctx = make_collector(InfinibandCollector, dgx, cfg).ctx
-    ctx.learn = False
-    c = InfinibandCollector(ctx)
-    s = samples_of(list(c.collect()))
+    c = build_collector(InfinibandCollector, cfg, sysfs=str(dgx), learn=False)
+    s = samples_of(list(c.collect(Scrape())))
     assert _inventory(s, "gpunet_inventory_missing")["rdma_device"] == 1
     assert state.read_bytes() == before
 
@@ -567,9 +566,9 @@ def test_inventory_learns_persists_and_notices_a_device_gone(dgx: Path, tmp_path
 
 def test_inventory_without_a_state_file_learns_in_memory(dgx: Path) -> None:
     c = make_collector(InfinibandCollector, dgx)
-    c.collect()
+    c.collect(Scrape())
     (dgx / "class/infiniband/mlx5_8").unlink()
-    s = samples_of(list(c.collect()))
+    s = samples_of(list(c.collect(Scrape())))
     c.close()
     assert _inventory(s, "gpunet_inventory_missing")["rdma_device"] == 1
     s, _ = run(dgx)  # a new process forgets
@@ -584,9 +583,9 @@ def test_inventory_unwritable_state_dir_falls_back_to_memory(dgx: Path, tmp_path
     c = make_collector(InfinibandCollector, dgx,
                        {"inventory_state_file": str(blocker / "inventory.json")})
     with caplog.at_level("WARNING", logger="gpunet"):
-        c.collect()
+        c.collect(Scrape())
         (dgx / "class/infiniband/mlx5_0").unlink()
-        s = samples_of(list(c.collect()))
+        s = samples_of(list(c.collect(Scrape())))
     c.close()
     assert _inventory(s, "gpunet_inventory_missing")["rdma_device"] == 1
     assert any("learning in memory only" in r.getMessage() for r in caplog.records)

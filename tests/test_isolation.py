@@ -21,7 +21,7 @@ from gpunet_exporter.collector import Collector
 
 class Fine(Collector):
     name = "fine"
-    def collect(self):
+    def collect(self, scrape):
         g = GaugeMetricFamily("gpunet_fine_value", "A plugin value. Unit: none.")
         g.add_metric([], 42)
         yield g
@@ -29,14 +29,14 @@ class Fine(Collector):
 
 class Boom(Collector):
     name = "boom"
-    def collect(self):
+    def collect(self, scrape):
         yield GaugeMetricFamily("gpunet_boom_partial", "Never exposed.", value=1)
         raise RuntimeError("the hardware caught fire")
 
 
 class Sleepy(Collector):
     name = "sleepy"
-    def collect(self):
+    def collect(self, scrape):
         time.sleep(60)
         return iter(())
 
@@ -44,7 +44,7 @@ class Sleepy(Collector):
 class Shy(Collector):
     name = "shy"
     default_enabled = False
-    def collect(self):
+    def collect(self, scrape):
         return iter(())
 
 

@@ -35,9 +35,9 @@ import yaml
 from cloudcoil.models.prometheus_operator import v1 as monitoring
 
 from gpunet_exporter.collectors.probe import ProbeSettings
-from gpunet_exporter.config import load_file
+from gpunet_exporter.config import load_file, settings_items
 from gpunet_exporter.health import thresholds
-from gpunet_exporter.options import build_parser, config_schema, resolve
+from gpunet_exporter.options import build_parser, config_type, resolve
 from gpunet_exporter.registry import discover
 
 from support.kube import kustomize, render_exporter
@@ -137,11 +137,11 @@ def load_config(docs: list[dict[str, Any]], tmp_path: Path) -> tuple[dict[str, A
     path = tmp_path / "config.yml"
     path.write_text(config_text(docs), encoding="utf-8")
     classes = discover()
-    cfg = load_file(str(path), config_schema(classes))
+    cfg = load_file(str(path), config_type(classes))
     parser = build_parser(classes)
     args = parse_args(docs)
-    enabled, _, settings = resolve(args, classes, cfg, parser)
-    return cfg, (enabled, settings)
+    enabled, settings = resolve(args, classes, cfg, parser)
+    return settings_items(cfg), (enabled, settings)
 
 
 def seconds(duration: str) -> float:

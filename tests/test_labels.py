@@ -27,7 +27,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.samples import Sample
 
-from gpunet_exporter.collector import Collector
+from gpunet_exporter.collector import Collector, Scrape
 from gpunet_exporter.collectors.infiniband import InfinibandCollector
 from gpunet_exporter.collectors.link import LinkCollector
 from gpunet_exporter.collectors.pfc import PfcCollector
@@ -139,7 +139,7 @@ class ThirdParty(Collector):
 
     name = "thirdparty"
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self, scrape: Scrape) -> Iterator[Metric]:
         g = GaugeMetricFamily("gpunet_thirdparty_value", "Built from the name dev\udcff.",
                               labels=("device",))
         for dev in ("ok0", "bad\udcff", "nul\x00", "x" * 300, "y" * 256, "\u00e9\u4e2d"):
@@ -177,7 +177,7 @@ def test_every_check_keeps_what_is_fine(tmp_path: Path) -> None:
     """drop_unexposable on a clean DGX scrape changes nothing and skips nothing."""
     sys = st.build_dgx_h100(tmp_path)
     c = make_collector(InfinibandCollector, sys)
-    families = list(c.collect())
+    families = list(c.collect(Scrape()))
     before = samples_of(families)
     skipped: list[str] = []
     drop_unexposable(families, lambda what, why: skipped.append(what))
@@ -224,7 +224,8 @@ def test_rdma_device_name_not_utf8(dgx: Path) -> None:
     each collector that names RDMA devices; the rest of the node stands."""
     # Its series, as the collector makes them while the device has a good name.
     alone = make_collector(InfinibandCollector, dgx, {"device_include": "^mlx5_3$"})
-    per_device = len([k for k in samples_of(list(alone.collect())) if ("device", "mlx5_3") in k[1]])
+    per_device = len([k for k in samples_of(list(alone.collect(Scrape())))
+                      if ("device", "mlx5_3") in k[1]])
     alone.close()
     netdev = st._netdev(dgx, "mlx5_3").name
     relink(dgx / IB / "mlx5_3", badname(dgx / IB / "mlx5_"))
@@ -393,7 +394,7 @@ def test_probe_result_strings(tmp_path: Path) -> None:
 class _Failing(Collector):
     name = "failing"
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self, scrape: Scrape) -> Iterator[Metric]:
         # OSError's text shows the file name as repr() (escaped); a message names it as is.
         raise RuntimeError("cannot read /sys/class/net/eth\udcff/mtu")
 
@@ -431,7 +432,7 @@ from gpunet_exporter.collector import Collector
 
 class Odd(Collector):
     name = "odd"
-    def collect(self):
+    def collect(self, scrape):
         g = GaugeMetricFamily("gpunet_odd_value", "Odd names.", labels=("name",))
         g.add_metric(["fine"], 1)
         g.add_metric(["odd\\udcff"], 2)
@@ -440,7 +441,7 @@ class Odd(Collector):
 
 class Boom(Collector):
     name = "boom"
-    def collect(self):
+    def collect(self, scrape):
         raise RuntimeError("cannot read /sys/class/infiniband/mlx5_\\udcff/fw_ver")
 '''
 

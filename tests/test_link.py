@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gpunet_exporter.collector import Scrape
 from gpunet_exporter.collectors.link import LinkCollector
 from gpunet_exporter.registry import Scraper
 
@@ -118,7 +119,7 @@ def test_ibv_devinfo_active_mtu(dgx: Path, tmp_path: Path) -> None:
            "expected_mtu": [{"link_layer": "InfiniBand", "rdma_mtu": 4096}]}
     c = make_collector(LinkCollector, dgx, cfg)
     try:
-        s = samples_of(list(c.collect()))
+        s = samples_of(list(c.collect(Scrape())))
     finally:
         c.close()
     assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_0", port="1") == 4096
@@ -138,7 +139,7 @@ def test_ibv_devinfo_failure_keeps_last_good_values(dgx: Path, tmp_path: Path) -
                                "exit 1; }\n" f"cat {out}\n")
     c = make_collector(LinkCollector, dgx, {"ibv_devinfo": {"path": str(tool)}})
     try:
-        first = samples_of(list(c.collect()))
+        first = samples_of(list(c.collect(Scrape())))
         assert value(first, "gpunet_link_ibv_devinfo_refresh_success") == 1
         good = value(first, LAST_SUCCESS)
         assert good is not None
@@ -146,11 +147,11 @@ def test_ibv_devinfo_failure_keeps_last_good_values(dgx: Path, tmp_path: Path) -
         refresher = c._ibv  # type: ignore[attr-defined]
         time.sleep(0.05)
         refresher.refresh()  # the background thread's next round, without waiting for it
-        s = samples_of(list(c.collect()))
+        s = samples_of(list(c.collect(Scrape())))
         out.write_text(DEVINFO)
         time.sleep(0.05)
         refresher.refresh()  # the tool works again
-        again = samples_of(list(c.collect()))
+        again = samples_of(list(c.collect(Scrape())))
     finally:
         c.close()
     assert value(s, "gpunet_link_ibv_devinfo_refresh_success") == 0
@@ -169,7 +170,7 @@ def test_ibv_devinfo_broken_tool(dgx: Path, tmp_path: Path, body: str, reason: s
                                                            "timeout_seconds": 0.5}})
     t0 = time.monotonic()
     try:
-        s = samples_of(list(c.collect()))
+        s = samples_of(list(c.collect(Scrape())))
     finally:
         c.close()
     assert time.monotonic() - t0 < 20  # killed after its timeout, not waited for

@@ -41,8 +41,8 @@ from prometheus_client.core import Metric
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpunet_exporter.collector import Collector
-from gpunet_exporter.registry import Scraper, request_timeout
+from gpunet_exporter.collector import Collector, Scrape
+from gpunet_exporter.registry import Scraper
 from gpunet_exporter.web.http import scrape_timeout
 
 from support import fake_nvml
@@ -203,13 +203,13 @@ def test_scrape_timeout_header_parsing(header: str | None, want: float | None) -
 class _Slow(Collector):
     name = "slow"
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self, scrape: Scrape) -> Iterator[Metric]:
         time.sleep(0.6)
         return iter(())
 
 
-def test_scraper_timeout_argument_and_request_timeout(tmp_path: Path) -> None:
-    """Scraper.collect(timeout) and request_timeout() shorten the deadline, never lengthen it."""
+def test_scraper_timeout_argument(tmp_path: Path) -> None:
+    """Scraper.collect(timeout) shortens the deadline, never lengthens it."""
     scraper = Scraper({"slow": make_collector(_Slow, tmp_path)}, timeout=5)
 
     def ok(families: Iterator[Metric]) -> float | None:
@@ -219,10 +219,9 @@ def test_scraper_timeout_argument_and_request_timeout(tmp_path: Path) -> None:
     assert ok(scraper.collect(0.1)) == 0
     assert scraper.runners[0].status.error.endswith("(timeout 0.1s)")
     assert ok(scraper.collect(30)) == 1  # joins the collection still running, waits up to 5 s
-    with request_timeout(0.2):
-        assert ok(scraper.collect()) == 0
+    assert ok(scraper.collect(0.2)) == 0
     assert scraper.runners[0].status.error.endswith("(timeout 0.2s)")
-    assert ok(scraper.collect()) == 1
+    assert ok(scraper.collect()) == 1  # without one: --scrape.timeout's 5 s
 
 
 def test_scrape_timeout_header(node: Node) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from gpunet_exporter.collector import Scrape
 from gpunet_exporter.collectors.nccl import NcclCollector
 from gpunet_exporter.sources import ras
 
@@ -194,7 +195,7 @@ def collector(ports: list[int], **config: Any) -> Iterator[NcclCollector]:
 def scrape(c: NcclCollector) -> dict[Any, float]:
     c.refresh()
     c._refresher.stop()  # the scrape serves what refresh() found, nothing newer
-    return samples_of(list(c.collect()))
+    return samples_of(list(c.collect(Scrape())))
 
 
 def job(s: dict[Any, float], port: int) -> dict[str, float | None]:

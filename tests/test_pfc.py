@@ -21,6 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
+from gpunet_exporter.collector import Scrape
 from gpunet_exporter.collectors.pfc import (
     _PRIORITY_IN_NAME,
     COUNTER_SPECS,
@@ -277,7 +278,7 @@ def scrape(sysfs: Path, reader: TextReader, config: dict[str, object] | None = N
     c = make_collector(PfcCollector, sysfs, cfg)
     c.reader = reader  # type: ignore[attr-defined]
     try:
-        return samples_of(list(c.collect())), c.ctx.unreadable
+        return samples_of(list(c.collect(Scrape()))), c.ctx.unreadable
     finally:
         c.close()
 
@@ -348,9 +349,9 @@ def test_labels_follow_the_names_when_pfc_moves(dgx: Path) -> None:
     c = make_collector(PfcCollector, dgx, {"config": {"sources": ["sysfs"]}})
     c.reader = reader  # type: ignore[attr-defined]
     try:
-        first = samples_of(list(c.collect()))
+        first = samples_of(list(c.collect(Scrape())))
         reader.texts[ROCE] = "     rx_prio4_pause: 2\n     rx_prio4_bytes: 1\n"
-        second = samples_of(list(c.collect()))
+        second = samples_of(list(c.collect(Scrape())))
     finally:
         c.close()
     assert per_prio(first, "gpunet_pfc_pause_frames_total") == {"3": 10}
@@ -400,7 +401,7 @@ def refreshed(sysfs: Path, config: dict[str, object]) -> Iterator[Samples]:
     try:
         while True:
             c.refresh()  # type: ignore[attr-defined]
-            yield samples_of(list(c.collect()))
+            yield samples_of(list(c.collect(Scrape())))
     finally:
         c.close()
 
@@ -672,6 +673,7 @@ def test_ioctl_reads_what_ethtool_prints(netns: str) -> None:
 def test_interface_that_disappears_between_listing_and_reading(netns: str) -> None:
     got = in_netns(netns, textwrap.dedent("""\
         import errno, json, subprocess
+        from gpunet_exporter.collector import Scrape
         from gpunet_exporter.collectors.pfc import PfcCollector
         from gpunet_exporter.sources.ethtool import EthtoolReader
         from support.metrics import make_collector
@@ -698,8 +700,8 @@ def test_interface_that_disappears_between_listing_and_reading(netns: str) -> No
         c = make_collector(PfcCollector, "/sys", {"interfaces": ["va", "vc"],
                                                  "config": {"sources": ["sysfs"]}})
         c.reader = Vanishing()
-        families = list(c.collect())
-        again = list(c.collect())  # vc no longer listed
+        families = list(c.collect(Scrape()))
+        again = list(c.collect(Scrape()))  # vc no longer listed
         print(json.dumps({"results": c.reader.results, "unreadable": c.ctx.unreadable,
                           "interfaces": c.interfaces()}))
         c.close()

@@ -8,6 +8,9 @@ import subprocess
 
 import pytest
 
+from gpunet_exporter.collectors.link import LinkSettings
+from gpunet_exporter.collectors.topology import TopologyCollector
+from gpunet_exporter.config import Settings, parse_settings
 from gpunet_exporter.daemon import privileges
 from gpunet_exporter.daemon.privileges import needs, root_warning
 
@@ -39,8 +42,13 @@ def test_root_with_topology_names_the_capabilities() -> None:
     assert "CAP_SYS_PTRACE + CAP_DAC_READ_SEARCH (topology: NCCL environment audit" in line
 
 
+def topology(section: object) -> dict[str, Settings]:
+    """The topology collector's settings of a config file's section."""
+    return {"topology": parse_settings(TopologyCollector.settings_type, section, "topology")}
+
+
 def test_audit_turned_off_drops_its_capabilities() -> None:
-    config = {"topology": {"nccl_env_audit": False}}
+    config = topology({"nccl_env_audit": False})
     line = root_warning(["topology"], config, euid=0)
     assert line is not None
     assert "CAP_SYS_ADMIN" in line
@@ -48,9 +56,9 @@ def test_audit_turned_off_drops_its_capabilities() -> None:
     assert [n.what for n in needs(["topology"], config)] == ["ACS redirect of PCIe bridges"]
 
 
-@pytest.mark.parametrize("config", [{}, {"topology": {}}, {"topology": {"nccl_env_audit": True}},
-                                    {"topology": None}, {"collectors": {"topology": True}}])
-def test_audit_default_is_on(config: dict[str, object]) -> None:
+@pytest.mark.parametrize("config", [{}, topology({}), topology({"nccl_env_audit": True}),
+                                    topology(None), {"link": LinkSettings()}])
+def test_audit_default_is_on(config: dict[str, Settings]) -> None:
     caps = {c for n in needs(["topology"], config) for c in n.capabilities}
     assert caps == {"CAP_SYS_ADMIN", "CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH"}
 

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as hs
 
+from gpunet_exporter.collector import Scrape
 from gpunet_exporter.collectors.probe import REASONS, ProbeCollector, ProbeSettings
 from gpunet_exporter.config import settings_fields
 from gpunet_exporter.flags import Parser
@@ -342,7 +343,7 @@ class Probe:
         self.supervisor = self.c.supervisor
 
     def scrape(self) -> Samples:
-        return samples_of(list(self.c.collect()))
+        return samples_of(list(self.c.collect(Scrape())))
 
     def wait(self, name: str, timeout: float = 60, **labels: str) -> Samples:
         def scrape() -> Samples | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gpunet_exporter.collector import Scrape
 from gpunet_exporter.collectors.probe import ProbeCollector
 from gpunet_exporter.probe import idle, runner, supervisor
 from gpunet_exporter.registry import Scraper
@@ -159,7 +160,7 @@ class Node:
         self.c.supervisor.start()
 
     def scrape(self) -> Samples:
-        return samples_of(list(self.c.collect()))
+        return samples_of(list(self.c.collect(Scrape())))
 
     def state_is(self, state: str) -> Samples | None:
         s = self.scrape()
@@ -302,7 +303,7 @@ def test_no_nvml_with_nccl_is_unknown_and_runs_nothing(tmp_path: Path) -> None:
     assert isinstance(c, ProbeCollector)
     try:
         c.supervisor.refresh()
-        s = samples_of(list(c.collect()))
+        s = samples_of(list(c.collect(Scrape())))
         assert value(s, "gpunet_probe_state", state=idle.UNKNOWN) == 1
         assert value(s, "gpunet_probe_runner_running") == 0
         assert c.supervisor.pid is None
@@ -315,7 +316,7 @@ def test_exporter_runs_no_runner_of_its_own_under_runner_none(tmp_path: Path) ->
     c = make_collector(ProbeCollector, st.build_dgx_h100(tmp_path / "tree"),
                        {"state_dir": str(tmp_path / "state"), "runner": "none"})
     try:
-        s = samples_of(list(c.collect()))
+        s = samples_of(list(c.collect(Scrape())))
         assert not series(s, "gpunet_probe_state")
     finally:
         c.close()

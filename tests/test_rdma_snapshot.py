@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from gpunet_exporter.collector import Collector, CollectorContext, ScrapeScope, scrape_scope
+from gpunet_exporter.collector import Collector, CollectorContext, Scrape
 from gpunet_exporter.collectors.infiniband import InfinibandCollector
 from gpunet_exporter.collectors.link import LinkCollector
 from gpunet_exporter.collectors.pfc import PfcCollector
@@ -139,7 +139,7 @@ def test_shared_listing_gives_what_each_collector_reads_alone(dgx: Path) -> None
     alone: Samples = {}
     for c in collectors(dgx, Root(str(dgx))):
         try:
-            alone.update(samples_of(list(c.collect())))
+            alone.update(samples_of(list(c.collect(Scrape()))))
         finally:
             c.close()
     assert without_scrape_families(together).keys() == alone.keys()
@@ -148,15 +148,13 @@ def test_shared_listing_gives_what_each_collector_reads_alone(dgx: Path) -> None
             assert together[key] == v, key
 
 
-def test_outside_a_scrape_each_call_lists_anew(dgx: Path) -> None:
-    root = CountingRoot(str(dgx))
-    c = make_collector(LinkCollector, dgx, {"ibv_devinfo": {"enabled": False}}, root=root)
-    assert c.ctx.rdma() is not c.ctx.rdma()  # no scrape: no sharing, nothing kept
-    with scrape_scope(ScrapeScope()):
-        assert c.ctx.rdma() is c.ctx.rdma()
-    other = make_collector(LinkCollector, dgx, root=Root(str(dgx)))
-    with scrape_scope(ScrapeScope()):  # another root is another tree: its own snapshot
-        assert c.ctx.rdma() is not other.ctx.rdma()
+def test_each_scrape_lists_anew(dgx: Path) -> None:
+    root = Root(str(dgx))
+    one, two = Scrape(), Scrape()
+    assert one.rdma(root) is one.rdma(root)  # one scrape: one listing, shared
+    assert one.rdma(root) is not two.rdma(root)  # another scrape: listed anew
+    other = Root(str(dgx))
+    assert one.rdma(root) is not one.rdma(other)  # another root is another tree: its own
 
 
 @pytest.mark.parametrize("device", ["mlx5_4", "mlx5_8"])  # an IB port and a RoCE port
@@ -260,8 +258,8 @@ def test_snapshot_reads_each_device_once_under_concurrency(dgx: Path) -> None:
     assert [p.netdev for p in got[0].ports] == [st._netdev(dgx, "mlx5_0").name]
 
 
-def test_scope_builds_once_across_threads() -> None:
-    scope = ScrapeScope()
+def test_scrape_builds_once_across_threads() -> None:
+    scrape = Scrape()
     calls = 0
     barrier = threading.Barrier(6)
 
@@ -275,7 +273,7 @@ def test_scope_builds_once_across_threads() -> None:
 
     def ask() -> None:
         barrier.wait()
-        results.append(scope.get("key", build))
+        results.append(scrape.shared("key", build))
 
     threads = [threading.Thread(target=ask) for _ in range(6)]
     for t in threads:
@@ -285,15 +283,15 @@ def test_scope_builds_once_across_threads() -> None:
     assert calls == 1 and len(results) == 6 and all(r is results[0] for r in results)
 
 
-def test_scope_does_not_keep_a_failed_build() -> None:
-    scope = ScrapeScope()
+def test_scrape_does_not_keep_a_failed_build() -> None:
+    scrape = Scrape()
 
     def fail() -> object:
         raise OSError(5, "EIO")
 
     with pytest.raises(OSError):
-        scope.get("k", fail)
-    assert scope.get("k", lambda: 3) == 3
+        scrape.shared("k", fail)
+    assert scrape.shared("k", lambda: 3) == 3
 
 
 class _Asker(Collector):
@@ -305,8 +303,8 @@ class _Asker(Collector):
         super().__init__(ctx)
         self.seen = seen
 
-    def collect(self) -> Iterator[Any]:
-        self.seen.append(self.ctx.rdma())
+    def collect(self, scrape: Scrape) -> Iterator[Any]:
+        self.seen.append(scrape.rdma(self.ctx.sysfs))
         return iter(())
 
 

@@ -1,7 +1,7 @@
 """Typed configuration (issue 17): each collector's section is declared once, as a frozen
 dataclass of settings, and parsed once at start; the schema a config file is checked against,
 the defaults --help shows, docs/configuration.md and the collector's code all read that one
-declaration. Third-party collectors keep the older way (``config_fields`` and ``ctx.config``)."""
+declaration. Third-party collectors declare theirs the same way."""
 
 from __future__ import annotations
 
@@ -16,27 +16,26 @@ import pytest
 import yaml
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from gpunet_exporter.collector import Collector
+from gpunet_exporter.collector import Collector, Scrape, build_collector
 from gpunet_exporter.collectors.infiniband import InfinibandSettings, RateRule
 from gpunet_exporter.collectors.link import IbvDevinfoSettings, LinkCollector, LinkSettings
 from gpunet_exporter.collectors.pfc import SOURCES, PfcSettings
 from gpunet_exporter.collectors.probe import ProbeSettings
 from gpunet_exporter.config import (
     ConfigError,
-    Field,
     Settings,
     load_file,
+    make_settings,
     parse_settings,
     setting,
     settings_fields,
-    settings_from,
-    validate,
+    settings_items,
+    with_setting,
 )
 from gpunet_exporter.health import configdoc
-from gpunet_exporter.options import build_parser, config_schema, resolve, start_collectors
+from gpunet_exporter.options import build_parser, config_type, resolve, start_collectors
 from gpunet_exporter.registry import discover
 
-from support.metrics import make_collector
 from support.paths import REPO, UPSTREAM
 
 SYSFS = str(UPSTREAM / "node_exporter-sysfs-infiniband" / "tree" / "sys")
@@ -44,27 +43,26 @@ CLASSES = discover()
 
 
 def resolved(tmp_path: Path, text: str | None, *flags: str,
-             classes: dict[str, type[Collector]] = CLASSES
-             ) -> tuple[dict[str, dict[str, Any]], dict[str, Settings]]:
-    """Each collector's section and settings as the exporter resolves them from a config file
-    (``text``) and flags."""
+             classes: dict[str, type[Collector]] = CLASSES) -> dict[str, Settings]:
+    """Each collector's settings as the exporter resolves them from a config file (``text``)
+    and flags."""
     parser = build_parser(classes)
     argv = [f"--path.sysfs={SYSFS}", *flags]
-    config: dict[str, Any] = {}
+    config = None
     if text is not None:
         path = tmp_path / "gpunet.yml"
         path.write_text(text)
-        config = load_file(str(path), config_schema(classes))
+        config = load_file(str(path), config_type(classes))
         argv.append(f"--config.file={path}")
-    _, sections, settings = resolve(parser.parse_args(argv), classes, config, parser)
-    return sections, settings
+    _, settings = resolve(parser.parse_args(argv), classes, config, parser)
+    return settings
 
 
 # ---- nested maps --------------------------------------------------------------------------------
 
 def test_a_nested_map_missing_from_the_file_has_its_keys_defaults(tmp_path: Path) -> None:
-    _, settings = resolved(tmp_path, "link: {interfaces: [eth9]}\n"
-                                     "pfc: {config: {interval_seconds: 5}}\n")
+    settings = resolved(tmp_path, "link: {interfaces: [eth9]}\n"
+                                 "pfc: {config: {interval_seconds: 5}}\n")
     link = settings["link"]
     assert isinstance(link, LinkSettings)
     assert link.interfaces == ("eth9",)
@@ -102,12 +100,11 @@ class Outer(Settings):
 
 def test_nested_defaults_need_no_declaration_of_their_own() -> None:
     """No ``default={}`` on the parent: a map left out, or given some of its keys, has its
-    other keys' defaults, in the typed settings and in the validated mapping alike."""
+    other keys' defaults."""
     assert parse_settings(Outer, {}, "x") == Outer()
+    assert parse_settings(Outer, None, "x") == Outer()  # an empty YAML section
     assert parse_settings(Outer, {}, "x").inner.count == 3
     assert parse_settings(Outer, {"inner": {"label": "a"}}, "x").inner == Inner(3, "a")
-    schema = Field("map", fields=settings_fields(Outer))
-    assert validate({}, schema, "x") == {"inner": {"count": 3}, "sizes": [8, 16]}
     parsed = parse_settings(Outer, {"rules": [{"name": "^a", "size": 8}], "sizes": [4]}, "x")
     assert parsed.sizes == (4,)
     (rule,) = parsed.rules
@@ -137,7 +134,7 @@ def test_a_wrong_type_in_a_nested_map_is_one_line_naming_the_key(tmp_path: Path)
     path = tmp_path / "gpunet.yml"
     path.write_text("link:\n  ibv_devinfo:\n    timeout_seconds: soon\n")
     with pytest.raises(ConfigError) as err:
-        load_file(str(path), config_schema(CLASSES))
+        load_file(str(path), config_type(CLASSES))
     assert str(err.value) == (f"config file {str(path)!r}: key 'link.ibv_devinfo."
                               "timeout_seconds': expected a number, got 'soon' (str)")
 
@@ -185,8 +182,7 @@ def test_a_default_is_declared_once() -> None:
     checked = 0
     for name, cls in CLASSES.items():
         defaults = cls.settings_type()
-        assert settings_from(cls.settings_type, validate(
-            {}, Field("map", fields=dict(cls.config_fields)), name)) == defaults
+        assert parse_settings(cls.settings_type, {}, name) == defaults
         for key, text in _declared(cls.settings_type, name).items():
             assert rows.pop(key) == text, key
             checked += 1
@@ -202,13 +198,12 @@ def test_each_collector_declares_the_type_of_its_settings() -> None:
     for cls in CLASSES.values():
         assert cls.settings_type is not Settings
         assert typing.get_type_hints(cls)["settings"] is cls.settings_type, cls.name
-        assert cls.config_fields == settings_fields(cls.settings_type)
 
 
 # ---- parsed once ------------------------------------------------------------------------------
 
 def test_flags_file_and_defaults_reach_the_settings_typed(tmp_path: Path) -> None:
-    sections, settings = resolved(
+    settings = resolved(
         tmp_path, "infiniband:\n  device_include: '^mlx5_1$'\n  expected_rate:\n"
                   "    - {hca_type: MT4129, gbps: 400}\n",
         "--collector.infiniband.device-exclude=_9$")
@@ -216,7 +211,6 @@ def test_flags_file_and_defaults_reach_the_settings_typed(tmp_path: Path) -> Non
     assert isinstance(ib, InfinibandSettings)
     assert ib.device_include is not None and ib.device_include.pattern == "^mlx5_1$"
     assert ib.device_exclude is not None and ib.device_exclude.pattern == "_9$"
-    assert ib.device_include is sections["infiniband"]["device_include"]  # compiled once
     assert ib.expected_rate == (RateRule(hca_type=re.compile("MT4129"), gbps=400),)
     assert ib.expected_rate[0].matches("mlx5_0", "MT4129", "InfiniBand")
     assert not ib.expected_rate[0].matches("mlx5_0", "MT4123", "InfiniBand")
@@ -232,31 +226,32 @@ def test_a_collector_gets_the_settings_resolved_once(tmp_path: Path) -> None:
     parser = build_parser(CLASSES)
     args = parser.parse_args([f"--path.sysfs={SYSFS}", f"--config.file={path}",
                               "--collector.disable-defaults", "--collector.link"])
-    collectors, sections, enabled = start_collectors(args, CLASSES, parser)
+    collectors, settings, enabled = start_collectors(args, CLASSES, parser)
     try:
         assert enabled == ["link"]
         link = collectors["link"]
         assert isinstance(link, LinkCollector)
-        assert link.settings is link.ctx.settings
-        assert link.settings.ibv_devinfo.enabled is False
-        assert sections["link"]["ibv_devinfo"] == {"enabled": False, "path": "ibv_devinfo",
-                                                   "timeout_seconds": 10,
-                                                   "interval_seconds": 300}
+        assert link.settings is link.ctx.settings is settings["link"]
+        assert link.settings.ibv_devinfo == IbvDevinfoSettings(enabled=False)
     finally:
         for c in collectors.values():
             c.close()
 
 
-def test_a_context_built_by_hand_gets_its_settings_parsed() -> None:
-    """Tests and tools that build a CollectorContext themselves pass the section alone."""
-    link = make_collector(LinkCollector, SYSFS, {"interface_exclude": "^lo$"})
+def test_one_way_to_build_a_collector() -> None:
+    """build_collector takes the section as the file gives it, or the settings themselves; a
+    context whose settings are not the collector's type is refused."""
+    link = build_collector(LinkCollector, {"interface_exclude": "^lo$"}, sysfs=SYSFS)
     assert isinstance(link.settings, LinkSettings)
-    link.ctx.settings = None
-    again = LinkCollector(link.ctx)
-    assert again.settings == link.settings
-    assert again.settings.interface_exclude is not None
+    assert link.settings.interface_exclude is not None
+    again = build_collector(LinkCollector, link.settings, sysfs=SYSFS)
+    assert again.settings is link.settings and again.ctx.sysfs.root == SYSFS
     with pytest.raises(ConfigError, match=re.escape("key 'link.mtu': unknown key")):
-        LinkCollector(dataclasses.replace(link.ctx, config={"mtu": 9000}))
+        build_collector(LinkCollector, {"mtu": 9000})
+    with pytest.raises(TypeError, match="not its settings_type LinkSettings"):
+        LinkCollector(dataclasses.replace(link.ctx, settings=ProbeSettings()))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        link.ctx.settings = LinkSettings()  # type: ignore[misc]
 
 
 # ---- third-party collectors -------------------------------------------------------------------
@@ -273,42 +268,40 @@ class Third(Collector):
     settings: ThirdSettings
     flags: ClassVar[Mapping[str, tuple[str, str]]] = {"path": ("path", "file to read")}
 
-    def collect(self) -> list[Metric]:
+    def collect(self, scrape: Scrape) -> list[Metric]:
         return [GaugeMetricFamily("gpunet_third_count", self.settings.path,
                                   value=self.settings.limits.count)]
 
 
-class Legacy(Collector):
-    """A collector written before typed settings: its schema as Fields, read as a mapping."""
-
-    name = "legacy"
-    config_fields: ClassVar[Mapping[str, Field]] = {
-        "threshold": Field("int", "a threshold", default=7, minimum=0),
-        "nested": Field("map", fields={"on": Field("bool", default=True)}, default={})}
-
-    def collect(self) -> list[Metric]:
-        value = self.ctx.config["threshold"] + int(self.ctx.config["nested"]["on"])
-        return [GaugeMetricFamily("gpunet_legacy_value", "v", value=value)]
-
-
-def test_third_party_collectors_old_and_new(tmp_path: Path) -> None:
-    classes: dict[str, type[Collector]] = {"third": Third, "legacy": Legacy}
+def test_third_party_collectors(tmp_path: Path) -> None:
+    classes: dict[str, type[Collector]] = {"third": Third}
     path = tmp_path / "gpunet.yml"
-    path.write_text("third: {limits: {count: 9}}\nlegacy: {threshold: 40}\n")
+    path.write_text("third: {limits: {count: 9}}\ncollectors: {third: true}\n")
     parser = build_parser(classes)
     assert "(default: /run/third.state)" in parser.format_help()
     args = parser.parse_args([f"--path.sysfs={SYSFS}", f"--config.file={path}",
                               "--collector.third.path=/tmp/x"])
     collectors, _, _ = start_collectors(args, classes, parser)
-    third, legacy = collectors["third"], collectors["legacy"]
+    third = collectors["third"]
     assert isinstance(third, Third)
     assert third.settings == ThirdSettings("/tmp/x", Inner(9))
-    assert [s.value for m in third.collect() for s in m.samples] == [9]
-    assert legacy.settings == Settings()
-    assert dict(legacy.ctx.config) == {"threshold": 40, "nested": {"on": True}}
-    assert [s.value for m in legacy.collect() for s in m.samples] == [41]
-    assert "| `legacy.threshold` | int >= 0 | `7` | a threshold |" in configdoc.render(classes)
+    assert [s.value for m in third.collect(Scrape()) for s in m.samples] == [9]
     assert "| `third.limits.count` | int >= 1 | `3` | a count |" in configdoc.render(classes)
+
+
+def test_the_config_files_top_level_is_declared_from_the_collectors(tmp_path: Path) -> None:
+    classes: dict[str, type[Collector]] = {"third": Third, "link": LinkCollector}
+    path = tmp_path / "gpunet.yml"
+    path.write_text("collectors: {link: false}\nthird: {path: /x}\n")
+    config = load_file(str(path), config_type(classes))
+    items = settings_items(config)
+    assert list(items) == ["collectors", "third", "link"]
+    assert settings_items(items["collectors"]) == {"third": None, "link": False}
+    assert items["third"] == ThirdSettings("/x") and items["link"] == LinkSettings()
+    path.write_text("collectors: {gpu: true}\n")
+    with pytest.raises(ConfigError, match=re.escape(
+            "key 'collectors.gpu': unknown key (known keys here: link, third)")):
+        load_file(str(path), config_type(classes))
 
 
 def test_a_wrong_flag_value_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -318,7 +311,7 @@ def test_a_wrong_flag_value_is_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     args = parser.parse_args([f"--path.sysfs={SYSFS}"])
     args.flag__third__path = "a\0b"
     with pytest.raises(SystemExit) as exit_:
-        resolve(args, classes, {}, parser)
+        resolve(args, classes, None, parser)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
@@ -354,6 +347,37 @@ def test_declarations_that_cannot_be_a_schema() -> None:
 
     with pytest.raises(TypeError, match="must be a frozen dataclass"):
         settings_fields(Plain)
-    with pytest.raises(TypeError, match="declare settings_type or config_fields, not both"):
-        type("Both", (Collector,), {"settings_type": Outer, "config_fields": {},
-                                    "collect": lambda self: []})
+    assert "a map of any keys is declared Mapping[str, X]" in bad(
+        {"__annotations__": {"n": "Mapping[int, str]"}, "n": setting("n", default={})})
+    with pytest.raises(TypeError, match=re.escape("a Mapping setting defaults to {}")):
+        setting("n", default={"a": "b"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Open(Settings):
+    users: Mapping[str, str] = setting("any names", default={})
+    inner: Inner | None = setting("named or not")
+    need: Rule | None = setting("with a required key")
+
+
+def test_maps_of_any_keys_optional_maps_and_keys_that_are_no_python_names() -> None:
+    assert parse_settings(Open, {}, "o") == Open()
+    got = parse_settings(Open, {"users": {"al-ice": "x"}, "inner": {}}, "o")
+    assert dict(got.users) == {"al-ice": "x"} and got.inner == Inner()
+    with pytest.raises(TypeError):
+        got.users["bob"] = "y"  # type: ignore[index]  # read-only
+    with pytest.raises(ConfigError, match=re.escape("key 'o.users.bob': expected a string")):
+        parse_settings(Open, {"users": {"bob": 1}}, "o")
+    with pytest.raises(ConfigError, match=re.escape("key 'o.users.1': a key must be a string")):
+        parse_settings(Open, {"users": {1: "x"}}, "o")
+    with pytest.raises(ConfigError, match=re.escape("key 'o.need.size': missing, it is required")):
+        parse_settings(Open, {"need": {}}, "o")
+    headers = make_settings("Headers", {"X-Frame-Options": (str | None, setting("frames")),
+                                        "plain": (int, setting("a number", default=2))})
+    assert list(settings_fields(headers)) == ["X-Frame-Options", "plain"]
+    parsed = parse_settings(headers, {"X-Frame-Options": "deny"}, "h")
+    assert settings_items(parsed) == {"X-Frame-Options": "deny", "plain": 2}
+    assert settings_items(with_setting(parsed, "plain", 5, "h.plain"))["plain"] == 5
+    with pytest.raises(ConfigError, match=re.escape("key 'h.x': unknown key (known keys here: "
+                                                    "X-Frame-Options, plain)")):
+        parse_settings(headers, {"x": 1}, "h")

@@ -27,6 +27,7 @@ import requests
 
 from gpunet_exporter import DEFAULT_PORT
 from gpunet_exporter.collectors.probe import ProbeCollector
+from gpunet_exporter.config import settings_items
 from gpunet_exporter.daemon.privileges import declared
 
 from support import ibsim
@@ -166,7 +167,7 @@ def test_optional_capabilities_commented_match_privileges() -> None:
 
 def test_state_directory_holds_probe_state_dir() -> None:
     (state,) = settings("StateDirectory")
-    default = ProbeCollector.config_fields["state_dir"].default
+    default = settings_items(ProbeCollector.settings_type())["state_dir"]
     assert default.startswith(f"/var/lib/{state}/")
     (home,) = [shlex.split(line)[4] for line in SYSUSERS.read_text(encoding="utf-8").splitlines()
                if line.startswith("u ")]
@@ -295,7 +296,7 @@ def test_fabric_unit_runs_only_the_fabric_collector() -> None:
     classes = discover()
     parser = build_parser(classes)
     args = parser.parse_args(fabric_argv())
-    enabled, _, _ = resolve(args, classes, {}, parser)
+    enabled, _ = resolve(args, classes, None, parser)
     assert enabled == ["fabric"]
     assert args.hotplug is False
     assert args.listen_address == f":{FABRIC_PORT}"

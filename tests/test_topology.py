@@ -3,6 +3,7 @@ readiness, and the NCCL environment audit of GPU processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gpunet_exporter.collector import Collector
+from gpunet_exporter.collector import Collector, Scrape
 from gpunet_exporter.collectors.infiniband import InfinibandCollector
 from gpunet_exporter.collectors.link import LinkCollector
 from gpunet_exporter.collectors.topology import TopologyCollector, _pci_sort_key
@@ -72,7 +73,7 @@ def run(sysfs: Path, procfs: Path | None = None, config: dict[str, object] | Non
         nvml: FakeNvml | None = None, root: Root | None = None) -> tuple[Samples, int]:
     c = topology(sysfs, procfs, config, nvml, root)
     try:
-        return samples_of(list(c.collect())), c.ctx.unreadable
+        return samples_of(list(c.collect(Scrape()))), c.ctx.unreadable
     finally:
         c.close()
 
@@ -769,10 +770,10 @@ def test_nccl_audit_cache(dgx: Path, proc: Path) -> None:
     fake = FakeNvml(pids={100, 200})
     c = topology(dgx, proc, nvml=fake)
     counting = CountingRoot(str(proc))
-    c.ctx.procfs = counting
+    c.ctx = dataclasses.replace(c.ctx, procfs=counting)
 
     def ib_disabled() -> float | None:
-        s = samples_of(list(c.collect()))
+        s = samples_of(list(c.collect(Scrape())))
         return value(s, P + "nccl_env_findings", variable="NCCL_IB_DISABLE", issue="ib_disabled")
 
     assert ib_disabled() == 1 and counting.environ_reads == 2
@@ -825,6 +826,7 @@ def test_nccl_audit_eacces_for_real_as_unprivileged_user() -> None:
             "import os, sys\n"
             "sys.path.insert(0, sys.argv[3])\n"
             "from support.metrics import make_collector, samples_of, value\n"
+            "from gpunet_exporter.collector import Scrape\n"
             "from gpunet_exporter.collectors.topology import TopologyCollector\n"
             "if os.geteuid() == 0:  # imports done: root's pyenv is not readable for nobody\n"
             "    os.setgid(65534); os.setuid(65534)\n"
@@ -833,7 +835,7 @@ def test_nccl_audit_eacces_for_real_as_unprivileged_user() -> None:
             "    def compute_pids(self): return {100, 200}\n"
             "c = make_collector(TopologyCollector, sys.argv[1], procfs=sys.argv[2])\n"
             "c.nvml = Nvml()\n"
-            "s = samples_of(list(c.collect()))\n"
+            "s = samples_of(list(c.collect(Scrape())))\n"
             "p = 'gpunet_topology_'\n"
             "print(c.ctx.unreadable, value(s, p + 'nccl_env_processes', result='unreadable'),\n"
             "      value(s, p + 'nccl_env_processes', result='inspected'),\n"
@@ -878,23 +880,23 @@ def test_placement_cache_follows_hot_plug(dgx: Path, proc: Path) -> None:
     that appears among the PCI functions is found."""
     c = topology(dgx, proc)
     try:
-        s = samples_of(list(c.collect()))
+        s = samples_of(list(c.collect(Scrape())))
         assert paths(s)[("0", "mlx5_0")] == "PIX" and paths(s)[("0", "mlx5_4")] == "SYS"
         cls = dgx / "class" / "infiniband"
         a, b = os.readlink(cls / "mlx5_0"), os.readlink(cls / "mlx5_4")
         for name, target in (("mlx5_0", b), ("mlx5_4", a)):
             (cls / name).unlink()
             (cls / name).symlink_to(target)
-        s = samples_of(list(c.collect()))
+        s = samples_of(list(c.collect(Scrape())))
         assert paths(s)[("0", "mlx5_0")] == "SYS" and paths(s)[("0", "mlx5_4")] == "PIX"
         gpu0 = dgx / "bus" / "pci" / "devices" / "0000:1b:00.0"
         target = os.readlink(gpu0)
         gpu0.unlink()  # GPU 0 gone: the others are renumbered, as NVML would
-        s = samples_of(list(c.collect()))
+        s = samples_of(list(c.collect(Scrape())))
         assert nearest(s)["0"] == ("mlx5_1", "PIX")  # now the GPU at bus 0x43
         assert len(nearest(s)) == 7
         gpu0.symlink_to(target)  # back: under the switch of the NIC now named mlx5_4
-        s = samples_of(list(c.collect()))
+        s = samples_of(list(c.collect(Scrape())))
         assert nearest(s)["0"] == ("mlx5_4", "PIX") and len(nearest(s)) == 8
     finally:
         c.close()

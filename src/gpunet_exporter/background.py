@@ -13,8 +13,8 @@ good value (:class:`Fresh`) together with its freshness, exported the same way b
   fifty-year age), and it stops advancing while rounds fail. Alert and graph on
   ``time() - metric``.
 
-A scrape never waits longer than its deadline: the registry sets
-:attr:`gpunet_exporter.collector.CollectorContext.deadline` before each collection, and the first
+A scrape never waits longer than its deadline: the registry hands each collection its
+:class:`gpunet_exporter.collector.Scrape`, whose ``deadline`` it passes here, and the first
 scrape after a Refresher starts waits for its first value at most until then
 (:meth:`Refresher.wait_first`); every later scrape serves what is there at once.
 
@@ -205,7 +205,7 @@ class Refresher(Generic[T]):
     def wait_first(self, deadline: float | None) -> Fresh[T]:
         """:meth:`snapshot`, for a scrape. The first call after start() waits until the first
         round has ended, at most until ``deadline`` (time.monotonic(); a scrape passes its
-        CollectorContext.deadline) and, with a ``timeout``, at most that long; None waits for
+        Scrape.deadline) and, with a ``timeout``, at most that long; None waits for
         the round (a one-off reader with no scrape deadline). Later calls never wait: a
         first round that outlives a scrape's deadline is not waited for again."""
         if self._thread is not None and not self._waited and not self._first_done.is_set():
@@ -216,21 +216,3 @@ class Refresher(Generic[T]):
             if wait is None or wait > 0:
                 self._first_done.wait(wait)
         return self.snapshot()
-
-    # -- the earlier interface, kept for callers that read the fields --------------------------
-
-    @property
-    def value(self) -> T | None:
-        return self.snapshot().value
-
-    @property
-    def ok(self) -> bool | None:
-        return self.snapshot().ok
-
-    @property
-    def last_success(self) -> float:
-        """time.time() of the last good refresh, 0.0 before the first."""
-        return self.snapshot().last_success
-
-    def age(self) -> float | None:
-        return self.snapshot().age()

@@ -8,19 +8,17 @@ Collectors are found through the entry-point group ``gpunet_exporter.collectors`
 from __future__ import annotations
 
 import abc
-import contextlib
 import functools
 import logging
 import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
 
-from gpunet_exporter.config import Field, Settings, parse_settings, settings_fields
+from gpunet_exporter.config import Settings, parse_settings
 from gpunet_exporter.sources import rdma
 from gpunet_exporter.sources.sysfs import Root
 
@@ -94,7 +92,7 @@ class Privilege:
 
 
 class _Slot:
-    """One value of a :class:`ScrapeScope`, built by the first thread that asks for it."""
+    """One shared value of a :class:`Scrape`, built by the first thread that asks for it."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -102,16 +100,21 @@ class _Slot:
         self.value: Any = None
 
 
-class ScrapeScope:
-    """What the collectors of one scrape share: values built once, by the first collector that
-    asks for one, and handed to the others of the same scrape (CollectorContext.shared()).
+class Scrape:
+    """One scrape, as each collector's ``collect()`` gets it: its deadline and the readings its
+    collectors share.
 
-    The Scraper makes one per scrape and runs each collection inside it (:func:`scrape_scope`);
-    ``deadline`` (time.monotonic()) is when this scrape's collections should have returned, what
-    each collection sees as CollectorContext.deadline (None: no scrape's). Thread-safe:
+    ``deadline`` (time.monotonic()) is when this collection should have returned: the registry
+    sets it a little before the scrape's own deadline, so that the families still make it into
+    the scrape; None: no deadline (a one-off reader, a test). A collector waits for nothing
+    beyond it (gpunet_exporter.background.Refresher.wait_first).
+
+    :meth:`shared` values are built once, by the first collector of the scrape that asks for one,
+    and handed to the others (:meth:`rdma`: one listing of the RDMA devices). Thread-safe:
     collectors run in threads of their own, and one asking for a value another is building waits
     for it instead of building it again. A build that raises is not kept: the next one to ask
-    tries again.
+    tries again. ``Scrape()`` is a scrape of its own, with no deadline: what a test or a one-off
+    reader passes to collect().
     """
 
     def __init__(self, deadline: float | None = None) -> None:
@@ -119,7 +122,8 @@ class ScrapeScope:
         self._lock = threading.Lock()
         self._slots: dict[Hashable, _Slot] = {}
 
-    def get(self, key: Hashable, build: Callable[[], _T]) -> _T:
+    def shared(self, key: Hashable, build: Callable[[], _T]) -> _T:
+        """``build()``, once for all the collectors of this scrape that ask with ``key``."""
         with self._lock:
             slot = self._slots.get(key)
             if slot is None:
@@ -132,70 +136,81 @@ class ScrapeScope:
                 slot.built = True
         return slot.value  # type: ignore[no-any-return]
 
-
-# The scope of the scrape the current thread collects for; None outside a scrape (a test calling
-# collect(), a background refresh thread: threads start with no value of it).
-_SCOPE: ContextVar[ScrapeScope | None] = ContextVar("gpunet_scrape_scope", default=None)
-
-
-@contextlib.contextmanager
-def scrape_scope(scope: ScrapeScope | None) -> Iterator[None]:
-    """Within the block (in this thread), CollectorContext.shared() uses ``scope``."""
-    token = _SCOPE.set(scope)
-    try:
-        yield
-    finally:
-        _SCOPE.reset(token)
+    def rdma(self, sysfs: Root) -> rdma.Snapshot:
+        """The RDMA devices, ports, link layers and netdevs under ``sysfs``, listed once per
+        scrape and shared by its collectors (each reads its counters itself)."""
+        return self.shared(("rdma", sysfs), lambda: rdma.Snapshot(sysfs))
 
 
-@dataclass
+class Skips:
+    """How many values a collector has skipped since it started (CollectorContext.skip): the
+    registry reports a collection's count as the difference over it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def add(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+
+@dataclass(frozen=True)
 class CollectorContext:
-    """What a collector gets from the core: roots, its config section, a logger, and the
-    deadline of the collection running now."""
+    """What a collector gets from the core for as long as the process runs: roots, its
+    settings, a logger. What changes from one scrape to the next comes with each scrape
+    (:class:`Scrape`)."""
 
     name: str
     sysfs: Root
     procfs: Root
-    # The collector's section as validate() returns it, every default filled in; collectors
-    # with a settings_type read ``Collector.settings`` (the same, typed) instead.
-    config: Mapping[str, Any]
+    # The collector's section, an instance of its settings_type (Collector.settings).
+    settings: Settings
     logger: logging.LoggerAdapter[logging.Logger]
     log_once: LogOnce
-    unreadable: int = field(default=0)
     # Python module implementing the pynvml API (nvidia-ml-py); tests name a stand-in.
     nvml_module: str = "pynvml"
     # False in a one-off reader (the doctor): state kept across restarts (the inventory) is
     # read, never learned into nor written.
     learn: bool = True
-    # The section as the collector's settings_type, parsed once (options.resolve()); None:
-    # the collector parses ``config`` when it starts (a context built by hand, as tests do).
-    settings: Settings | None = None
-    # time.monotonic() by which this collection should have returned, set by the registry
-    # before each collect() (a little before the scrape's own deadline, so that the families
-    # still make it into the scrape); None outside a scrape (a test calling collect()). A
-    # collector waits for nothing beyond it: gpunet_exporter.background.Refresher.wait_first.
-    deadline: float | None = None
+    skips: Skips = field(default_factory=Skips, compare=False)
 
     def skip(self, what: str, reason: object) -> None:
         """Record one value that could not be read or parsed; it costs that value alone."""
-        self.unreadable += 1
+        self.skips.add()
         self.log_once(logging.DEBUG, "skipping %s: %s", what, reason)
 
-    def shared(self, key: Hashable, build: Callable[[], _T]) -> _T:
-        """``build()``, once per scrape for all the collectors of that scrape that ask with the
-        same ``key``; outside a scrape (a test, a background thread) built anew on each call."""
-        scope = _SCOPE.get()
-        return build() if scope is None else scope.get(key, build)
-
-    def rdma(self) -> rdma.Snapshot:
-        """The RDMA devices, ports, link layers and netdevs under ``sysfs``, listed once per
-        scrape and shared by that scrape's collectors (each reads its counters itself)."""
-        sysfs = self.sysfs
-        return self.shared(("rdma", sysfs), lambda: rdma.Snapshot(sysfs))
+    @property
+    def unreadable(self) -> int:
+        """Values skipped since the collector started (a collection's: the difference)."""
+        return self.skips.count
 
 
 def collector_logger(name: str) -> logging.LoggerAdapter[logging.Logger]:
     return logging.LoggerAdapter(logging.getLogger(f"gpunet.{name}"), {"collector": name})
+
+
+C = TypeVar("C", bound="Collector")
+
+
+def build_collector(cls: type[C], settings: Settings | Mapping[str, Any] | None = None, *,
+                    sysfs: Root | str = "/sys", procfs: Root | str = "/proc",
+                    nvml_module: str = "pynvml", learn: bool = True) -> C:
+    """``cls`` started as the service, the doctor and the tests start a collector: its context
+    (roots, logger) and its ``settings``, an instance of its settings_type or its section as
+    the config file gives it (None: every default). Raises ConfigError naming the wrong key of
+    the section, or whatever the collector's constructor raises."""
+    if not isinstance(settings, Settings):
+        settings = parse_settings(cls.settings_type, settings, cls.name)
+    logger = collector_logger(cls.name)
+    ctx = CollectorContext(cls.name, sysfs if isinstance(sysfs, Root) else Root(sysfs),
+                           procfs if isinstance(procfs, Root) else Root(procfs), settings,
+                           logger, LogOnce(logger), nvml_module=nvml_module, learn=learn)
+    return cls(ctx)
 
 
 class Collector(abc.ABC):
@@ -208,9 +223,7 @@ class Collector(abc.ABC):
       :class:`~gpunet_exporter.config.Settings` whose fields are declared with
       :func:`~gpunet_exporter.config.setting`. ``self.settings`` is then the section, typed,
       every default filled in (nested maps included); declare ``settings: ThatType`` in the
-      class body so that type checkers know it. ``config_fields`` is derived from it.
-    - or ``config_fields``, the section's schema as a mapping of keys to ``Field``s, read as
-      a mapping through ``ctx.config`` (the older way, still supported);
+      class body so that type checkers know it.
     - ``flags`` (extra ``--collector.<name>.<flag>`` options, mapped to keys of its config
       section) and ``privileges`` (readings that want a capability).
     """
@@ -220,34 +233,22 @@ class Collector(abc.ABC):
     default_enabled: ClassVar[bool] = True
     metrics: ClassVar[tuple[MetricSpec, ...]] = ()
     settings_type: ClassVar[type[Settings]] = Settings  # none
-    config_fields: ClassVar[Mapping[str, Field]] = {}
     flags: ClassVar[Mapping[str, tuple[str, str]]] = {}
     privileges: ClassVar[tuple[Privilege, ...]] = ()
     settings: Settings
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        declared = {"settings_type", "config_fields"} & set(cls.__dict__)
-        if len(declared) == 2:
-            raise TypeError(f"{cls.__qualname__}: declare settings_type or config_fields, not "
-                            "both (config_fields is derived from settings_type)")
-        if "settings_type" in declared:
-            cls.config_fields = settings_fields(cls.settings_type)
-        elif "config_fields" in declared:
-            cls.settings_type = Settings  # read through ctx.config
-
     def __init__(self, ctx: CollectorContext) -> None:
+        if not isinstance(ctx.settings, self.settings_type):
+            raise TypeError(f"{type(self).__qualname__}: its settings are a "
+                            f"{type(ctx.settings).__qualname__}, not its settings_type "
+                            f"{self.settings_type.__qualname__} (build_collector makes them)")
         self.ctx = ctx
-        if isinstance(ctx.settings, self.settings_type):
-            self.settings = ctx.settings
-        elif self.settings_type is Settings:
-            self.settings = Settings()
-        else:
-            self.settings = parse_settings(self.settings_type, ctx.config, ctx.name)
+        self.settings = ctx.settings
 
     @abc.abstractmethod
-    def collect(self) -> Iterable[Metric]:
-        """Yield freshly built metric families. May raise: the core isolates the failure."""
+    def collect(self, scrape: Scrape) -> Iterable[Metric]:
+        """Yield freshly built metric families for ``scrape`` (its deadline, its shared
+        readings). May raise: the core isolates the failure."""
 
     def device_event(self, subsystem: str, action: str,  # noqa: B027 - optional hook
                      properties: Mapping[str, str]) -> None:

@@ -3,9 +3,11 @@
 An unknown key, a wrong type or a bad regular expression produces one ``ConfigError`` that names
 the file, the key (dotted, with list indexes) and what was expected.
 
-A collector declares its section once, as a frozen dataclass of :class:`Settings` whose fields
-are declared with :func:`setting`; the schema (:func:`settings_fields`) is derived from it, and a
-validated section becomes an instance of it through :func:`settings_from`.
+Every section is declared once, as a frozen dataclass of :class:`Settings` whose fields are
+declared with :func:`setting` (a collector's section, the web config file, the config file's top
+level through :func:`make_settings`); the schema (:func:`settings_fields`) is derived from it,
+and :func:`parse_settings` (or :func:`load_file` for a whole file) checks a section and returns
+an instance of it. ``Field`` and :func:`validate` are how that is done, not a way to declare.
 
 Every YAML file the commands read (``--config.file``, ``--web.config.file``, thresholds files) goes
 through :func:`read_yaml`, which bounds what a file can cost before any value is checked: a
@@ -19,7 +21,9 @@ short excerpt, whatever the value's size.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import keyword
 import math
 import os
 import re
@@ -46,6 +50,7 @@ class Field:
     default: Any = None
     item: Field | None = None  # element schema of a list
     fields: Mapping[str, Field] = field(default_factory=dict)  # keys of a map
+    values: Field | None = None  # a map of any string keys, each value checked as this
     minimum: float | None = None
     maximum: float | None = None
     required: bool = False
@@ -247,6 +252,14 @@ def validate(value: Any, spec: Field, key: str) -> Any:
     out: dict[str, Any] = {}
     for k, v in value.items():
         sub = f"{key}.{key_text(k)}" if key else key_text(k)
+        if spec.values is not None:
+            if not isinstance(k, str):
+                raise ConfigError(f"key {sub!r}: a key must be a string (quote it)")
+            problem = text_problem(k)
+            if problem is not None:
+                raise ConfigError(f"key {sub!r}: a key cannot hold {problem}")
+            out[k] = validate(v, spec.values, sub)
+            continue
         if not isinstance(k, str) or k not in spec.fields:
             known = ", ".join(sorted(spec.fields)) or "none"
             raise ConfigError(f"key {sub!r}: unknown key (known keys here: {known})")
@@ -262,24 +275,28 @@ def validate(value: Any, spec: Field, key: str) -> Any:
 
 # ---- typed settings -------------------------------------------------------------------------
 #
-# A collector's section is declared once, as a frozen dataclass deriving from Settings whose
-# fields carry their schema (setting()): the Python type of each field gives its kind, and the
-# dataclass default is the default. The schema validate() checks (Collector.config_fields), the
-# defaults shown by --help and docs/configuration.md are all derived from that declaration, and
-# options.resolve() turns each validated section into an instance, once, at start.
+# Every section of every file is declared once, as a frozen dataclass deriving from Settings
+# whose fields carry their schema (setting()): the Python type of each field gives its kind, and
+# the dataclass default is the default. The schema validate() checks, the defaults shown by
+# --help and docs/configuration.md are all derived from that declaration, and parse_settings()
+# turns a section into an instance, once, at start. Field and validate() are how that is done,
+# not a way to declare.
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Base of a collector's typed settings; on its own, the settings of a collector that has
-    none (or that declares ``config_fields`` and reads ``ctx.config`` instead).
+    """Base of a section's typed settings; on its own, the settings of a collector that has
+    none.
 
     A subclass is a frozen dataclass whose fields are its keys. Each field's type gives the kind
     of its value: ``bool``, ``int``, ``float`` (a number: an int or a float), ``str``,
     ``re.Pattern[str]`` (a regular expression, compiled once), ``tuple[X, ...]`` (a list of X),
-    or another Settings subclass (a nested map, which always gets its own keys' defaults,
-    whether the file names it or not). ``X | None`` is a key that may be left unset (its default
-    None). Declare each field with :func:`setting` to give it help text and bounds.
+    ``Mapping[str, X]`` (a map of any string keys to X, such as user names; read-only), or
+    another Settings subclass (a nested map, which always gets its own keys' defaults, whether
+    the file names it or not; ``Nested | None``: absent unless the file names it, then with its
+    required keys). ``X | None`` is a key that may be left unset (its default None). Declare
+    each field with :func:`setting` to give it help text and bounds; a key that is no Python
+    name (``Content-Security-Policy``) through :func:`make_settings`.
     """
 
 
@@ -295,6 +312,7 @@ class _Doc:
     maximum: float | None = None
     choices: tuple[str, ...] = ()
     multiple_of: int | None = None
+    key: str | None = None  # the key in the file, where it is not the field's name
 
 
 def setting(help: str = "", default: Any = None, *, required: bool = False,
@@ -305,14 +323,42 @@ def setting(help: str = "", default: Any = None, *, required: bool = False,
 
     ``default`` None is a key left unset: its type must then allow None. A list (``tuple``)
     defaults to a tuple (``()``: none), a nested map to an instance of its class with its own
-    defaults (``Nested()``). ``required`` keys have no default; a dataclass with one is best
-    declared ``kw_only=True``. On a list, ``minimum``, ``maximum``, ``choices`` and
-    ``multiple_of`` bound each of its items.
+    defaults (``Nested()``), a ``Mapping`` to ``{}`` (none). ``required`` keys have no default; a
+    dataclass with one is best declared ``kw_only=True``. On a list, ``minimum``, ``maximum``,
+    ``choices`` and ``multiple_of`` bound each of its items.
     """
     meta = {_SETTING: _Doc(help, minimum, maximum, tuple(choices), multiple_of)}
     if required:
         return field(metadata=meta)
+    if isinstance(default, Mapping):
+        if default:
+            raise TypeError("a Mapping setting defaults to {} (none)")
+        return field(default_factory=_empty_map, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def _empty_map() -> Mapping[str, Any]:
+    return types.MappingProxyType({})
+
+
+def make_settings(name: str, keys: Mapping[str, tuple[Any, Any]]) -> type[Settings]:
+    """A Settings class declared from a mapping of each key to ``(type, setting(...))``, for
+    keys known only at run time (the config file's collector sections) or that are no Python
+    names (HTTP header names): their fields are named ``key_0``, ``key_1`` ... unless the key is
+    a Python name, and :func:`settings_items` gives them back by key."""
+    fields: list[tuple[str, Any, Any]] = []
+    for i, (key, (hint, spec)) in enumerate(keys.items()):
+        doc = dataclasses.replace(spec.metadata.get(_SETTING) or _Doc(), key=key)
+        attr = key if key.isidentifier() and not keyword.iskeyword(key) else f"key_{i}"
+        if spec.default is not dataclasses.MISSING:
+            made = field(default=spec.default, metadata={_SETTING: doc})
+        elif spec.default_factory is not dataclasses.MISSING:
+            made = field(default_factory=spec.default_factory, metadata={_SETTING: doc})
+        else:
+            made = field(metadata={_SETTING: doc})
+        fields.append((attr, hint, made))
+    return cast("type[Settings]", dataclasses.make_dataclass(
+        name, fields, bases=(Settings,), frozen=True, kw_only=True))
 
 
 def _same(value: Any) -> Any:
@@ -321,7 +367,8 @@ def _same(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class _Member:
-    name: str
+    name: str  # the field's
+    key: str  # the file's
     spec: Field
     convert: Callable[[Any], Any]  # from what validate() returns to the field's type
 
@@ -334,7 +381,8 @@ def _scalar(hint: Any, doc: _Doc, where: str) -> Field:
         kind = "regex"
     if kind is None:
         raise TypeError(f"setting {where}: unsupported type {hint!r} (bool, int, float, str, "
-                        "re.Pattern[str], tuple[X, ...] or a Settings subclass)")
+                        "re.Pattern[str], tuple[X, ...], Mapping[str, X] or a Settings "
+                        "subclass)")
     return Field(kind, doc.help, minimum=doc.minimum, maximum=doc.maximum, choices=doc.choices,
                  multiple_of=doc.multiple_of)
 
@@ -345,6 +393,7 @@ def _is_settings(hint: Any) -> bool:
 
 def _member(f: dataclasses.Field[Any], hint: Any, where: str) -> _Member:
     doc = f.metadata.get(_SETTING) or _Doc()
+    key = doc.key or f.name
     required, default = False, cast(Any, f.default)
     if f.default is dataclasses.MISSING:
         if f.default_factory is dataclasses.MISSING:
@@ -370,7 +419,7 @@ def _member(f: dataclasses.Field[Any], hint: Any, where: str) -> _Member:
                     doc.multiple_of is not None):
                 raise TypeError(f"setting {where}: bounds apply to a list of scalars")
             items = _members(item_hint)
-            item = Field("map", fields={m.name: m.spec for m in items})
+            item = Field("map", fields={m.key: m.spec for m in items})
 
             def convert_item(value: Any) -> Any:
                 return _build(item_hint, items, value)
@@ -378,15 +427,27 @@ def _member(f: dataclasses.Field[Any], hint: Any, where: str) -> _Member:
             item, convert_item = _scalar(item_hint, doc, f"{where}[]"), _same
         spec = Field("list", doc.help, default=list(default) if default else None, item=item,
                      required=required)
-        return _Member(f.name, spec, lambda value: tuple(convert_item(v) for v in value))
+        return _Member(f.name, key, spec, lambda value: tuple(convert_item(v) for v in value))
+    if typing.get_origin(hint) in (Mapping, collections.abc.Mapping):
+        args = typing.get_args(hint)
+        if len(args) != 2 or args[0] is not str or optional or required or default != {}:
+            raise TypeError(f"setting {where}: a map of any keys is declared Mapping[str, X] "
+                            "and defaults to {}")
+        values = _scalar(args[1], doc, f"{where}[]")
+        spec = Field("map", doc.help, values=dataclasses.replace(values, help=""))
+        return _Member(f.name, key, spec, lambda value: types.MappingProxyType(dict(value)))
     if _is_settings(hint):
-        if optional or required or default != hint():
-            raise TypeError(f"setting {where}: a nested map defaults to its class with its own "
-                            f"defaults ({hint.__name__}())")
         nested = _members(hint)
-        spec = Field("map", doc.help, fields={m.name: m.spec for m in nested},
-                     default={})  # absent: the defaults of its keys
-        return _Member(f.name, spec, lambda value: _build(hint, nested, value))
+        fields = {m.key: m.spec for m in nested}
+        if optional and default is None and not required:  # absent unless the file names it
+            spec = Field("map", doc.help, fields=fields)
+        elif optional or required or default != hint():
+            raise TypeError(f"setting {where}: a nested map defaults to its class with its own "
+                            f"defaults ({hint.__name__}()), or to None (`{hint.__name__} | "
+                            "None`)")
+        else:
+            spec = Field("map", doc.help, fields=fields, default={})  # absent: its keys' defaults
+        return _Member(f.name, key, spec, lambda value: _build(hint, nested, value))
     spec = _scalar(hint, doc, where)
     if default is None and not (optional or required):
         raise TypeError(f"setting {where}: default None needs the type `X | None` (or "
@@ -395,7 +456,8 @@ def _member(f: dataclasses.Field[Any], hint: Any, where: str) -> _Member:
         raise TypeError(f"setting {where}: a regular expression defaults to None")
     if default is not None:
         validate(default, spec, where)  # a default the schema refuses is a bug of the code
-    return _Member(f.name, dataclasses.replace(spec, default=default, required=required), _same)
+    return _Member(f.name, key, dataclasses.replace(spec, default=default, required=required),
+                   _same)
 
 
 _MEMBERS: dict[type[Settings], tuple[_Member, ...]] = {}
@@ -416,25 +478,38 @@ def _members(cls: type[Settings]) -> tuple[_Member, ...]:
 
 
 def _build(cls: type[S], members: tuple[_Member, ...], section: Mapping[str, Any]) -> S:
-    return cls(**{m.name: m.convert(section[m.name]) for m in members if m.name in section})
+    return cls(**{m.name: m.convert(section[m.key]) for m in members if m.key in section})
 
 
 def settings_fields(cls: type[Settings]) -> dict[str, Field]:
-    """The keys of ``cls`` as the schema that validate() checks (a map's ``fields``)."""
-    return {m.name: m.spec for m in _members(cls)}
+    """The keys of ``cls`` and the schema each is checked against (for docs/configuration.md and
+    --help's defaults)."""
+    return {m.key: m.spec for m in _members(cls)}
 
 
-def settings_from(cls: type[S], section: Mapping[str, Any]) -> S:
-    """The settings of a section that validate() returned for ``settings_fields(cls)``; a key
-    it lacks has its declared default."""
-    return _build(cls, _members(cls), section)
+def settings_items(settings: Settings) -> dict[str, Any]:
+    """The values of ``settings`` by their keys in the file."""
+    return {m.key: getattr(settings, m.name) for m in _members(type(settings))}
 
 
-def parse_settings(cls: type[S], section: Mapping[str, Any], key: str) -> S:
-    """Validate a section (raw, as YAML gives it, or validated already) and return its
-    settings; ConfigError naming ``key`` and the wrong key under it otherwise."""
-    valid = validate(dict(section), Field("map", fields=settings_fields(cls)), key)
-    return settings_from(cls, valid)
+def parse_settings(cls: type[S], section: Any, key: str) -> S:
+    """A section as YAML gives it (None: empty), checked against ``cls`` and returned as its
+    settings, every default filled in; ConfigError naming ``key`` and the wrong key under it
+    otherwise."""
+    if section is None:
+        section = {}
+    elif isinstance(section, Mapping) and not isinstance(section, dict):
+        section = dict(section)
+    valid = validate(section, Field("map", fields=settings_fields(cls)), key)
+    return _build(cls, _members(cls), valid)
+
+
+def with_setting(settings: S, key: str, value: Any, where: str) -> S:
+    """``settings`` with one key set to ``value`` (a flag's text), checked as the file's value
+    would be; ConfigError naming ``where`` otherwise."""
+    member = next(m for m in _members(type(settings)) if m.key == key)
+    valid = validate(value, member.spec, where)
+    return dataclasses.replace(settings, **{member.name: member.convert(valid)})
 
 
 MAX_FILE_BYTES = 1 << 20  # a config, web config or thresholds file: some KiB in practice
@@ -596,12 +671,24 @@ def read_yaml(path: str) -> Any:
             loader.dispose()
 
 
-def load_file(path: str, schema: Field, what: str = "config file") -> dict[str, Any]:
-    """Read and validate a YAML file (an empty one is an empty mapping). Raises ConfigError
-    with ``what`` and the file name in the text."""
+@typing.overload
+def load_file(path: str, schema: type[S], what: str = ...) -> S: ...
+@typing.overload
+def load_file(path: str, schema: Field, what: str = ...) -> dict[str, Any]: ...
+
+
+def load_file(path: str, schema: type[S] | Field, what: str = "config file"
+              ) -> S | dict[str, Any]:
+    """Read a YAML file (an empty one is an empty mapping) and check it against ``schema``, a
+    Settings class (its instance is returned). Raises ConfigError with ``what`` and the file
+    name in the text. (A ``Field`` schema, returning the validated mapping, is kept for
+    health/thresholds.py until it declares Settings too.)"""
     try:
         raw = read_yaml(path)
-        result: dict[str, Any] = validate({} if raw is None else raw, schema, "")
+        if isinstance(schema, Field):
+            result: S | dict[str, Any] = validate({} if raw is None else raw, schema, "")
+        else:
+            result = parse_settings(schema, raw, "")
     except ConfigError as exc:
         raise ConfigError(f"{what} {path!r}: {exc}") from None
     return result

@@ -10,11 +10,20 @@ import argparse
 import logging
 import platform
 import sys
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from gpunet_exporter import DEFAULT_PORT, __version__
-from gpunet_exporter.collector import Collector, CollectorContext, LogOnce, collector_logger
-from gpunet_exporter.config import ConfigError, Field, Settings, load_file, settings_from, validate
+from gpunet_exporter.collector import Collector, build_collector
+from gpunet_exporter.config import (
+    ConfigError,
+    Settings,
+    load_file,
+    make_settings,
+    setting,
+    settings_fields,
+    settings_items,
+    with_setting,
+)
 from gpunet_exporter.flags import Parser, non_negative_int, positive_seconds, root_problem
 from gpunet_exporter.logs import LEVELS
 from gpunet_exporter.sources.sysfs import Root
@@ -24,15 +33,16 @@ PROG = "gpunet-exporter"
 log = logging.getLogger("gpunet.exporter")
 
 
-def config_schema(classes: dict[str, type[Collector]]) -> Field:
-    fields: dict[str, Field] = {
-        "collectors": Field("map", "Enable (true) or disable (false) collectors by name",
-                            fields={n: Field("bool") for n in classes}),
-    }
-    for name, cls in classes.items():
-        fields[name] = Field("map", f"Settings of the {name} collector",
-                             fields=dict(cls.config_fields))
-    return Field("map", fields=fields)
+def config_type(classes: dict[str, type[Collector]]) -> type[Settings]:
+    """The config file's top level, declared from the collectors: ``collectors``, whether each
+    one runs (unset: its default), and a section per collector, its settings_type."""
+    switches = make_settings("Collectors", {n: (bool | None, setting()) for n in classes})
+    return make_settings("ConfigFile", {
+        "collectors": (switches, setting("Enable (true) or disable (false) collectors by name",
+                                         default=switches())),
+        **{name: (cls.settings_type, setting(f"Settings of the {name} collector",
+                                             default=cls.settings_type()))
+           for name, cls in classes.items()}})
 
 
 USAGE = ("%(prog)s [FLAGS]          serve /metrics\n"
@@ -107,10 +117,10 @@ def build_parser(classes: dict[str, type[Collector]], server: bool = True) -> Pa
         g.add_argument(f"--no-collector.{name}", dest=f"enable__{name}", action="store_const",
                        const=False, help=f"disable the {name} collector")
         for flag, (key, help_text) in cls.flags.items():
-            setting = cls.config_fields[key].default
+            value = settings_fields(cls.settings_type)[key].default
             g.add_argument(f"--collector.{name}.{flag}", dest=f"flag__{name}__{key}",
                            metavar="VALUE", help=f"{help_text}; overrides {name}.{key} of the "
-                           f"config file (default: {'none' if setting is None else setting})")
+                           f"config file (default: {'none' if value is None else value})")
     return p
 
 
@@ -127,66 +137,63 @@ def fail(message: str, code: int = 2, prog: str = PROG) -> NoReturn:
 
 
 def resolve(args: argparse.Namespace, classes: dict[str, type[Collector]],
-            config: dict[str, Any], parser: argparse.ArgumentParser
-            ) -> tuple[list[str], dict[str, dict[str, Any]], dict[str, Settings]]:
-    """Which collectors run, and each one's settings: defaults < config file < flags; as
-    validated mappings (``CollectorContext.config``) and as each collector's settings_type,
-    parsed once."""
+            config: Settings | None, parser: argparse.ArgumentParser
+            ) -> tuple[list[str], dict[str, Settings]]:
+    """Which collectors run, and each one's settings: defaults < config file (an instance of
+    :func:`config_type`, None: none) < flags."""
+    items = settings_items(config) if config is not None else {}
+    switches = settings_items(items["collectors"]) if items else {}
     enabled = []
     for name, cls in classes.items():
         on = cls.default_enabled and not args.disable_defaults
-        on = config.get("collectors", {}).get(name, on)
+        if switches.get(name) is not None:
+            on = switches[name]
         flag = getattr(args, f"enable__{name}")
         if flag is not None:
             on = flag
         if on:
             enabled.append(name)
-    sections: dict[str, dict[str, Any]] = {}
     settings: dict[str, Settings] = {}
     for name, cls in classes.items():
-        section = dict(validate({}, Field("map", fields=dict(cls.config_fields)), name))
-        section.update(config.get(name, {}))
+        section = items.get(name) or cls.settings_type()
         for flag, (key, _) in cls.flags.items():
             raw = getattr(args, f"flag__{name}__{key}")
             if raw is None:
                 continue
             try:
-                section[key] = validate(raw, cls.config_fields[key], f"{name}.{key}")
+                section = with_setting(section, key, raw, f"{name}.{key}")
             except ConfigError as exc:
                 parser.error(f"argument --collector.{name}.{flag}: {exc}")
-        sections[name] = section
-        settings[name] = settings_from(cls.settings_type, section)
-    return enabled, sections, settings
+        settings[name] = section
+    return enabled, settings
 
 
 def start_collectors(args: argparse.Namespace, classes: dict[str, type[Collector]],
                      parser: argparse.ArgumentParser, learn: bool = True
-                     ) -> tuple[dict[str, Collector], dict[str, dict[str, Any]], list[str]]:
-    """The enabled collectors that started, built from the flags and the config file, every
-    collector's settings, and the names of those enabled; exits 2 with one line on a bad config
-    file. ``learn`` False (the doctor): collectors read state kept across restarts, never
-    write it."""
+                     ) -> tuple[dict[str, Collector], dict[str, Settings], list[str]]:
+    """The enabled collectors that started (build_collector), from the flags and the config
+    file, every collector's settings, and the names of those enabled; exits 2 with one line on
+    a bad config file. ``learn`` False (the doctor): collectors read state kept across
+    restarts, never write it."""
     for flag, path, kind in (("--path.sysfs", args.sysfs, "sysfs"),
                              ("--path.procfs", args.procfs, "procfs")):
         problem = root_problem(path, kind)
         if problem:
             fail(f"{flag} {path!r}: {problem}", prog=parser.prog)
-    config: dict[str, Any] = {}
+    config = None
     if args.config_file:
         try:
-            config = load_file(args.config_file, config_schema(classes))
+            config = load_file(args.config_file, config_type(classes))
         except ConfigError as exc:
             fail(str(exc), prog=parser.prog)
-    enabled, sections, settings = resolve(args, classes, config, parser)
+    enabled, settings = resolve(args, classes, config, parser)
     sysfs, procfs = Root(args.sysfs), Root(args.procfs)
     collectors: dict[str, Collector] = {}
     for name in enabled:
-        logger = collector_logger(name)
-        ctx = CollectorContext(name, sysfs, procfs, sections[name], logger, LogOnce(logger),
-                               nvml_module=args.nvml_module, learn=learn,
-                               settings=settings[name])
         try:
-            collectors[name] = classes[name](ctx)
+            collectors[name] = build_collector(classes[name], settings[name], sysfs=sysfs,
+                                               procfs=procfs, nvml_module=args.nvml_module,
+                                               learn=learn)
         except Exception as exc:  # one broken collector must not stop the others
             log.error("collector %s could not start: %s", name, exc)
-    return collectors, sections, enabled
+    return collectors, settings, enabled

@@ -6,10 +6,10 @@ success. Every label of every collector's samples, third-party collectors' inclu
 here (:func:`drop_unexposable`) before it can reach an encoder. While a collection is still
 running (a hung read), later scrapes join it instead of starting another, so a stuck source never
 piles up threads. The deadline is ``--scrape.timeout``, shortened for one request by the
-scraper's own (``X-Prometheus-Scrape-Timeout-Seconds``, see :func:`request_timeout`). Each
-collection learns it as ``CollectorContext.deadline`` (time.monotonic()), set WAIT_RESERVE before
-the scrape's own, so that a collector waiting for a background value (background.Refresher
-.wait_first) still returns in time to be part of the scrape.
+scraper's own (``X-Prometheus-Scrape-Timeout-Seconds``, passed to :meth:`Scraper.collect`). Each
+collection gets its scrape as an argument (collector.Scrape), with the deadline set WAIT_RESERVE
+before the scrape's own (time.monotonic()), so that a collector waiting for a background value
+(background.Refresher.wait_first) still returns in time to be part of the scrape.
 """
 
 from __future__ import annotations
@@ -24,37 +24,22 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from contextvars import ContextVar
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from prometheus_client.core import Metric
 
 from gpunet_exporter import __version__
-from gpunet_exporter.collector import Collector, MetricSpec, ScrapeScope, scrape_scope
+from gpunet_exporter.collector import Collector, MetricSpec, Scrape
 
 log = logging.getLogger("gpunet.exporter")
 
 ENTRY_POINT_GROUP = "gpunet_exporter.collectors"
 SOLO_SECONDS = 0.25
-# How long before the scrape's deadline a collection's own deadline (CollectorContext.deadline)
+# How long before the scrape's deadline a collection's own deadline (Scrape.deadline)
 # lies: a tenth of the scrape's timeout, at most half a second.
 WAIT_RESERVE = 0.1
 WAIT_RESERVE_MAX = 0.5
-# The deadline the current HTTP request asked for, for Scraper.collect() called through
-# prometheus_client's registry (which passes no arguments); None: --scrape.timeout alone.
-_REQUEST_TIMEOUT: ContextVar[float | None] = ContextVar("gpunet_request_timeout", default=None)
-
-
-@contextlib.contextmanager
-def request_timeout(seconds: float | None) -> Iterator[None]:
-    """Within the block (in this thread), Scraper.collect() without a ``timeout`` argument uses
-    ``seconds`` as its timeout, capped by the scraper's own (None: the scraper's own)."""
-    token = _REQUEST_TIMEOUT.set(seconds)
-    try:
-        yield
-    finally:
-        _REQUEST_TIMEOUT.reset(token)
 
 
 def discover() -> dict[str, type[Collector]]:
@@ -226,34 +211,30 @@ class Runner:
         self._lock = threading.Lock()
         self._inflight: Future[Result] | None = None
         self._started = 0.0
-        self._queue: queue.SimpleQueue[tuple[Future[Result], ScrapeScope | None]] = (
-            queue.SimpleQueue())
+        self._queue: queue.SimpleQueue[tuple[Future[Result], Scrape]] = queue.SimpleQueue()
         threading.Thread(target=self._loop, name=f"collect-{self.name}", daemon=True).start()
 
-    def start(self, scope: ScrapeScope | None = None) -> tuple[Future[Result], float]:
-        """The collection in flight, or a new one for the scrape of ``scope`` (its shared values
-        and its deadline); a scrape that finds one still in flight joins it (and that one keeps
-        the scope of the scrape it began in)."""
+    def start(self, scrape: Scrape) -> tuple[Future[Result], float]:
+        """The collection in flight, or a new one for ``scrape``; a scrape that finds one
+        still in flight joins it (and that one keeps the scrape it began in)."""
         with self._lock:
             if self._inflight is None or self._inflight.done():
                 fut: Future[Result] = Future()
                 self._started = time.perf_counter()
                 self._inflight = fut
-                self._queue.put((fut, scope))
+                self._queue.put((fut, scrape))
             return self._inflight, self._started
 
     def _loop(self) -> None:
         while True:
             self._run(*self._queue.get())
 
-    def _run(self, fut: Future[Result], scope: ScrapeScope | None = None) -> None:
+    def _run(self, fut: Future[Result], scrape: Scrape) -> None:
         ctx = self.collector.ctx
-        ctx.unreadable = 0
-        ctx.deadline = scope.deadline if scope is not None else None
+        skipped = ctx.skips.count
         t0 = time.perf_counter()
         try:
-            with scrape_scope(scope):
-                families = list(self.collector.collect())
+            families = list(self.collector.collect(scrape))
             drop_unexposable(families, ctx.skip)
             success, error = True, ""
         except BaseException as exc:  # even SystemExit: this thread must answer the future
@@ -261,8 +242,8 @@ class Runner:
             error = f"{type(exc).__name__}: {exc}"
             ctx.log_once(logging.ERROR, "collector failed: %s", error)
             ctx.logger.debug("collector traceback", exc_info=True)
-        fut.set_result(Result(families, success, time.perf_counter() - t0, ctx.unreadable,
-                              error, time.time()))
+        fut.set_result(Result(families, success, time.perf_counter() - t0,
+                              ctx.skips.count - skipped, error, time.time()))
 
 
 class Scraper:
@@ -273,19 +254,16 @@ class Scraper:
         self.timeout = timeout
 
     def collect(self, timeout: float | None = None) -> Iterator[Metric]:
-        """Every collector's families. ``timeout`` (else the one set by :func:`request_timeout`)
-        can shorten this scrape's deadline below ``self.timeout``, never lengthen it."""
-        if timeout is None:
-            timeout = _REQUEST_TIMEOUT.get()
+        """Every collector's families. ``timeout`` (the scraper's own, an HTTP request's) can
+        shorten this scrape's deadline below ``self.timeout``, never lengthen it."""
         limit = self.timeout if timeout is None else min(self.timeout, timeout)
         deadline = time.perf_counter() + limit
         # What this scrape's collectors share (one listing of RDMA devices), and when they should
         # have returned.
-        scope = ScrapeScope(
-            time.monotonic() + limit - min(WAIT_RESERVE * limit, WAIT_RESERVE_MAX))
+        scrape = Scrape(time.monotonic() + limit - min(WAIT_RESERVE * limit, WAIT_RESERVE_MAX))
         started = []
         for runner in self.runners:
-            fut, t_start = runner.start(scope)
+            fut, t_start = runner.start(scrape)
             started.append((runner, fut, t_start))
             # Collectors are mostly Python between short syscalls: run side by side they only
             # trade the GIL back and forth. So each gets the interpreter to itself for up to

@@ -9,8 +9,7 @@ from typing import Any
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpunet_exporter.collector import Collector, CollectorContext, LogOnce, collector_logger
-from gpunet_exporter.config import Field, settings_from, validate
+from gpunet_exporter.collector import Collector, Scrape, build_collector
 from gpunet_exporter.sources.sysfs import Root
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -41,13 +40,10 @@ def series(samples: Samples, name: str) -> dict[frozenset[tuple[str, str]], floa
 def make_collector(cls: type[Collector], sysfs: Path | str, config: Mapping[str, Any] | None = None,
                    root: Root | None = None, procfs: Path | str = "/proc",
                    nvml_module: str = "pynvml") -> Collector:
-    """The collector as options.start_collectors() builds it, with ``config`` as its section."""
-    section = validate(dict(config or {}), Field("map", fields=dict(cls.config_fields)), cls.name)
-    logger = collector_logger(cls.name)
-    ctx = CollectorContext(cls.name, root or Root(str(sysfs)), Root(str(procfs)), section, logger,
-                           LogOnce(logger), nvml_module=nvml_module,
-                           settings=settings_from(cls.settings_type, section))
-    return cls(ctx)
+    """The collector as the service starts it (build_collector), with ``config`` as its
+    section."""
+    return build_collector(cls, config, sysfs=root or str(sysfs), procfs=str(procfs),
+                           nvml_module=nvml_module)
 
 
 def collect(cls: type[Collector], sysfs: Path | str, config: Mapping[str, Any] | None = None,
@@ -56,6 +52,6 @@ def collect(cls: type[Collector], sysfs: Path | str, config: Mapping[str, Any] |
     """Samples of one collection and the number of values the collector skipped."""
     c = make_collector(cls, sysfs, config, root, procfs, nvml_module)
     try:
-        return samples_of(list(c.collect())), c.ctx.unreadable
+        return samples_of(list(c.collect(Scrape()))), c.ctx.unreadable
     finally:
         c.close()

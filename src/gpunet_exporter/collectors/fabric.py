@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from prometheus_client.core import Metric
 
 from gpunet_exporter.background import Fresh, Refresher, add_freshness, last_success_spec
-from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec, Scrape
 from gpunet_exporter.collectors.tables import load
 from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.sources import ibdiag
@@ -374,9 +374,9 @@ class FabricCollector(Collector):
 
     # -- scrape ----------------------------------------------------------------------------
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self, scrape: Scrape) -> Iterator[Metric]:
         self._refresher.start()
-        self._refresher.wait_first(self.ctx.deadline)
+        self._refresher.wait_first(scrape.deadline)
         with self._lock:
             families, steps, sweep = self._families, self._steps, self._sweep
         # Copies of the sweep's families (the registry may drop samples from what it gets),

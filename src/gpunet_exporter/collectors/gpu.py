@@ -35,7 +35,7 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from gpunet_exporter.background import Fresh, Refresher, add_freshness, last_success_spec
-from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec, Scrape
 from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.sources.nvml import Gpu, Session, error_name
@@ -475,7 +475,7 @@ class GpuCollector(Collector):
 
     # -- scrape --------------------------------------------------------------------------------
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self, scrape: Scrape) -> Iterator[Metric]:
         fams = Families()
         session = self.session
         hotplug, self._hotplug = self._hotplug, ""
@@ -510,7 +510,7 @@ class GpuCollector(Collector):
             session.invalidate("every GPU answered GpuIsLost")
         present = {g.uuid for g in gpus if g.uuid}
         fams.add(MISSING, [], len(self._seen - present))
-        self._add_background(fams, gpus, lost)
+        self._add_background(fams, gpus, lost, scrape.deadline)
         yield from fams
 
     def _collect_gpu(self, st: _GpuState, fams: Families) -> bool:
@@ -576,7 +576,7 @@ class GpuCollector(Collector):
     def _round(self) -> Counters:
         """One background round over every GPU, built on the last good round's values: a GPU
         that fails keeps its last good values, a GPU not enumerated now keeps its entry."""
-        counters: Counters = dict(self._refresher.value or {})
+        counters: Counters = dict(self._refresher.snapshot().value or {})
         for g in self.session.gpus() or []:
             if g.handle is None or not g.uuid:
                 continue
@@ -626,8 +626,9 @@ class GpuCollector(Collector):
                     out.append((NVLINK_ERRORS, (gpu, str(link), kind), v))
         return out
 
-    def _add_background(self, fams: Families, gpus: list[Gpu], lost: set[int]) -> None:
-        fresh = self._refresher.wait_first(self.ctx.deadline)
+    def _add_background(self, fams: Families, gpus: list[Gpu], lost: set[int],
+                        deadline: float | None) -> None:
+        fresh = self._refresher.wait_first(deadline)
         counters = fresh.value or {}
         # A round that failed as a whole (overran its timeout, raised) fails every GPU.
         round_failed = fresh.ok is False

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from prometheus_client.core import Metric
 
-from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec, Scrape
 from gpunet_exporter.collectors.tables import load
 from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.inventory import KINDS, MAX_NAMES, Inventory
@@ -279,11 +279,11 @@ class InfinibandCollector(Collector):
                                     ctx.log_once)
         self._present: dict[str, set[str]] = {}
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self, scrape: Scrape) -> Iterator[Metric]:
         cfg = self.settings
         # One collection runs at a time per collector (the core's Runner coalesces scrapes).
         self._fams = Families()
-        snapshot = self.ctx.rdma()
+        snapshot = scrape.rdma(self.ctx.sysfs)
         names = snapshot.devices(cfg.device_include, cfg.device_exclude)
         for gone in self._info_cache.keys() - set(names):
             del self._info_cache[gone]

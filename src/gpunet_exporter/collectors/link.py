@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from prometheus_client.core import Metric
 
 from gpunet_exporter.background import Fresh, Refresher, add_freshness, last_success_spec
-from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec, Scrape
 from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.sources import rdma
 from gpunet_exporter.sources.commands import run_command
@@ -158,11 +158,11 @@ class LinkCollector(Collector):
             self._ibv.start()
         return self._ibv
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self, scrape: Scrape) -> Iterator[Metric]:
         cfg, root, fams = self.settings, self.ctx.sysfs, Families()
         exclude = cfg.interface_exclude
         rules = cfg.expected_mtu
-        ports = self.ctx.rdma().ports()
+        ports = scrape.rdma(root).ports()
         seen: dict[str, rdma.Port | None] = {}
         for p in ports:
             if p.netdev and p.netdev not in seen:
@@ -187,7 +187,7 @@ class LinkCollector(Collector):
                     fams.add(MTU_MISMATCH, [ifname], int(mtu != want))
 
         fresh: Fresh[dict[tuple[str, str], int]] = (
-            devinfo.wait_first(self.ctx.deadline) if devinfo else Fresh())
+            devinfo.wait_first(scrape.deadline) if devinfo else Fresh())
         ib_mtus = fresh.value or {}
         for p in ports:
             if p.link_layer == "Ethernet":

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from prometheus_client.core import Metric
 
 from gpunet_exporter.background import Fresh, Refresher, add_freshness, last_success_spec
-from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec, Scrape
 from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.sources import ras
 
@@ -373,9 +373,9 @@ class NcclCollector(Collector):
 
     # -- scrape ----------------------------------------------------------------------------
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self, scrape: Scrape) -> Iterator[Metric]:
         self._refresher.start()
-        self._refresher.wait_first(self.ctx.deadline)
+        self._refresher.wait_first(scrape.deadline)
         fams = Families()
         with self._lock:
             ports = [(p, s.fresh, s.report, s.unanswered) for p, s in self._ports.items()]

@@ -32,7 +32,7 @@ from typing import ClassVar
 from prometheus_client.core import Metric
 
 from gpunet_exporter.background import Fresh, Refresher, add_freshness, last_success_spec
-from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec, Scrape
 from gpunet_exporter.collectors.tables import load
 from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.sources import rdma
@@ -324,11 +324,12 @@ class PfcCollector(Collector):
 
     # -- interfaces ------------------------------------------------------------------------
 
-    def interfaces(self) -> list[str]:
-        """Netdevs behind RoCE ports, then configured ones that exist, filtered."""
+    def interfaces(self, scrape: Scrape | None = None) -> list[str]:
+        """Netdevs behind RoCE ports, then configured ones that exist, filtered; the ports as
+        ``scrape`` lists them, else (the background, a device event) listed anew."""
         cfg, root = self.settings, self.ctx.sysfs
         names: list[str] = []
-        for p in self.ctx.rdma().ports():
+        for p in (scrape or Scrape()).rdma(root).ports():
             if p.link_layer == "Ethernet" and p.netdev and p.netdev not in names:
                 names.append(p.netdev)
         names += rdma.extra_netdevs(root, cfg.interfaces, names, self.ctx.log_once)
@@ -410,15 +411,15 @@ class PfcCollector(Collector):
 
     # -- scrape ----------------------------------------------------------------------------
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self, scrape: Scrape) -> Iterator[Metric]:
         self._refresher.start()  # the first round runs while the counters are read
         fams = Families()
-        names = self.interfaces()
+        names = self.interfaces(scrape)
         for ifname in names:
             self._counters(fams, ifname)
         # A round that failed as a whole (an exception, not one interface's tool) fails every
         # interface's configuration.
-        round_failed = self._refresher.wait_first(self.ctx.deadline).ok is False
+        round_failed = self._refresher.wait_first(scrape.deadline).ok is False
         for ifname in names:
             state = self._states.get(ifname)
             if state is not None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from prometheus_client.core import Metric
 
-from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec
+from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec, Scrape
 from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.probe import idle, pairs, run_options, supervisor
 from gpunet_exporter.probe.results import Result
@@ -313,7 +313,7 @@ class ProbeCollector(Collector):
 
     # -- scrape ----------------------------------------------------------------------------
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self, scrape: Scrape) -> Iterator[Metric]:
         self.supervisor.start()
         snap = self.supervisor.snapshot()
         fams = Families()

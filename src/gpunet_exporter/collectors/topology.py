@@ -29,6 +29,7 @@ from gpunet_exporter.collector import (
     Families,
     MetricSpec,
     Privilege,
+    Scrape,
 )
 from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.nccl.env import NCCL_FAULT_CLASSES, NCCL_FINDINGS, env_settings, parse_environ
@@ -242,17 +243,17 @@ class TopologyCollector(Collector):
         # The NVIDIA GPUs among the PCI functions, while the list of functions stays the same.
         self._sysfs_gpu_cache: tuple[list[str], list[str]] | None = None
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self, scrape: Scrape) -> Iterator[Metric]:
         fams = Families()
         self._endpoints_now = {}
         gpus = self._gpus()
         self._gdr(fams, bool(gpus))
-        nics = self._nics()
+        nics = self._nics(scrape)
         self._endpoints = self._endpoints_now  # only what this scrape saw stays cached
         self._pairs(fams, gpus, nics)
         self._nic_links(fams, nics)
         if self.settings.nccl_env_audit:
-            self._nccl_audit(fams)
+            self._nccl_audit(fams, scrape)
         return iter(fams)
 
     # -- PCIe placement --------------------------------------------------------------------
@@ -342,10 +343,10 @@ class TopologyCollector(Collector):
         self._sysfs_gpu_cache = (names, found)
         return found
 
-    def _nics(self) -> list[Endpoint]:
+    def _nics(self, scrape: Scrape) -> list[Endpoint]:
         cfg = self.settings
         out = []
-        for dev in self.ctx.rdma().devices(cfg.device_include, cfg.device_exclude):
+        for dev in scrape.rdma(self.ctx.sysfs).devices(cfg.device_include, cfg.device_exclude):
             ep = self._pci_endpoint(dev, f"{rdma.CLASS}/{dev}/device")
             if ep is None:  # rxe/siw (no PCI parent), or gone
                 self.ctx.log_once(logging.DEBUG, "RDMA device %s has no PCI function; skipped",
@@ -515,7 +516,7 @@ class TopologyCollector(Collector):
 
     # -- NCCL environment audit ------------------------------------------------------------
 
-    def _nccl_audit(self, fams: Families) -> None:
+    def _nccl_audit(self, fams: Families, scrape: Scrape) -> None:
         pids = self.nvml.compute_pids()
         if pids is None:
             return
@@ -534,7 +535,7 @@ class TopologyCollector(Collector):
             if not env:
                 continue
             if netdevs is None:  # only when some process sets an NCCL variable
-                snapshot = self.ctx.rdma()
+                snapshot = scrape.rdma(self.ctx.sysfs)
                 netdevs = {p.netdev for p in snapshot.ports() if p.netdev}
                 devices = snapshot.devices()
             for variable, cls in env_settings(env, netdevs, devices).items():

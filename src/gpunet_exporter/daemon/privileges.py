@@ -18,9 +18,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from gpunet_exporter.collector import Collector, Privilege
+from gpunet_exporter.config import Settings, settings_items
 from gpunet_exporter.registry import discover
 
 
@@ -40,20 +40,21 @@ def declared(classes: Mapping[str, type[Collector]] | None = None) -> list[Need]
             for p in cls.privileges]
 
 
-def _wanted(cls: type[Collector], p: Privilege, section: object) -> bool:
+def _wanted(cls: type[Collector], p: Privilege, settings: Settings | None) -> bool:
     if p.option is None:
         return True
-    value = section.get(p.option) if isinstance(section, Mapping) else None
-    return bool(cls.config_fields[p.option].default if value is None else value)
+    if not isinstance(settings, cls.settings_type):
+        settings = cls.settings_type()
+    return bool(settings_items(settings)[p.option])
 
 
-def needs(enabled_collectors: Iterable[str], config: Mapping[str, Any],
+def needs(enabled_collectors: Iterable[str], settings: Mapping[str, Settings],
           classes: Mapping[str, type[Collector]] | None = None) -> list[Need]:
     """The readings of the enabled collectors that want a capability.
 
-    ``config`` maps a collector's name to its settings, as the configuration file and the
-    resolved per-collector sections both do; a setting that is absent has the default its
-    collector declares. ``classes`` defaults to the installed collectors.
+    ``settings`` maps a collector's name to its settings (options.resolve()); a collector
+    without an entry has its declared defaults. ``classes`` defaults to the installed
+    collectors.
     """
     classes = discover() if classes is None else classes
     out = []
@@ -62,11 +63,11 @@ def needs(enabled_collectors: Iterable[str], config: Mapping[str, Any],
         if cls is None:
             continue
         out += [Need(name, p.what, p.capabilities) for p in cls.privileges
-                if _wanted(cls, p, config.get(name))]
+                if _wanted(cls, p, settings.get(name))]
     return out
 
 
-def root_warning(enabled_collectors: Iterable[str], config: Mapping[str, Any], *,
+def root_warning(enabled_collectors: Iterable[str], settings: Mapping[str, Settings], *,
                  euid: int | None = None) -> str | None:
     """One warning line when the process runs as root (effective UID 0), else None.
 
@@ -77,7 +78,7 @@ def root_warning(enabled_collectors: Iterable[str], config: Mapping[str, Any], *
     if (os.geteuid() if euid is None else euid) != 0:
         return None
     enabled = sorted(set(enabled_collectors))
-    wanted = needs(enabled, config)
+    wanted = needs(enabled, settings)
     head = "running as root, which "
     advice = ("run as an unprivileged user instead (systemd/gpunet-exporter.service, "
               "docs/install.md)")

@@ -56,12 +56,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             web = load_web_config(args.web_config_file)
         except ConfigError as exc:
             fail(str(exc))
-    collectors, sections, _ = start_collectors(args, classes, parser)
+    collectors, settings, _ = start_collectors(args, classes, parser)
 
     hotplug = Hotplug(collectors)
     scraper = Scraper(collectors, args.scrape_timeout)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(scraper)
+    registry = CollectorRegistry(auto_describe=False)  # what /metrics shows after the scraper's
     registry.register(hotplug)
     limit = RequestLimit(args.max_requests)
     if not args.disable_exporter_metrics:  # node_exporter's process_*, python_*, refusals
@@ -78,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     log.info("gpunet-exporter %s listening on %s%s (%s), collectors: %s", __version__,
              args.listen_address, args.telemetry_path, web.describe(),
              ", ".join(collectors) or "none")
-    warning = root_warning(collectors, sections)  # once started: a failed start says one line
+    warning = root_warning(collectors, settings)  # once started: a failed start says one line
     if warning:
         log.warning("%s", warning)
     if args.hotplug:

@@ -31,7 +31,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from gpunet_exporter.collector import Collector
+from gpunet_exporter.collector import Collector, Scrape
 from gpunet_exporter.collectors.nccl import NcclCollector
 from gpunet_exporter.collectors.probe import ProbeCollector, ProbeSettings
 from gpunet_exporter.config import ConfigError, read_regular
@@ -801,7 +801,7 @@ def _wait_for_probe(probe: Collector, timeout: float, quiet: bool) -> None:
     deadline = time.monotonic() + timeout
     asked = time.time()
     while time.monotonic() < deadline:
-        s = Snapshot(probe.collect())
+        s = Snapshot(probe.collect(Scrape()))
         # A round of this check, not an earlier one's file left in the state directory.
         if (s.get("gpunet_probe_last_round_timestamp_seconds", scope=last) or 0) >= asked:
             return

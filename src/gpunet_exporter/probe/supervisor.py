@@ -164,7 +164,7 @@ class Supervisor:
 
     def snapshot(self) -> Snapshot:
         """The last tick's view (before the first one: nothing known, no runner running)."""
-        snap = self._refresher.value
+        snap = self._refresher.snapshot().value
         return snap if snap is not None else Snapshot({}, None if self.command is None else False)
 
     @property

@@ -16,7 +16,7 @@ import ssl
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs
 
 from prometheus_client import CollectorRegistry
@@ -26,7 +26,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 
 from gpunet_exporter import __version__
 from gpunet_exporter.collector import MetricSpec
-from gpunet_exporter.registry import Scraper, request_timeout
+from gpunet_exporter.registry import Scraper
 from gpunet_exporter.web import httpserver
 from gpunet_exporter.web import openmetrics as fast_openmetrics
 from gpunet_exporter.web.httpserver import Server, StartResponse, WSGIApp
@@ -104,7 +104,14 @@ class _Collected:
         return self.families
 
 
-def render_metrics(registry: CollectorRegistry, accept: str, accept_encoding: str,
+class Collects(Protocol):
+    """What render_metrics() encodes: a prometheus_client registry, or anything else that
+    collects families."""
+
+    def collect(self) -> Iterable[Metric]: ...
+
+
+def render_metrics(registry: Collects, accept: str, accept_encoding: str,
                    names: list[str] | None = None) -> tuple[bytes, list[tuple[str, str]]]:
     """Body and headers of a scrape, formatted by prometheus_client as the client negotiated.
 
@@ -179,6 +186,9 @@ class RequestLimit:
 
 def make_app(scraper: Scraper, registry: CollectorRegistry, telemetry_path: str,
              limit: RequestLimit | None = None) -> WSGIApp:
+    """The WSGI app: /metrics shows the scraper's families (under the deadline the request's
+    X-Prometheus-Scrape-Timeout-Seconds leaves, :func:`scrape_timeout`), then those of
+    ``registry`` (the exporter's own: hot-plug, process, refusals)."""
     limit = limit or RequestLimit(0)
     busy = (f"Limit of concurrent requests reached ({limit.limit}), try again later.\n"
             .encode())
@@ -197,9 +207,11 @@ def make_app(scraper: Scraper, registry: CollectorRegistry, telemetry_path: str,
                 return [busy]
             try:
                 names = parse_qs(environ.get("QUERY_STRING", "")).get("name[]")
-                with request_timeout(scrape_timeout(environ.get(SCRAPE_TIMEOUT_HEADER))):
-                    body, headers = render_metrics(registry, environ.get("HTTP_ACCEPT", ""),
-                                                   environ.get("HTTP_ACCEPT_ENCODING", ""), names)
+                # The collectors' families first, then those of the exporter itself.
+                timeout = scrape_timeout(environ.get(SCRAPE_TIMEOUT_HEADER))
+                scraped = _Collected([*scraper.collect(timeout), *registry.collect()])
+                body, headers = render_metrics(scraped, environ.get("HTTP_ACCEPT", ""),
+                                               environ.get("HTTP_ACCEPT_ENCODING", ""), names)
             finally:
                 limit.release()
             start_response("200 OK", [*headers, ("Content-Length", str(len(body)))])

@@ -19,19 +19,23 @@ import re
 import ssl
 import threading
 import time
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpunet_exporter.config import (
     ConfigError,
-    Field,
+    Settings,
     key_text,
+    make_settings,
     open_regular,
+    parse_settings,
     read_yaml,
+    setting,
+    settings_items,
     short,
     text_problem,
-    validate,
 )
 from gpunet_exporter.web.httpserver import StartResponse, WSGIApp
 
@@ -73,25 +77,37 @@ MAX_PEM_BYTES = 16 << 20  # a certificate, key or CA bundle (Mozilla's whole bun
 PATH_SHOWN = 4096  # characters of a file name an error message shows (Linux's PATH_MAX)
 
 
-def _schema(users: Iterable[str]) -> Field:
-    tls = {
-        "cert_file": Field("str", required=True),
-        "key_file": Field("str", required=True),
-        "client_auth_type": Field("str", default="NoClientCert", choices=CLIENT_AUTH),
-        "client_ca_file": Field("str"),
-        "min_version": Field("str", default="TLS12", choices=tuple(VERSIONS)),
-        "max_version": Field("str", default="TLS13", choices=tuple(VERSIONS)),
-        "prefer_server_cipher_suites": Field("bool", default=True),
-    }
-    http = {
-        "http2": Field("bool"),
-        "headers": Field("map", fields={h: Field("str") for h in HEADERS}),
-    }
-    return Field("map", fields={
-        "tls_server_config": Field("map", fields=tls),
-        "http_server_config": Field("map", fields=http),
-        "basic_auth_users": Field("map", fields={u: Field("str") for u in users}),
-    })
+@dataclass(frozen=True)
+class TlsServerConfig(Settings):
+    cert_file: str = setting(required=True)
+    key_file: str = setting(required=True)
+    client_auth_type: str = setting(default="NoClientCert", choices=CLIENT_AUTH)
+    client_ca_file: str | None = setting()
+    min_version: str = setting(default="TLS12", choices=tuple(VERSIONS))
+    max_version: str = setting(default="TLS13", choices=tuple(VERSIONS))
+    prefer_server_cipher_suites: bool = setting(default=True)
+
+
+# The response headers one may set, by their names (no Python names); values as HEADERS allows.
+if typing.TYPE_CHECKING:
+    Headers = Settings
+else:
+    Headers = make_settings("Headers", {h: (str | None, setting()) for h in HEADERS})
+
+
+@dataclass(frozen=True)
+class HttpServerConfig(Settings):
+    http2: bool | None = setting()
+    headers: Headers = setting(default=Headers())
+
+
+@dataclass(frozen=True)
+class WebConfigFile(Settings):
+    """The file's keys, those of exporter-toolkit that gpunet-exporter supports."""
+
+    tls_server_config: TlsServerConfig | None = setting()
+    http_server_config: HttpServerConfig = setting(default=HttpServerConfig())
+    basic_auth_users: Mapping[str, str] = setting(default={})  # user -> bcrypt hash
 
 
 @dataclass(frozen=True)
@@ -147,13 +163,13 @@ def _no_password() -> str:
     raise _Encrypted
 
 
-def _ssl_context(tls: dict[str, Any], base: str) -> tuple[ssl.SSLContext, str]:
-    def path(key: str) -> str:
-        value = os.path.join(base, tls[key])  # relative to the web config file, as upstream
+def _ssl_context(tls: TlsServerConfig, base: str) -> tuple[ssl.SSLContext, str]:
+    def path(key: str, name: str) -> str:
+        value = os.path.join(base, name)  # relative to the web config file, as upstream
         _readable(value, f"tls_server_config.{key}")
         return value
 
-    cert, key = path("cert_file"), path("key_file")
+    cert, key = path("cert_file", tls.cert_file), path("key_file", tls.key_file)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:  # the certificate alone first, so that a bad one is blamed on cert_file
         ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=cert)
@@ -170,18 +186,18 @@ def _ssl_context(tls: dict[str, Any], base: str) -> tuple[ssl.SSLContext, str]:
                else f"holds no valid PEM private key ({exc})")
         raise ConfigError(f"key 'tls_server_config.key_file': {key!r} {why}") from None
 
-    auth = tls["client_auth_type"]
+    auth = tls.client_auth_type
     if auth == "RequireAnyClientCert":
         raise ConfigError("key 'tls_server_config.client_auth_type': RequireAnyClientCert is not "
                           "supported (Python's ssl module cannot require a client certificate "
                           "without verifying it); use RequireAndVerifyClientCert with "
                           "client_ca_file")
-    if "client_ca_file" in tls:
+    if tls.client_ca_file is not None:
         if auth in ("NoClientCert", "RequestClientCert"):
             raise ConfigError(f"key 'tls_server_config.client_ca_file': set, but "
                               f"client_auth_type {auth} does not verify client certificates; "
                               "use RequireAndVerifyClientCert")
-        ca = path("client_ca_file")
+        ca = path("client_ca_file", tls.client_ca_file)
         try:
             ctx.load_verify_locations(cafile=ca)
         except (ssl.SSLError, ValueError) as exc:
@@ -195,7 +211,7 @@ def _ssl_context(tls: dict[str, Any], base: str) -> tuple[ssl.SSLContext, str]:
     ctx.verify_mode = {"VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
                        "RequireAndVerifyClientCert": ssl.CERT_REQUIRED}.get(auth, ssl.CERT_NONE)
 
-    low, high = tls["min_version"], tls["max_version"]
+    low, high = tls.min_version, tls.max_version
     for k, v in (("min_version", low), ("max_version", high)):
         if v in ("TLS10", "TLS11"):
             raise ConfigError(f"key 'tls_server_config.{k}': {v} is not supported (TLS 1.0 and "
@@ -204,7 +220,7 @@ def _ssl_context(tls: dict[str, Any], base: str) -> tuple[ssl.SSLContext, str]:
         raise ConfigError(f"key 'tls_server_config.min_version': {low} is above max_version "
                           f"{high}")
     ctx.minimum_version, ctx.maximum_version = VERSIONS[low], VERSIONS[high]
-    if tls["prefer_server_cipher_suites"]:
+    if tls.prefer_server_cipher_suites:
         ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
     else:
         ctx.options &= ~ssl.OP_CIPHER_SERVER_PREFERENCE
@@ -229,14 +245,15 @@ def load_web_config(path: str) -> WebConfig:
                 problem = text_problem(user)
                 if problem is not None:  # BasicAuth compares UTF-8 bytes with the header's
                     raise ConfigError(f"key {where!r}: a user name cannot hold {problem}")
-        cfg = validate(raw, _schema(users if isinstance(users, dict) else ()), "")
-        for user, hashed in cfg.get("basic_auth_users", {}).items():
+        cfg = parse_settings(WebConfigFile, raw, "")
+        for user, hashed in cfg.basic_auth_users.items():
             m = _BCRYPT.match(hashed)
             if not m or not 4 <= int(m.group(1)) <= 31:
                 where = "basic_auth_users." + key_text(user)
                 raise ConfigError(f"key {where!r}: not a bcrypt hash (expected $2y$10$ followed "
                                   "by 53 characters)")
-        headers = cfg.get("http_server_config", {}).get("headers", {})
+        headers = {name: value for name, value
+                   in settings_items(cfg.http_server_config.headers).items() if value is not None}
         for name, value in headers.items():
             if _HEADER_VALUE_BAD.search(value):
                 raise ConfigError(f"key {'http_server_config.headers.' + name!r}: a header "
@@ -246,13 +263,13 @@ def load_web_config(path: str) -> WebConfig:
                 raise ConfigError(f"key {'http_server_config.headers.' + name!r}: expected one "
                                   f"of {', '.join(HEADERS[name])}, got {short(value)}")
         ctx, auth = None, "NoClientCert"
-        if "tls_server_config" in cfg:
-            ctx, auth = _ssl_context(cfg["tls_server_config"],
+        if cfg.tls_server_config is not None:
+            ctx, auth = _ssl_context(cfg.tls_server_config,
                                      os.path.dirname(os.path.abspath(path)))
     except ConfigError as exc:
         raise ConfigError(f"web config file {path!r}: {exc}") from None
-    return WebConfig(ctx, dict(cfg.get("basic_auth_users", {})),
-                     {k: v for k, v in headers.items() if v}, auth)
+    return WebConfig(ctx, dict(cfg.basic_auth_users), {k: v for k, v in headers.items() if v},
+                     auth)
 
 
 class BasicAuth:
