@@ -47,15 +47,12 @@ STOP_WAIT_SECONDS = 2.0
 # Exported by the service next to the scrape metrics (Hotplug is registered in its registry).
 HOTPLUG_MONITORING = MetricSpec(
     "gpunet_hotplug_monitoring", "gauge",
-    "1 while the exporter receives hot-plug events (uevents) of InfiniBand, network and PCI "
-    "devices, 0 when it cannot (no pyudev or libudev, netlink refused) or --no-hotplug; devices "
-    "are re-listed on every scrape either way", (), "boolean",
+    "1 while the exporter receives hot-plug events (uevents) of RDMA, network and PCI devices",
+    (), "boolean",
     "pyudev netlink monitor (udev, or kernel uevents without udevd)")
 DEVICE_EVENTS = MetricSpec(
     "gpunet_device_events_total", "counter",
-    f"Device events received since the exporter started, by subsystem ({', '.join(SUBSYSTEMS)}) "
-    f"and action ({', '.join(ACTIONS)}; anything else is other); a series appears with its "
-    "first event. Kernel net events come only from the exporter's network namespace",
+    "Device events received since the exporter started, by subsystem and action",
     ("subsystem", "action"), "events", "udev or kernel uevents (netlink)")
 METRICS = (HOTPLUG_MONITORING, DEVICE_EVENTS)
 
