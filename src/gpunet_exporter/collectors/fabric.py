@@ -1,26 +1,10 @@
-"""fabric collector: every switch port of an InfiniBand fabric, seen from one host (off by
-default; enable it on one or two hosts per fabric).
+"""fabric collector: every switch port of an InfiniBand fabric, seen from one host (off by default;
+enable it on one or two hosts per fabric).
 
-A node's own exporter sees only the host end of its cables. This collector sweeps the fabric
-with infiniband-diags in a background thread (a background.Refresher, every
-``interval_seconds``; sources/ibdiag.py runs the tools, each with a timeout and no shell) and
-exports the last sweep's results, so a scrape reads only the cache:
-
-- per switch port: logical and physical state, active width and lane speed, the rate it runs at
-  next to the best rate both ends support (iblinkinfo's "Could be"), a ``degraded`` flag when it
-  runs below that, the PortCounters (errors and data, as ``_total`` counters), and its neighbour
-  in ``gpunet_fabric_port_info``. Labels are the switch's node GUID and the port number, never a
-  LID, which the subnet manager may reassign. A port keeps the neighbour it last had while it is
-  down (for the life of the process), so "a fabric link down" is a port down whose last
-  neighbour was a switch;
-- per leaf switch (one with hosts): its uplinks (ports to other switches), how the traffic of
-  the last sweep interval divides across them (the busiest uplink's rate over the mean, minus 1:
-  0 is an even split, 0.2 the documented alert threshold), and how its forwarding table divides
-  the host LIDs across them (dump_fts; unbalanced when one uplink routes more than one LID more
-  than another, check_lft_balance's test);
-- the sweep: success, age, duration, and each step's success and duration.
-
-Formats and sources: docs/formats.md §10; the design and its choices: docs/fabric.md.
+A background sweep (a background.Refresher, every ``interval_seconds``) runs infiniband-diags
+through sources/ibdiag.py; scrapes read only its last result: switch ports, their neighbours and
+counters, leaf uplink balance and the sweep's own health. Formats: docs/formats.md §10; the design
+and its choices: docs/fabric.md; how to read the metrics: docs/reading-metrics.md.
 """
 
 from __future__ import annotations

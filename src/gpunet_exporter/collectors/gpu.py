@@ -1,25 +1,10 @@
-"""gpu collector: NVML utilization, memory, PCIe link and errors, NVLink, compute processes,
-XID errors, and lost GPUs.
+"""gpu collector: NVML utilization, memory, PCIe link and errors, NVLink, compute processes, XID
+errors, and lost GPUs.
 
-Calls, return types and errors: docs/formats.md §6 (nvidia-ml-py, ``import pynvml``; verified on
-2 x H200 and on an H100, see docs/gpu.md). NVML is reached through the process-wide session of
-sources/nvml.py, so the gpu and topology collectors share one initialisation.
-
-Two tiers, because some NVML reads are firmware round trips (measured on an H100 with driver
-580: about 0.17 ms for each PCIe error counter field, 20 ms for each PCIe throughput sample):
-- every scrape: utilization, memory, PCIe generation and width, compute processes, NVLink state,
-  lost GPUs: a few microseconds each;
-- in the background, every ``counters_interval_seconds`` (a background.Refresher): PCIe replay,
-  error, recovery and byte counters, PCIe throughput, NVLink error counters. The scrape serves the
-  last good values with their success and last-success timestamp, like every background read of
-  this exporter. NVML calls have no timeout of their own, so a round still running after one
-  interval (a hung firmware call) counts as failed, and its late result is discarded.
-XID errors come from an NVML event thread that blocks in ``nvmlEventSetWait`` (XidWatcher: an
-event listener, not a refreshed value, so not a Refresher; its docstring says why).
-
-A call a GPU does not support (NotSupported, FunctionNotFound) is skipped for that GPU alone
-from then on and logged once. A GPU that answers GpuIsLost becomes ``gpunet_gpu_lost 1`` with
-no other series. No nvidia-ml-py, no library or no driver: no data, collector succeeds.
+Reads NVML through the process-wide session of sources/nvml.py (shared with topology): cheap
+reads every scrape, firmware round trips (PCIe and NVLink counters, PCIe throughput) in a
+background.Refresher, XID errors from an NVML event thread. Calls and errors: docs/formats.md §6;
+design notes: docs/architecture.md, "collectors"; real-GPU runs: docs/gpu.md.
 """
 
 from __future__ import annotations

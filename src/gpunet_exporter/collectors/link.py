@@ -1,12 +1,9 @@
 """link collector: speed, MTU, carrier and flaps of the netdevs behind RDMA ports (plus any
 interfaces named in the config), the active RDMA MTU, and expected-versus-actual MTU.
 
-Sources: /sys/class/net/<if>/{operstate,carrier,speed,mtu,carrier_changes} (kernel
-net/core/net-sysfs.c); RoCE active MTU derived from the netdev MTU as the kernel's iboe_get_mtu()
-does (docs/formats.md §1.6); InfiniBand active MTU from ``ibv_devinfo`` (docs/formats.md §7),
-which runs in the background on its own interval (a background.Refresher), never in the scrape;
-the first scrape that sees an InfiniBand port starts it and waits for its first run at most until
-the scrape's deadline.
+Reads /sys/class/net/<if>/{operstate,carrier,speed,mtu,carrier_changes}; the RoCE active MTU is
+derived from the netdev MTU as the kernel's iboe_get_mtu() does (docs/formats.md §1.6), the
+InfiniBand one comes from ``ibv_devinfo`` (§7) run in a background.Refresher, never in the scrape.
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """nccl collector: the health of the NCCL jobs running on this node, from NCCL's own RAS service
 (NCCL 2.24 and later; on by default: with no job it costs one refused connection per round).
 
-Every NCCL process joins its job's RAS network and listens for clients on ``localhost:28028``
-(``NCCL_RAS_ADDR``). In a background thread (a background.Refresher, every
-``interval_seconds``), this collector connects to each configured port and asks for a report
-(sources/ras.py: JSON where NCCL has it, 2.28.7 and later, else the text report), with a
-short handshake timeout, a timeout for the whole report and a bound on its size. When nothing
-listens it stops there. It exports, per port:
-
-- whether a RAS server listens (how many NCCL processes: they share the port) and answered,
-  with the report's age; a connection that a listener accepted but never answered is counted
-  (a stopped NCCL process keeps its listener; the next connection may reach another process);
-- the job: its processes (answering, unresponsive, considered dead), nodes and GPUs;
-- its communicators by status, and their ranks expected, seen and missing (by why);
-- ranks with an initialisation or asynchronous error;
-- the collective counts (JSON only): the largest skew between the ranks of one communicator per
-  operation, the communicators whose skew grew since the last report, the ranks left behind
-  whose count did not move while their communicator's leader's had (a stuck rank), and the
-  running communicators whose counts did not move at all (idle, or hung as a whole while RAS
-  still says RUNNING: NVIDIA/nccl issue 1730). Counts are compared across reports for that.
-
-No label carries a rank, a host or a process, and by default no communicator hash: the
-numbers are per port. With ``per_communicator`` on, the JSON report's communicators also get
-series of their own, labelled with their hash, at most ``max_communicators`` of them (the most
-troubled first) and the rest counted. The design and its choices: docs/nccl-ras.md; the
-formats: docs/formats.md §11.
+A background.Refresher asks each configured RAS port for a report (sources/ras.py) every
+``interval_seconds`` and exports job-wide numbers per port: listeners, processes, communicators,
+missing and errored ranks, collective skew and stalls; per communicator only with
+``per_communicator``. The design and its choices: docs/nccl-ras.md; formats: docs/formats.md §11.
 """
 
 from __future__ import annotations

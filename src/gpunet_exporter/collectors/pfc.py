@@ -1,21 +1,10 @@
-"""pfc collector: PFC, QoS and ECN of the netdevs behind RoCE ports, joining the configuration
-with the per-priority counters so an alert can say "pause frames on a priority that has no PFC"
-or "PFC is off on the priority RoCE uses".
+"""pfc collector: PFC, QoS and ECN of the netdevs behind RoCE ports, joining the configuration with
+the per-priority counters ("pause frames on a priority that has no PFC").
 
-- Configuration (changes rarely) is refreshed in a background thread (a background.Refresher)
-  on its own interval, never in the scrape: ``mlnx_qos``, iproute2 ``dcb`` or the MLNX_OFED
-  ``qos/`` sysfs files, whichever comes first in ``config.sources`` and exists on the machine,
-  plus ``ecn/`` in sysfs. A failed, hung (killed after its timeout) or unparseable refresh keeps
-  the last good values, sets ``gpunet_pfc_config_refresh_success`` to 0 and leaves
-  ``gpunet_pfc_config_last_success_timestamp_seconds`` where it was; a tool that is not installed
-  is no data. The first scrape waits for the first round at most until its deadline.
-- Counters are read on every scrape in-process through the SIOCETHTOOL ioctl (what
-  ``ethtool -S`` prints), or by running ``ethtool -S`` where the ioctl is refused. Names map to
-  metrics through collectors/data/pfc_ethtool.csv; per-priority names not in it are exported
-  through a generic family. A counter the driver does not print is not exported, never zero:
-  mlx5 prints the pause counters only for priorities with PFC enabled.
-
-Formats and sources: docs/formats.md §2 (mlnx_qos), §3 (ethtool -S on mlx5), §4 (ECN).
+The configuration (``mlnx_qos``, iproute2 ``dcb`` or the OFED ``qos/`` files, and ``ecn/``) is
+read in a background.Refresher; the counters every scrape through the SIOCETHTOOL ioctl or
+``ethtool -S``, mapped by collectors/data/pfc_ethtool.csv. Formats: docs/formats.md §2-4; design
+notes: docs/architecture.md, "collectors".
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
-"""probe collector: the results of micro all-reduce probes (probe/runner.py).
+"""probe collector: the results of micro all-reduce probes (probe/runner.py) and of fleet pairs.
 
-The collector never imports torch. With ``runner: intra`` (default) the probe's supervisor
-(probe/supervisor.py) keeps ``gpunet-probe run`` running in its own process group,
-which runs rounds every ``interval_seconds``: the ``intra`` scope (the GPUs among themselves,
-with two or more) and the ``net`` scope (the GPUs through the node's NICs); it kills a hung
-runner's whole process group and starts it again, as after any exit. Results come from the files
-the runner writes atomically into ``state_dir`` (probe/results.py); cluster-mode ranks
-started by torchrun or srun write ``inter.json`` there, and the collector exports whatever it
-finds, so ``runner: none`` serves those alone.
-
-The runner's command line carries only the settings that differ from the runner's own defaults,
-and the configuration's defaults are the runner's (runner.run_defaults): each default is written
-once, in runner.add_run_arguments.
-
-Fleet probes (issue 18): whoever runs pair probes between nodes (a Slurm or Kubernetes job
-following a plan of probe/plan.py) writes this node's view of the last plan into
-``<state_dir>/pairs.json`` (probe/pairs.py); the collector exports it as the
-``gpunet_fleet_*`` metrics, one ``peer`` label value per peer of that plan and at most
-``fleet_max_peers`` of them. A pair that was not measured (a GPU busy with other work on either
-end, issue 31) has no ``gpunet_fleet_pair_success``, only ``gpunet_fleet_pair_skipped`` with
-the reason: the fleet rules count measured pairs only, so it makes no node or link look bad.
-
-Scrapes read only the supervisor's last snapshot: every value is from the last round, whose
-time and success come with it. This module maps those results to metrics.
+The collector never imports torch. With ``runner: intra`` the probe's supervisor
+(probe/supervisor.py) keeps ``gpunet-probe run`` running while the GPUs are idle; scrapes read
+only its last snapshot and the result files of ``state_dir`` (probe/results.py, and
+``pairs.json`` of probe/pairs.py as the gpunet_fleet_* metrics). Design notes:
+docs/architecture.md, "collectors"; the probe itself: docs/probe.md and docs/fleet.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """topology collector: where each GPU sits relative to each RDMA NIC on the PCIe tree, whether
-GPUDirect RDMA can work on this host, whether PCIe ACS forces GPU-NIC peer-to-peer traffic through
-the root complex, and which NCCL environment variables of the running GPU processes turn the
-fast paths off.
+GPUDirect RDMA can work on this host, whether PCIe ACS forces GPU-NIC traffic through the root
+complex, the NICs' PCIe links, and which NCCL variables of the GPU processes turn fast paths off.
 
-Sources: the realpath of /sys/bus/pci/devices/<gpu> and /sys/class/infiniband/<dev>/device, and
-the numa_node files (the distances in nvidia-smi topo's vocabulary); the files NCCL checks for a
-peer-memory client and /proc/driver/nvidia/version with /proc/sys/kernel/osrelease for DMA-BUF
-(docs/formats.md §5.3); each bridge's ACS Control register from its binary config file (PCIe base
-spec 7.7.8, readable beyond 64 bytes by root only); /proc/<pid>/environ of NVML's compute processes.
-GPUs come from the shared NVML session when NVML is up, else from sysfs.
+Reads sysfs PCI paths and numa_node files, the peer-memory and NVIDIA driver files (docs/formats.md
+§5.3), bridges' ACS Control registers (root only), and /proc/<pid>/environ of NVML's compute
+processes; GPUs from the shared NVML session, else from sysfs.
 """
 
 from __future__ import annotations
