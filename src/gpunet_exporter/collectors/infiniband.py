@@ -153,9 +153,8 @@ GENERIC_HW_COUNTERS_MAX = 512
 
 _HCA_TYPE = DEVICE_INFO.labels.index("hca_type")
 
-_INV_SRC = ("infiniband.inventory_expected of the config, else the names seen under "
-            "/sys/class/infiniband (and their ports' netdevs) since the exporter first ran, kept "
-            "in infiniband.inventory_state_file")
+_INV_SRC = ("infiniband.inventory_expected, else the names learned in "
+            "infiniband.inventory_state_file")
 INVENTORY_EXPECTED = MetricSpec(
     "gpunet_inventory_expected", "gauge",
     "How many RDMA devices, RDMA ports or netdevs behind them this node should have", ("kind",),

@@ -124,8 +124,8 @@ NCCL_ENV_PROCESSES = MetricSpec(
     "NVML compute processes, /proc/<pid>/environ")
 
 # -- PCIe link of each RDMA device's PCI function (issue 16) ---------------------------------------
-_LINK_SOURCE = ("current_link_speed, current_link_width, max_link_speed, max_link_width of "
-                "/sys/class/infiniband/<device>/device and of the bridge above it")
+_LINK_SOURCE = ("{current,max}_link_{speed,width} of /sys/class/infiniband/<device>/device and "
+                "of the bridge above it")
 NIC_PCIE_INFO = MetricSpec(
     "gpunet_topology_nic_pcie_info", "gauge",
     "Always 1, for each RDMA device with a PCI function: its address and the bridge port above",
