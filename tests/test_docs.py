@@ -4,6 +4,7 @@ naming rules (prefix, base units, _total on counters, no target labels)."""
 from __future__ import annotations
 
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -18,13 +19,18 @@ from gpunet_exporter.health.metricsdoc import own_metrics, render
 from gpunet_exporter.registry import SCRAPE_METRICS, discover
 from gpunet_exporter.sources.ethtool import parse_stats_text
 from gpunet_exporter.web.http import SCRAPES_REJECTED
+from gpunet_exporter.web.httpserver import CONNECTIONS, CONNECTIONS_REFUSED
 
 from support import sysfs_tree as st
 from support.metrics import collect, make_collector, samples_of
 from support.paths import FIXTURES, GOLDEN, REPO
 
-ALL_SPECS = [*SCRAPE_METRICS, *hotplug.METRICS, SCRAPES_REJECTED,
-             *(s for c in discover().values() for s in c.metrics)]
+ALL_SPECS = [*SCRAPE_METRICS, *hotplug.METRICS, SCRAPES_REJECTED, CONNECTIONS,
+             CONNECTIONS_REFUSED, *(s for c in discover().values() for s in c.metrics)]
+
+# HELP is one sentence plus its source (MetricSpec.full_help adds the source): the bound is on the
+# sentence, what the value is; a source is a path or a command, as long as it is.
+HELP_MAX = 100
 
 
 def test_metrics_md_is_fresh() -> None:
@@ -100,7 +106,45 @@ def test_naming_rules(spec) -> None:  # type: ignore[no-untyped-def]
         assert forbidden not in spec.name
     if spec.name.endswith("_info"):
         assert spec.type == "gauge"
-    assert "Unit:" in spec.full_help or not spec.unit
+
+
+def _help_problem(spec) -> str:  # type: ignore[no-untyped-def]
+    """Why the spec's HELP is not one short sentence plus its source, or ""."""
+    sentence = spec.help.rstrip(".")
+    if re.search(r"[.;] |\n", sentence):
+        return f"more than one sentence: {sentence!r}"
+    if len(sentence) > HELP_MAX:
+        return f"{len(sentence)} characters, over {HELP_MAX}: {sentence!r}"
+    return ""
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.name)
+def test_help_is_one_sentence_plus_source(spec) -> None:  # type: ignore[no-untyped-def]
+    """What the value is, in one sentence, and where it comes from; how to read it, edge cases
+    and settings are in the prose docs (docs/<topic>.md), where an operator reads on."""
+    problem = _help_problem(spec)
+    assert not problem, problem
+
+
+def test_help_lengths() -> None:
+    """The median and longest HELP sentence, printed with -s; the bound above is the rule."""
+    lengths = sorted(len(s.help) for s in ALL_SPECS)
+    median = statistics.median(lengths)
+    print(f"HELP sentences: {len(lengths)}, median {median}, max {lengths[-1]} characters")
+    assert lengths[-1] <= HELP_MAX
+
+
+def test_reading_metrics_names_declared_metrics() -> None:
+    """docs/reading-metrics.md holds what the HELP sentences leave out; a metric it names by its
+    full name must exist, so a rename does not leave the prose behind."""
+    declared = {s.name for s in ALL_SPECS}
+    declared |= {n.removesuffix("_total") for n in declared}
+    text = (REPO / "docs" / "reading-metrics.md").read_text()
+    named = set(re.findall(r"`(gpunet_[a-z0-9_]+[a-z0-9])`", text))
+    assert named - declared == set()
+    # every collector has its section
+    for name in discover():
+        assert f"## {name} collector" in text, name
 
 
 def test_every_family_of_the_golden_scrape_is_documented() -> None:

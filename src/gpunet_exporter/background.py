@@ -68,8 +68,7 @@ def last_success_spec(prefix: str, what: str, labels: tuple[str, ...] = ()) -> M
     ibv_devinfo")."""
     return MetricSpec(
         f"{prefix}_last_success_timestamp_seconds", "gauge",
-        f"Unix time of the last good {what}; absent until one succeeds, and no longer "
-        "advancing while they fail (alert on time() minus it)", labels,
+        f"Unix time of the last good {what}", labels,
         "seconds", "exporter clock at the end of the read")
 
 

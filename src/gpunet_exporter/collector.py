@@ -43,8 +43,6 @@ class MetricSpec:
     @functools.cached_property  # a frozen dataclass's __dict__ takes it; asked every scrape
     def full_help(self) -> str:
         parts = [self.help.rstrip(".") + "."]
-        if self.unit:
-            parts.append(f"Unit: {self.unit}.")
         if self.source:
             parts.append(f"Source: {self.source}.")
         return " ".join(parts)

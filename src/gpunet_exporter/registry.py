@@ -68,16 +68,15 @@ SCRAPE_METRICS = (
         "measured by the exporter"),
     MetricSpec(
         "gpunet_scrape_collector_success", "gauge",
-        "1 if the collector finished in time without an exception, else 0; a node without the "
-        "hardware still reports 1", ("collector",), "boolean", "exporter"),
+        "1 if the collector finished in time without an exception, else 0", ("collector",),
+        "boolean", "exporter"),
     MetricSpec(
         "gpunet_scrape_collector_unreadable_values", "gauge",
-        "Values the collector skipped in this scrape because a file could not be read or parsed, "
-        "or because a label could not be exposed (not UTF-8, a NUL, longer than 256 characters; "
-        "docs/security.md); each costs only its own value", ("collector",), "count", "exporter"),
+        "Values the collector skipped in this scrape because they could not be read, parsed or "
+        "exposed", ("collector",), "count", "exporter"),
     MetricSpec(
         "gpunet_exporter_build_info", "gauge",
-        "Always 1; labels carry the exporter and Python versions", ("version", "python_version"),
+        "Always 1: the exporter and Python versions", ("version", "python_version"),
         "", "exporter"),
 )
 

@@ -1,26 +1,10 @@
-"""fabric collector: every switch port of an InfiniBand fabric, seen from one host (off by
-default; enable it on one or two hosts per fabric).
+"""fabric collector: every switch port of an InfiniBand fabric, seen from one host (off by default;
+enable it on one or two hosts per fabric).
 
-A node's own exporter sees only the host end of its cables. This collector sweeps the fabric
-with infiniband-diags in a background thread (a background.Refresher, every
-``interval_seconds``; sources/ibdiag.py runs the tools, each with a timeout and no shell) and
-exports the last sweep's results, so a scrape reads only the cache:
-
-- per switch port: logical and physical state, active width and lane speed, the rate it runs at
-  next to the best rate both ends support (iblinkinfo's "Could be"), a ``degraded`` flag when it
-  runs below that, the PortCounters (errors and data, as ``_total`` counters), and its neighbour
-  in ``gpunet_fabric_port_info``. Labels are the switch's node GUID and the port number, never a
-  LID, which the subnet manager may reassign. A port keeps the neighbour it last had while it is
-  down (for the life of the process), so "a fabric link down" is a port down whose last
-  neighbour was a switch;
-- per leaf switch (one with hosts): its uplinks (ports to other switches), how the traffic of
-  the last sweep interval divides across them (the busiest uplink's rate over the mean, minus 1:
-  0 is an even split, 0.2 the documented alert threshold), and how its forwarding table divides
-  the host LIDs across them (dump_fts; unbalanced when one uplink routes more than one LID more
-  than another, check_lft_balance's test);
-- the sweep: success, age, duration, and each step's success and duration.
-
-Formats and sources: docs/formats.md §10; the design and its choices: docs/fabric.md.
+A background sweep (a background.Refresher, every ``interval_seconds``) runs infiniband-diags
+through sources/ibdiag.py; scrapes read only its last result: switch ports, their neighbours and
+counters, leaf uplink balance and the sweep's own health. Formats: docs/formats.md §10; the design
+and its choices: docs/fabric.md; how to read the metrics: docs/reading-metrics.md.
 """
 
 from __future__ import annotations
@@ -64,13 +48,11 @@ COUNTERS = _counter_specs()
 
 SWITCH_INFO = MetricSpec(
     "gpunet_fabric_switch_info", "gauge",
-    "Always 1; a switch of the fabric: its node description and role (leaf: has hosts; spine: "
-    "only switches; empty: no active port)", ("switch", "name", "role"), "", _LINKS)
+    "Always 1, for each switch of the fabric: its node description and role (leaf or spine)",
+    ("switch", "name", "role"), "", _LINKS)
 PORT_INFO = MetricSpec(
     "gpunet_fabric_port_info", "gauge",
-    "Always 1; the neighbour of a switch port: its port GUID, port number, node description and "
-    "type (switch or ca); kept from the last sweep that saw it while the port is down, empty "
-    "when the port has had none since the exporter started",
+    "Always 1: the neighbour of a switch port (its port GUID, port, node description and type)",
     ("switch", "port", "remote", "remote_port", "remote_name", "remote_type"), "", _LINKS)
 STATE = MetricSpec(
     "gpunet_fabric_port_state_id", "gauge",
@@ -78,72 +60,65 @@ STATE = MetricSpec(
     "enum", _LINKS)
 PHYS_STATE = MetricSpec(
     "gpunet_fabric_port_phys_state_id", "gauge",
-    "Physical port state: " + ", ".join(f"{v} {k}" for k, v in ibdiag.PHYS_STATES.items()), _SP,
-    "enum", _LINKS)
+    "Physical port state as IBA numbers it (5 LinkUp, 2 Polling, 3 Disabled)", _SP, "enum",
+    _LINKS)
 WIDTH = MetricSpec(
-    "gpunet_fabric_port_link_width_lanes", "gauge", "Active link width; absent while down", _SP,
+    "gpunet_fabric_port_link_width_lanes", "gauge", "Active link width", _SP,
     "lanes", _LINKS)
 LANE_SPEED = MetricSpec(
     "gpunet_fabric_port_lane_speed_bytes_per_second", "gauge",
-    "Nominal data rate per lane (SDR 2.5, DDR 5, QDR/FDR10 10, FDR 14, EDR 25, HDR 50, NDR 100, "
-    "XDR 200 Gb/s, as the kernel's rate file counts them); absent while down", _SP,
+    "Nominal data rate per lane (HDR 50, NDR 100, XDR 200 Gb/s)", _SP,
     "bytes per second", _LINKS)
 RATE = MetricSpec(
     "gpunet_fabric_port_rate_bytes_per_second", "gauge",
-    "Rate the link runs at: width x lane speed, as the node-side "
-    "gpunet_infiniband_port_rate_bytes_per_second; absent while down", _SP, "bytes per second",
+    "Rate the link runs at, width x lane speed", _SP, "bytes per second",
     _LINKS)
 RATE_SUPPORTED = MetricSpec(
     "gpunet_fabric_port_rate_supported_bytes_per_second", "gauge",
-    "Best rate both ends of the link support (the widest width and fastest speed in both ends' "
-    "LinkWidthSupported and LinkSpeed(Ext)Supported: iblinkinfo's 'Could be'); absent while "
-    "down", _SP, "bytes per second", _LINKS)
+    "Best rate both ends of the link support (iblinkinfo's 'Could be')",
+    _SP, "bytes per second", _LINKS)
 DEGRADED = MetricSpec(
     "gpunet_fabric_port_rate_degraded", "gauge",
-    "1 when an active link trained below what both its ends support (narrower or slower), "
-    "else 0; absent while down", _SP, "boolean", _LINKS)
+    "1 when an active link trained narrower or slower than both its ends support, else 0",
+    _SP, "boolean", _LINKS)
 ROUTED = MetricSpec(
     "gpunet_fabric_port_routed_host_lids", "gauge",
-    "Host (channel adapter) LIDs the switch's linear forwarding table sends out of this port; "
-    "absent for ports that route none", _SP, "LIDs", "dump_fts")
+    "Host (channel adapter) LIDs the switch's linear forwarding table sends out of this port",
+    _SP, "LIDs", "dump_fts")
 UPLINKS = MetricSpec(
     "gpunet_fabric_leaf_uplinks", "gauge",
     "Active ports of a leaf switch whose neighbour is a switch", _SW, "ports", _LINKS)
 UPLINK_RATE = MetricSpec(
     "gpunet_fabric_leaf_uplink_bytes_per_second", "gauge",
-    "Mean traffic per active uplink of a leaf over the last sweep interval: tx from the leaf "
-    "towards the spines, rx from them", ("switch", "direction"), "bytes per second",
+    "Mean traffic per active uplink of a leaf over the last sweep interval",
+    ("switch", "direction"), "bytes per second",
     f"{_QE} --counters (PortXmitData, PortRcvData), difference of two sweeps")
 IMBALANCE = MetricSpec(
     "gpunet_fabric_leaf_uplink_imbalance_ratio", "gauge",
-    "How unevenly a leaf's uplink traffic divides across its uplinks over the last sweep "
-    "interval: the busiest uplink's rate over the mean, minus 1 (0 even; 0.2 the busiest carries "
-    "20% more than its share); absent below fabric.balance_min_bytes_per_second or with fewer "
-    "than 2 uplinks", ("switch", "direction"), "ratio",
+    "The busiest uplink's traffic over the leaf's mean, minus 1 (0 is even)",
+    ("switch", "direction"), "ratio",
     f"{_QE} --counters, difference of two sweeps")
 ROUTES_IMBALANCE = MetricSpec(
     "gpunet_fabric_leaf_routes_imbalance_ratio", "gauge",
-    "How unevenly a leaf's forwarding table divides the other leaves' host LIDs across its "
-    "active uplinks: the most an uplink routes over the mean, minus 1", _SW, "ratio", "dump_fts")
+    "Host LIDs the leaf's busiest uplink routes over the mean of its active uplinks, minus 1",
+    _SW, "ratio", "dump_fts")
 ROUTES_UNBALANCED = MetricSpec(
     "gpunet_fabric_leaf_routes_unbalanced", "gauge",
-    "1 when one active uplink of a leaf routes more than one host LID more than another (the "
-    "test of check_lft_balance), else 0", _SW, "boolean", "dump_fts")
+    "1 when an active uplink of a leaf routes more than one host LID more than another, else 0",
+    _SW, "boolean", "dump_fts")
 SWITCHES = MetricSpec(
     "gpunet_fabric_switches", "gauge", "Switches the last sweep found", (), "switches", _LINKS)
 SWEEP_SUCCESS = MetricSpec(
     "gpunet_fabric_sweep_success", "gauge",
-    "1 if the latest sweep discovered the fabric, else 0 (the last good values keep being "
-    "served); absent until the first sweep has ended", (), "boolean", "ibnetdiscover, iblinkinfo")
+    "1 if the latest sweep discovered the fabric, else 0",
+    (), "boolean", "ibnetdiscover, iblinkinfo")
 SWEEP_LAST_SUCCESS = last_success_spec("gpunet_fabric_sweep", "sweep of the fabric")
 SWEEP_DURATION = MetricSpec(
     "gpunet_fabric_sweep_duration_seconds", "gauge", "How long the last sweep took", (),
     "seconds", "exporter clock")
 STEP_SUCCESS = MetricSpec(
     "gpunet_fabric_step_success", "gauge",
-    "1 if the step of the latest sweep succeeded (discover: ibnetdiscover, links: iblinkinfo, "
-    "counters and errors: ibqueryerrors, routes: dump_fts), else 0; a failed step's values "
-    "are those of the last sweep where it succeeded", ("step",), "boolean", "exit status and "
+    "1 if the step of the latest sweep succeeded, else 0", ("step",), "boolean", "exit status and "
     "output of the step's tool")
 STEP_DURATION = MetricSpec(
     "gpunet_fabric_step_duration_seconds", "gauge", "How long the step took in the last sweep",

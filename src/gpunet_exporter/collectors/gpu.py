@@ -1,25 +1,10 @@
-"""gpu collector: NVML utilization, memory, PCIe link and errors, NVLink, compute processes,
-XID errors, and lost GPUs.
+"""gpu collector: NVML utilization, memory, PCIe link and errors, NVLink, compute processes, XID
+errors, and lost GPUs.
 
-Calls, return types and errors: docs/formats.md §6 (nvidia-ml-py, ``import pynvml``; verified on
-2 x H200 and on an H100, see docs/gpu.md). NVML is reached through the process-wide session of
-sources/nvml.py, so the gpu and topology collectors share one initialisation.
-
-Two tiers, because some NVML reads are firmware round trips (measured on an H100 with driver
-580: about 0.17 ms for each PCIe error counter field, 20 ms for each PCIe throughput sample):
-- every scrape: utilization, memory, PCIe generation and width, compute processes, NVLink state,
-  lost GPUs: a few microseconds each;
-- in the background, every ``counters_interval_seconds`` (a background.Refresher): PCIe replay,
-  error, recovery and byte counters, PCIe throughput, NVLink error counters. The scrape serves the
-  last good values with their success and last-success timestamp, like every background read of
-  this exporter. NVML calls have no timeout of their own, so a round still running after one
-  interval (a hung firmware call) counts as failed, and its late result is discarded.
-XID errors come from an NVML event thread that blocks in ``nvmlEventSetWait`` (XidWatcher: an
-event listener, not a refreshed value, so not a Refresher; its docstring says why).
-
-A call a GPU does not support (NotSupported, FunctionNotFound) is skipped for that GPU alone
-from then on and logged once. A GPU that answers GpuIsLost becomes ``gpunet_gpu_lost 1`` with
-no other series. No nvidia-ml-py, no library or no driver: no data, collector succeeds.
+Reads NVML through the process-wide session of sources/nvml.py (shared with topology): cheap
+reads every scrape, firmware round trips (PCIe and NVLink counters, PCIe throughput) in a
+background.Refresher, XID errors from an NVML event thread. Calls and errors: docs/formats.md §6;
+design notes: docs/architecture.md, "collectors"; real-GPU runs: docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -49,20 +34,17 @@ XID_LABELS_PER_GPU = 64  # XID codes are a small enumeration; anything beyond th
 
 INFO = MetricSpec(
     "gpunet_gpu_info", "gauge",
-    "Always 1; static attributes of the GPU (gpu is the NVML index, pci_address the sysfs PCI "
-    "address, numa_node -1 when unknown)",
+    "Always 1: the static attributes of the GPU (gpu is its NVML index)",
     ("gpu", "uuid", "name", "pci_address", "driver_version", "numa_node"), "",
     "nvmlDeviceGetUUID, GetName, GetPciInfo, GetNumaNodeId (or sysfs numa_node), "
     "nvmlSystemGetDriverVersion")
 NVML_UP = MetricSpec(
     "gpunet_gpu_nvml_up", "gauge",
-    "1 while NVML is initialised; 0 when it was up before and is now failing (driver reload or "
-    "failure; re-initialised every 10 s) or the library does not match the driver; absent on "
-    "nodes without an NVIDIA driver", (), "boolean", "nvmlInit")
+    "1 while NVML is initialised, 0 when it is failing", (), "boolean", "nvmlInit")
 LOST = MetricSpec(
     "gpunet_gpu_lost", "gauge",
-    "1 when NVML answers GpuIsLost for the GPU (fallen off the bus, needs a reset), else 0; a "
-    "lost GPU has no other series but its XID ones", _G, "boolean", "NVML_ERROR_GPU_IS_LOST")
+    "1 when NVML answers GpuIsLost for the GPU (fallen off the bus, needs a reset), else 0",
+    _G, "boolean", "NVML_ERROR_GPU_IS_LOST")
 MISSING = MetricSpec(
     "gpunet_gpu_missing", "gauge",
     "GPUs NVML enumerated earlier in this exporter's life (by UUID) that it no longer "
@@ -76,8 +58,8 @@ MEM_UTIL = MetricSpec(
     "Fraction of the last sample period during which device memory was read or written (0 to 1)",
     _G, "ratio", "nvmlDeviceGetUtilizationRates .memory / 100")
 MEM_USED = MetricSpec(
-    "gpunet_gpu_memory_used_bytes", "gauge", "Device memory allocated, as nvidia-smi shows it "
-    "(without the driver's reservation; drivers before the v2 call include it)", _G, "bytes",
+    "gpunet_gpu_memory_used_bytes",
+    "gauge", "Device memory allocated, as nvidia-smi shows it", _G, "bytes",
     "nvmlDeviceGetMemoryInfo_v2 .used (v1 .used on old drivers)")
 MEM_RESERVED = MetricSpec(
     "gpunet_gpu_memory_reserved_bytes", "gauge", "Device memory the driver and firmware reserve",
@@ -86,12 +68,11 @@ MEM_TOTAL = MetricSpec("gpunet_gpu_memory_total_bytes", "gauge", "Device memory 
                        "bytes", "nvmlDeviceGetMemoryInfo .total")
 PROCS = MetricSpec(
     "gpunet_gpu_compute_processes", "gauge",
-    "Compute processes with a context on the GPU, other than the exporter's own probe workers "
-    "(tells 'idle' from 'busy but starved' when utilization is low)", _G, "processes",
+    "Compute processes with a context on the GPU, other than the exporter's own probe workers",
+    _G, "processes",
     "nvmlDeviceGetComputeRunningProcesses, /proc/<pid>/stat session")
 PCIE_GEN = MetricSpec(
-    "gpunet_gpu_pcie_link_generation", "gauge", "Current PCIe link generation (GPUs drop to a "
-    "lower generation while idle to save power)", _G, "generation",
+    "gpunet_gpu_pcie_link_generation", "gauge", "Current PCIe link generation", _G, "generation",
     "nvmlDeviceGetCurrPcieLinkGeneration")
 PCIE_GEN_MAX = MetricSpec(
     "gpunet_gpu_pcie_link_max_generation", "gauge",
@@ -104,63 +85,57 @@ PCIE_WIDTH_MAX = MetricSpec("gpunet_gpu_pcie_link_max_width", "gauge",
                             "nvmlDeviceGetMaxPcieLinkWidth")
 PCIE_DEGRADED = MetricSpec(
     "gpunet_gpu_pcie_link_degraded", "gauge",
-    "1 when the PCIe link runs below its maximum: fewer lanes than the maximum, or a lower "
-    "generation while the GPU is busy (utilization above 0 or compute processes present; an "
-    "idle GPU lowering its generation is power saving, not a fault), else 0", _G, "boolean",
+    "1 when the PCIe link runs narrower than its maximum, or slower while the GPU is busy, else 0",
+    _G, "boolean",
     "NVML current and maximum PCIe generation and width")
 NVLINK_ACTIVE = MetricSpec(
     "gpunet_gpu_nvlink_active", "gauge", "1 when the NVLink link is active, else 0",
     ("gpu", "link"), "boolean", "nvmlDeviceGetNvLinkState")
 # Background counters -------------------------------------------------------------------------
-_BG = " (read in the background every counters_interval_seconds)"
+# Read in the background every counters_interval_seconds (docs/reading-metrics.md).
 PCIE_THROUGHPUT = MetricSpec(
     "gpunet_gpu_pcie_throughput_bytes_per_second", "gauge",
-    "PCIe throughput over a 20 ms sample, NVML KB/s x 1000 (NVML does not say whether its KB "
-    "is 1000 or 1024 bytes; they differ by 2.4%); direction tx (GPU to host) or rx" + _BG,
+    "PCIe throughput over a 20 ms sample (NVML KB/s x 1000)",
     ("gpu", "direction"),
     "bytes per second", "nvmlDeviceGetPcieThroughput TX_BYTES / RX_BYTES")
 PCIE_REPLAYS = MetricSpec(
     "gpunet_gpu_pcie_replays_total", "counter",
-    "PCIe replays (link-level retransmissions) since the driver loaded" + _BG, _G, "replays",
+    "PCIe replays (link-level retransmissions) since the driver loaded", _G, "replays",
     "NVML_FI_DEV_PCIE_REPLAY_COUNTER")
 PCIE_REPLAY_ROLLOVERS = MetricSpec(
     "gpunet_gpu_pcie_replay_rollovers_total", "counter",
-    "Times the PCIe replay number rolled over (4 replays of one packet)" + _BG, _G, "rollovers",
+    "Times the PCIe replay number rolled over (4 replays of one packet)", _G, "rollovers",
     "NVML_FI_DEV_PCIE_REPLAY_ROLLOVER_COUNTER")
 PCIE_RECOVERIES = MetricSpec(
     "gpunet_gpu_pcie_link_recoveries_total", "counter",
-    "Transitions of the PCIe link from L0 into Recovery (retraining)" + _BG, _G, "transitions",
+    "Transitions of the PCIe link from L0 into Recovery (retraining)", _G, "transitions",
     "NVML_FI_DEV_PCIE_L0_TO_RECOVERY_COUNTER")
 PCIE_ERRORS = MetricSpec(
     "gpunet_gpu_pcie_errors_total", "counter",
-    "PCIe errors the GPU counted, by type" + _BG, ("gpu", "type"), "errors",
+    "PCIe errors the GPU counted, by type", ("gpu", "type"), "errors",
     "NVML_FI_DEV_PCIE_COUNT_<TYPE>")
 NVLINK_ERRORS = MetricSpec(
     "gpunet_gpu_nvlink_errors_total", "counter",
-    "NVLink data-link errors by type: replay, recovery, crc_flit, crc_data, ecc_data (non-zero "
-    "baselines are normal on healthy links; alert on rates)" + _BG, ("gpu", "link", "type"),
+    "NVLink data-link errors, by type", ("gpu", "link", "type"),
     "errors", "nvmlDeviceGetNvLinkErrorCounter")
 COUNTERS_SUCCESS = MetricSpec(
     "gpunet_gpu_counters_refresh_success", "gauge",
-    "1 if the latest background read of the GPU's counters succeeded, else 0 (the last good "
-    "values keep being served); 0 as well for a round still running after one "
-    "counters_interval_seconds; absent until the first round has ended", _G, "boolean",
+    "1 if the latest background read of the GPU's counters succeeded, else 0", _G, "boolean",
     "exporter")
 COUNTERS_LAST_SUCCESS = last_success_spec("gpunet_gpu_counters",
                                           "background read of the GPU's counters", _G)
 # XID events ----------------------------------------------------------------------------------
 XID_MONITORING = MetricSpec(
     "gpunet_gpu_xid_monitoring", "gauge",
-    "1 when the exporter receives XID events for the GPU, 0 when NVML refused to register them "
-    "(some virtualised or MIG setups)", _G, "boolean", "nvmlDeviceRegisterEvents")
+    "1 when the exporter receives XID events for the GPU, 0 when NVML refused them",
+    _G, "boolean", "nvmlDeviceRegisterEvents")
 XID_ERRORS = MetricSpec(
     "gpunet_gpu_xid_errors_total", "counter",
-    "XID errors reported by the driver since the exporter started, by XID code (a series "
-    "appears with the first error of its code; alert on the last-error timestamp)",
+    "XID errors reported by the driver since the exporter started, by XID code",
     ("gpu", "xid"), "errors", "NVML event nvmlEventTypeXidCriticalError .eventData")
 XID_LAST = MetricSpec(
     "gpunet_gpu_xid_last_timestamp_seconds", "gauge",
-    "Unix time of the latest XID error; absent until one occurs", _G, "seconds",
+    "Unix time of the latest XID error", _G, "seconds",
     "NVML XID events, exporter clock")
 XID_LAST_CODE = MetricSpec(
     "gpunet_gpu_xid_last_code", "gauge", "XID code of the latest XID error", _G, "xid",

@@ -19,7 +19,7 @@ from prometheus_client.core import Metric
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec, Scrape
 from gpunet_exporter.collectors.tables import load
 from gpunet_exporter.config import Settings, setting
-from gpunet_exporter.inventory import KINDS, MAX_NAMES, Inventory
+from gpunet_exporter.inventory import KINDS, Inventory
 from gpunet_exporter.sources import rdma
 from gpunet_exporter.sources.rdma import BYTES_PER_GBIT, parse_rate, parse_state
 from gpunet_exporter.sources.sysfs import parse_int, parse_uint
@@ -66,7 +66,7 @@ def _hw_table() -> tuple[dict[str, str], dict[str, MetricSpec], dict[str, Metric
             f"/sys/class/infiniband/<device>/ports/<port>/hw_counters/{row['file']}")
         device[row["file"]] = MetricSpec(
             f"gpunet_infiniband_device_hw_{row['metric']}_total", "counter",
-            row["help"] + " (device-level counter set)", ("device",), row["unit"],
+            row["help"], ("device",), row["unit"],
             f"/sys/class/infiniband/<device>/hw_counters/{row['file']}")
     return names, port, device
 
@@ -77,15 +77,13 @@ HW_NAMES, HW_PORT_SPECS, HW_DEVICE_SPECS = _hw_table()
 _P = ("device", "port")
 DEVICE_INFO = MetricSpec(
     "gpunet_infiniband_device_info", "gauge",
-    "Always 1; static attributes of an RDMA device in labels "
-    "(numa_node -1: the platform gives none)",
+    "Always 1: the static attributes of an RDMA device (numa_node -1: the platform gives none)",
     ("device", "fw_ver", "hca_type", "board_id", "node_guid", "pci_address", "numa_node"), "",
     "/sys/class/infiniband/<device>/{fw_ver,hca_type,board_id,node_guid}, device -> PCI function, "
     "device/numa_node")
 PORT_INFO = MetricSpec(
     "gpunet_infiniband_port_info", "gauge",
-    "Always 1; link layer (InfiniBand or Ethernet for RoCE) and the netdev behind the port "
-    "(interface, as every other netdev label)",
+    "Always 1: the link layer (InfiniBand, or Ethernet for RoCE) and the netdev behind the port",
     ("device", "port", "link_layer", "interface"), "",
     "ports/<port>/link_layer; netdev from ports/<port>/gid_attrs/ndevs/<idx> or device/net/")
 STATE = MetricSpec(
@@ -94,7 +92,7 @@ STATE = MetricSpec(
     "/sys/class/infiniband/<device>/ports/<port>/state")
 PHYS_STATE = MetricSpec(
     "gpunet_infiniband_port_phys_state_id", "gauge",
-    "Physical port state: " + ", ".join(f"{k} {v}" for k, v in PHYS_STATES.items()), _P, "enum",
+    "Physical port state as IBA numbers it (5 LinkUp, 2 Polling, 3 Disabled)", _P, "enum",
     "/sys/class/infiniband/<device>/ports/<port>/phys_state")
 RATE = MetricSpec(
     "gpunet_infiniband_port_rate_bytes_per_second", "gauge",
@@ -106,24 +104,21 @@ WIDTH = MetricSpec(
     "/sys/class/infiniband/<device>/ports/<port>/rate")
 LANE_SPEED = MetricSpec(
     "gpunet_infiniband_port_lane_speed_bytes_per_second", "gauge",
-    "Data rate per lane (SDR 2.5, DDR 5, QDR/FDR10 10, FDR 14, EDR 25, HDR 50, NDR 100, "
-    "XDR 200 Gb/s)", _P, "bytes per second", "/sys/class/infiniband/<device>/ports/<port>/rate")
+    "Data rate per lane (HDR 50, NDR 100, XDR 200 Gb/s)", _P, "bytes per second",
+    "/sys/class/infiniband/<device>/ports/<port>/rate")
 RATE_EXPECTED = MetricSpec(
     "gpunet_infiniband_port_rate_expected_bytes_per_second", "gauge",
-    "Rate an active port should run at: the first matching infiniband.expected_rate rule of the "
-    "config (with rules configured, a port no rule matches has no expectation), or with no "
-    "rules the fastest active port of the same hca_type and link_layer on this node", _P,
+    "Rate an active port should run at, from infiniband.expected_rate or its peers on this node",
+    _P,
     "bytes per second", "config file, or derived from the rate files")
 RATE_DEGRADED = MetricSpec(
     "gpunet_infiniband_port_rate_degraded", "gauge",
-    "1 when an active port runs below its expected rate, else 0 (RoCE ports are judged by the "
-    "netdev speed when known, since some drivers print a bogus rate)", _P, "boolean",
+    "1 when an active port runs below its expected rate, else 0", _P, "boolean",
     "ports/<port>/rate, /sys/class/net/<netdev>/speed")
 SATURATED = MetricSpec(
     "gpunet_infiniband_port_pma_saturated", "gauge",
-    "1 for each standard PMA counter narrower than 64 bits that sits at its maximum value (IBA "
-    "counters stick instead of wrapping, so their rate reads 0); counters below their maximum "
-    "have no series", ("device", "port", "counter"),
+    "1 for each standard PMA counter stuck at its maximum value (its rate reads 0)",
+    ("device", "port", "counter"),
     "boolean", "/sys/class/infiniband/<device>/ports/<port>/counters/<counter>")
 PORT_COUNTER = MetricSpec(
     "gpunet_infiniband_port_pma_total", "counter",
@@ -131,8 +126,8 @@ PORT_COUNTER = MetricSpec(
     "as the kernel counts it", "/sys/class/infiniband/<device>/ports/<port>/counters/<counter>")
 PORT_HW_COUNTER = MetricSpec(
     "gpunet_infiniband_port_hw_total", "counter",
-    "A hw_counters/ file this exporter has no curated name for (new driver or firmware "
-    "counters), by file name", (*_P, "counter"), "as the driver counts it",
+    "A hw_counters/ file this exporter has no curated name for, by file name", (*_P, "counter"),
+    "as the driver counts it",
     "/sys/class/infiniband/<device>/ports/<port>/hw_counters/<counter>")
 DEVICE_HW_COUNTER = MetricSpec(
     "gpunet_infiniband_device_hw_total", "counter",
@@ -142,15 +137,13 @@ DEVICE_HW_COUNTER = MetricSpec(
 
 PORT_HW_DROPPED = MetricSpec(
     "gpunet_infiniband_port_hw_counters_dropped", "gauge",
-    "hw_counters/ files without a curated name that this scrape did not export because the "
-    "port has more than infiniband.generic_hw_counters_max of them (the first ones by file name "
-    "are exported, curated counters always); absent when none was dropped", _P, "files",
+    "Uncurated hw_counters/ files not exported, over infiniband.generic_hw_counters_max", _P,
+    "files",
     "the listing of /sys/class/infiniband/<device>/ports/<port>/hw_counters/")
 DEVICE_HW_DROPPED = MetricSpec(
     "gpunet_infiniband_device_hw_counters_dropped", "gauge",
-    "Device-level hw_counters/ files without a curated name that this scrape did not export "
-    "because the device has more than infiniband.generic_hw_counters_max of them; absent when "
-    "none was dropped", ("device",), "files",
+    "Uncurated device-level hw_counters/ files not exported, over "
+    "infiniband.generic_hw_counters_max", ("device",), "files",
     "the listing of /sys/class/infiniband/<device>/hw_counters/")
 # Generic hw_counters series per port (and per device-level directory): an mlx5 port has about 40
 # hw_counters files, nearly all curated; another driver's set is all generic here, and bnxt_re's,
@@ -160,13 +153,11 @@ GENERIC_HW_COUNTERS_MAX = 512
 
 _HCA_TYPE = DEVICE_INFO.labels.index("hca_type")
 
-_INV_SRC = ("infiniband.inventory_expected of the config, else the names seen under "
-            "/sys/class/infiniband (and their ports' netdevs) since the exporter first ran, kept "
-            "in infiniband.inventory_state_file")
+_INV_SRC = ("infiniband.inventory_expected, else the names learned in "
+            "infiniband.inventory_state_file")
 INVENTORY_EXPECTED = MetricSpec(
     "gpunet_inventory_expected", "gauge",
-    "How many RDMA devices, RDMA ports (device/port) or netdevs behind RDMA ports this node "
-    "should have: the configured count, or how many were ever seen (learned)", ("kind",),
+    "How many RDMA devices, RDMA ports or netdevs behind them this node should have", ("kind",),
     "devices", _INV_SRC)
 INVENTORY_PRESENT = MetricSpec(
     "gpunet_inventory_present", "gauge",
@@ -174,13 +165,11 @@ INVENTORY_PRESENT = MetricSpec(
     "devices", "/sys/class/infiniband/<device>/ports/<port>, the port's netdev")
 INVENTORY_MISSING = MetricSpec(
     "gpunet_inventory_missing", "gauge",
-    "RDMA devices, RDMA ports or netdevs expected and not found (gone from the bus, driver "
-    "unloaded): the configured count minus those present, or the learned names not present, "
-    "whichever is larger", ("kind",), "devices", _INV_SRC)
+    "RDMA devices, RDMA ports or netdevs behind them expected and not found", ("kind",),
+    "devices", _INV_SRC)
 INVENTORY_MISSING_INFO = MetricSpec(
     "gpunet_inventory_missing_info", "gauge",
-    "Always 1; one series per learned name not present now (bounded by the learned set, at "
-    f"most {MAX_NAMES} per kind)", ("kind", "name"), "", _INV_SRC)
+    "Always 1, for each learned name not present now", ("kind", "name"), "", _INV_SRC)
 INVENTORY_SPECS = (INVENTORY_EXPECTED, INVENTORY_PRESENT, INVENTORY_MISSING,
                    INVENTORY_MISSING_INFO)
 

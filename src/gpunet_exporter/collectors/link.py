@@ -1,12 +1,9 @@
 """link collector: speed, MTU, carrier and flaps of the netdevs behind RDMA ports (plus any
 interfaces named in the config), the active RDMA MTU, and expected-versus-actual MTU.
 
-Sources: /sys/class/net/<if>/{operstate,carrier,speed,mtu,carrier_changes} (kernel
-net/core/net-sysfs.c); RoCE active MTU derived from the netdev MTU as the kernel's iboe_get_mtu()
-does (docs/formats.md §1.6); InfiniBand active MTU from ``ibv_devinfo`` (docs/formats.md §7),
-which runs in the background on its own interval (a background.Refresher), never in the scrape;
-the first scrape that sees an InfiniBand port starts it and waits for its first run at most until
-the scrape's deadline.
+Reads /sys/class/net/<if>/{operstate,carrier,speed,mtu,carrier_changes}; the RoCE active MTU is
+derived from the netdev MTU as the kernel's iboe_get_mtu() does (docs/formats.md §1.6), the
+InfiniBand one comes from ``ibv_devinfo`` (§7) run in a background.Refresher, never in the scrape.
 """
 
 from __future__ import annotations
@@ -36,19 +33,19 @@ _DP = ("device", "port")
 _NET = "/sys/class/net/<interface>"
 INFO = MetricSpec(
     "gpunet_link_info", "gauge",
-    "Always 1; the RDMA device and port behind the interface (empty for interfaces named only in "
-    "the config)", ("interface", "device", "port", "link_layer"), "",
+    "Always 1: the RDMA device and port behind the interface",
+    ("interface", "device", "port", "link_layer"), "",
     "/sys/class/infiniband/<device>/ports/<port> netdev mapping")
 OPERSTATE = MetricSpec(
     "gpunet_link_operstate_id", "gauge",
-    "RFC 2863 operational state: " + ", ".join(f"{v} {k}" for k, v in OPERSTATES.items()),
+    "RFC 2863 operational state as the kernel numbers it (6 up, 2 down, 5 dormant)",
     _I, "enum", f"{_NET}/operstate")
 CARRIER = MetricSpec(
-    "gpunet_link_carrier", "gauge", "1 when the interface has carrier, 0 when not; absent while "
-    "the interface is administratively down", _I, "boolean", f"{_NET}/carrier")
+    "gpunet_link_carrier",
+    "gauge", "1 when the interface has carrier, else 0", _I, "boolean", f"{_NET}/carrier")
 SPEED = MetricSpec(
     "gpunet_link_speed_bytes_per_second", "gauge",
-    "Negotiated link speed (Mb/s x 125000); absent when the driver reports it unknown (-1)", _I,
+    "Negotiated link speed (Mb/s x 125000)", _I,
     "bytes per second", f"{_NET}/speed")
 MTU = MetricSpec("gpunet_link_mtu_bytes", "gauge", "Netdev MTU", _I, "bytes", f"{_NET}/mtu")
 CARRIER_CHANGES = MetricSpec(
@@ -65,9 +62,7 @@ MTU_MISMATCH = MetricSpec(
     f"{_NET}/mtu and config file")
 RDMA_MTU = MetricSpec(
     "gpunet_link_rdma_active_mtu_bytes", "gauge",
-    "Active RDMA (IB transport) MTU of the port: for RoCE derived from the netdev MTU as the "
-    "kernel does (netdev MTU - 96 rounded down to 4096/2048/1024/512/256); for InfiniBand the "
-    "active_mtu of ibv_devinfo (cached, refreshed in the background)", _DP, "bytes",
+    "Active RDMA (IB transport) MTU of the port", _DP, "bytes",
     "/sys/class/net/<netdev>/mtu (RoCE) or ibv_devinfo active_mtu (InfiniBand)")
 RDMA_MTU_EXPECTED = MetricSpec(
     "gpunet_link_rdma_mtu_expected_bytes", "gauge",
@@ -79,9 +74,8 @@ RDMA_MTU_MISMATCH = MetricSpec(
     "ibv_devinfo or netdev MTU, and config file")
 IBV_SUCCESS = MetricSpec(
     "gpunet_link_ibv_devinfo_refresh_success", "gauge",
-    "1 if the latest background run of ibv_devinfo succeeded, else 0 (the last good values keep "
-    "being served); absent when ibv_devinfo is not installed or no InfiniBand port exists, and "
-    "until the first run has ended", (), "boolean", "ibv_devinfo exit status")
+    "1 if the latest background run of ibv_devinfo succeeded, else 0",
+    (), "boolean", "ibv_devinfo exit status")
 IBV_LAST_SUCCESS = last_success_spec("gpunet_link_ibv_devinfo", "background run of ibv_devinfo")
 
 

@@ -1,30 +1,10 @@
 """nccl collector: the health of the NCCL jobs running on this node, from NCCL's own RAS service
 (NCCL 2.24 and later; on by default: with no job it costs one refused connection per round).
 
-Every NCCL process joins its job's RAS network and listens for clients on ``localhost:28028``
-(``NCCL_RAS_ADDR``). In a background thread (a background.Refresher, every
-``interval_seconds``), this collector connects to each configured port and asks for a report
-(sources/ras.py: JSON where NCCL has it, 2.28.7 and later, else the text report), with a
-short handshake timeout, a timeout for the whole report and a bound on its size. When nothing
-listens it stops there. It exports, per port:
-
-- whether a RAS server listens (how many NCCL processes: they share the port) and answered,
-  with the report's age; a connection that a listener accepted but never answered is counted
-  (a stopped NCCL process keeps its listener; the next connection may reach another process);
-- the job: its processes (answering, unresponsive, considered dead), nodes and GPUs;
-- its communicators by status, and their ranks expected, seen and missing (by why);
-- ranks with an initialisation or asynchronous error;
-- the collective counts (JSON only): the largest skew between the ranks of one communicator per
-  operation, the communicators whose skew grew since the last report, the ranks left behind
-  whose count did not move while their communicator's leader's had (a stuck rank), and the
-  running communicators whose counts did not move at all (idle, or hung as a whole while RAS
-  still says RUNNING: NVIDIA/nccl issue 1730). Counts are compared across reports for that.
-
-No label carries a rank, a host or a process, and by default no communicator hash: the
-numbers are per port. With ``per_communicator`` on, the JSON report's communicators also get
-series of their own, labelled with their hash, at most ``max_communicators`` of them (the most
-troubled first) and the rest counted. The design and its choices: docs/nccl-ras.md; the
-formats: docs/formats.md §11.
+A background.Refresher asks each configured RAS port for a report (sources/ras.py) every
+``interval_seconds`` and exports job-wide numbers per port: listeners, processes, communicators,
+missing and errored ranks, collective skew and stalls; per communicator only with
+``per_communicator``. The design and its choices: docs/nccl-ras.md; formats: docs/formats.md §11.
 """
 
 from __future__ import annotations
@@ -50,26 +30,24 @@ TCP_MAX = 64 << 20  # bytes of each table read at most (150 bytes a socket)
 
 LISTENERS = MetricSpec(
     "gpunet_nccl_ras_listeners", "gauge",
-    "Sockets listening on the RAS port: one per NCCL process with RAS on this node (they share "
-    "the port through SO_REUSEPORT); 0 when the connection was refused (no NCCL job)", _P,
+    "Sockets listening on the RAS port, one per NCCL process with RAS on this node", _P,
     "processes", "/proc/net/tcp and tcp6 (LISTEN), connection refused")
 QUERY_SUCCESS = MetricSpec(
     "gpunet_nccl_ras_query_success", "gauge",
-    "1 if the latest query of a listening RAS server got its report, 0 if it failed (no answer, "
-    "a broken or oversized answer); absent while nothing listens", _P, "boolean", _SRC)
+    "1 if the latest query of a listening RAS server got its report, else 0", _P, "boolean",
+    _SRC)
 QUERY_LAST_SUCCESS = last_success_spec("gpunet_nccl_ras_query", "RAS report", _P)
 QUERY_DURATION = MetricSpec(
     "gpunet_nccl_ras_query_duration_seconds", "gauge", "How long the latest query took", _P,
     "seconds", "exporter clock")
 UNANSWERED = MetricSpec(
     "gpunet_nccl_ras_unanswered_connections_total", "counter",
-    "Connections to the RAS port that were not answered, or not even accepted (a full accept "
-    "queue), within nccl.handshake_seconds: a listener whose process does not run (stopped, or "
-    "stuck), since the exporter started", _P, "connections", "the RAS handshake (CLIENT PROTOCOL)")
+    "Connections to the RAS port not answered within nccl.handshake_seconds",
+    _P, "connections", "the RAS handshake (CLIENT PROTOCOL)")
 INFO = MetricSpec(
     "gpunet_nccl_ras_info", "gauge",
-    "Always 1 after a report; the NCCL version of the process that answered and the report's "
-    "format (json from NCCL 2.28.7, else text)", ("port", "version", "format"), "",
+    "Always 1 after a report: the NCCL version that answered and the report's format",
+    ("port", "version", "format"), "",
     "nccl_version, or the text report's first line")
 COLLECTION = MetricSpec(
     "gpunet_nccl_ras_collection_duration_seconds", "gauge",
@@ -81,10 +59,8 @@ TIMEOUTS = MetricSpec(
     "timeouts", "timeouts_count (text: the TIMEOUT warning)")
 PROCESSES = MetricSpec(
     "gpunet_nccl_job_processes", "gauge",
-    "Processes of the job, whole job: answering (they sent their communicators' data), "
-    "unresponsive (did not answer this report) and dead (RAS gave up on them after 60 s); JSON: "
-    "distinct host and pid of the ranks; text: the job summary and the DEAD error, "
-    "unresponsive not told apart", ("port", "state"), "processes", _SRC)
+    "Processes of the whole job, by state (answering, unresponsive, dead)", ("port", "state"),
+    "processes", _SRC)
 NODES = MetricSpec(
     "gpunet_nccl_job_nodes", "gauge", "Nodes of the job (distinct hosts of its ranks)", _P,
     "nodes", _SRC)
@@ -93,28 +69,21 @@ GPUS = MetricSpec(
     "GPUs", _SRC)
 COMMS = MetricSpec(
     "gpunet_nccl_communicators", "gauge",
-    "Communicators of the job by status, as NCCL's report ranks its ranks' states: abort (a "
-    "rank aborted), finalize (a rank finalizing or destroying), init (a rank not initialised), "
-    "else running", ("port", "status"), "communicators", _SRC)
+    "Communicators of the job, by status", ("port", "status"), "communicators", _SRC)
 RANKS = MetricSpec(
     "gpunet_nccl_communicator_ranks", "gauge",
     "Ranks of all the job's communicators together: expected (their sizes), seen (answered) and "
     "missing", ("port", "state"), "ranks", _SRC)
 MISSING = MetricSpec(
     "gpunet_nccl_missing_ranks", "gauge",
-    "Missing ranks of all the communicators by why: unreachable (their process did not answer "
-    "RAS), dead (their process is considered dead; JSON only, text counts them unreachable), "
-    "not_member (the process answered but no longer has the communicator: during init or "
-    "teardown)", ("port", "reason"), "ranks", _SRC)
+    "Missing ranks of all the communicators, by why", ("port", "reason"), "ranks", _SRC)
 ERRORED = MetricSpec(
     "gpunet_nccl_ranks_errored", "gauge",
-    "Ranks whose initialisation failed or that hold an asynchronous error (ncclCommGetAsyncError "
-    "other than success or in progress)", _P, "ranks",
+    "Ranks whose initialisation failed or that hold an asynchronous error", _P, "ranks",
     "init_state and async_error (text: the ERROR entries)")
 SKEW = MetricSpec(
     "gpunet_nccl_collective_skew_operations", "gauge",
-    "Largest difference, within one communicator, between the counts of collective operations "
-    "of one kind its ranks have launched (small and moving in a healthy job)",
+    "Largest difference in collectives of this kind launched between the ranks of a communicator",
     ("port", "op"), "operations", f"{_JSON}: collective_counts")
 SKEW_GROWING = MetricSpec(
     "gpunet_nccl_communicators_skew_growing", "gauge",
@@ -122,55 +91,49 @@ SKEW_GROWING = MetricSpec(
     "communicators", f"{_JSON}: collective_counts, two reports")
 STALLED = MetricSpec(
     "gpunet_nccl_stalled_ranks", "gauge",
-    "Ranks behind their communicator's leader whose collective counts did not change since the "
-    "previous report while the leader's did, or that stayed behind with nothing moving (a stuck "
-    "rank: the others wait for it)", _P, "ranks", f"{_JSON}: collective_counts, two reports")
+    "Ranks left behind their communicator's leader whose collective counts did not move", _P,
+    "ranks", f"{_JSON}: collective_counts, two reports")
 IDLE = MetricSpec(
     "gpunet_nccl_communicators_without_progress", "gauge",
-    "Running communicators that have run collectives but whose counts did not change at all "
-    "since the previous report: idle between phases, or hung as a whole while RAS still says "
-    "RUNNING (NVIDIA/nccl issue 1730)", _P, "communicators",
+    "Running communicators whose collective counts did not change since the previous report",
+    _P, "communicators",
     f"{_JSON}: collective_counts, two reports")
 
 
 # nccl.per_communicator (off by default): one series per communicator of a JSON report.
 _C = ("port", "communicator")
-_ONE = ("; with nccl.per_communicator, from JSON reports only (a text report has no "
-        "per-communicator details), for at most nccl.max_communicators communicators, the most "
-        "troubled first; communicator: its hash as the report prints it (with its secondary "
-        "hash where two share one)")
+# From JSON reports only, for at most nccl.max_communicators communicators, the most troubled
+# first (docs/reading-metrics.md).
 C_EXPECTED = MetricSpec(
     "gpunet_nccl_communicator_expected_ranks", "gauge",
-    "Ranks of the communicator (its size)" + _ONE, _C, "ranks", f"{_JSON}: size")
+    "Ranks of the communicator (its size)", _C, "ranks", f"{_JSON}: size")
 C_MISSING = MetricSpec(
     "gpunet_nccl_communicator_missing_ranks", "gauge",
-    "Missing ranks of the communicator by why, as gpunet_nccl_missing_ranks" + _ONE,
+    "Missing ranks of the communicator, by why",
     ("port", "communicator", "reason"), "ranks", f"{_JSON}: missing_ranks")
 C_STATUS = MetricSpec(
     "gpunet_nccl_communicator_status", "gauge",
-    "1 for the communicator's status (as gpunet_nccl_communicators ranks it), 0 for the other "
-    "statuses" + _ONE, ("port", "communicator", "status"), "boolean",
+    "1 for the communicator's status, 0 for the other statuses",
+    ("port", "communicator", "status"), "boolean",
     f"{_JSON}: the ranks' status")
 C_ERRORED = MetricSpec(
     "gpunet_nccl_communicator_errored_ranks", "gauge",
-    "Ranks of the communicator whose initialisation failed or that hold an asynchronous error, "
-    "as gpunet_nccl_ranks_errored" + _ONE, _C, "ranks",
+    "Ranks of the communicator whose initialisation failed or that hold an asynchronous error",
+    _C, "ranks",
     f"{_JSON}: init_state and async_error")
 C_SKEW = MetricSpec(
     "gpunet_nccl_communicator_skew_operations", "gauge",
-    "Largest difference between the counts of collective operations of one kind that the "
-    "communicator's ranks have launched, over all kinds" + _ONE, _C, "operations",
+    "Largest difference in collectives of one kind launched between the communicator's ranks",
+    _C, "operations",
     f"{_JSON}: collective_counts")
 C_STALLED = MetricSpec(
     "gpunet_nccl_communicator_stalled_ranks", "gauge",
-    "Stalled ranks of the communicator, as gpunet_nccl_stalled_ranks; absent until the "
-    "communicator is in two successive reports" + _ONE, _C, "ranks",
+    "Stalled ranks of the communicator, as gpunet_nccl_stalled_ranks counts them", _C, "ranks",
     f"{_JSON}: collective_counts, two reports")
 UNLABELLED = MetricSpec(
     "gpunet_nccl_communicators_unlabelled", "gauge",
-    "Communicators of the latest report without gpunet_nccl_communicator_* series of their own: "
-    "those beyond nccl.max_communicators (the least troubled), or all of them in a text report "
-    "(it has no per-communicator details); nccl.per_communicator only", _P, "communicators",
+    "Communicators of the latest report without gpunet_nccl_communicator_* series of their own",
+    _P, "communicators",
     _SRC)
 PER_COMM = (C_EXPECTED, C_MISSING, C_STATUS, C_ERRORED, C_SKEW, C_STALLED, UNLABELLED)
 

@@ -1,21 +1,10 @@
-"""pfc collector: PFC, QoS and ECN of the netdevs behind RoCE ports, joining the configuration
-with the per-priority counters so an alert can say "pause frames on a priority that has no PFC"
-or "PFC is off on the priority RoCE uses".
+"""pfc collector: PFC, QoS and ECN of the netdevs behind RoCE ports, joining the configuration with
+the per-priority counters ("pause frames on a priority that has no PFC").
 
-- Configuration (changes rarely) is refreshed in a background thread (a background.Refresher)
-  on its own interval, never in the scrape: ``mlnx_qos``, iproute2 ``dcb`` or the MLNX_OFED
-  ``qos/`` sysfs files, whichever comes first in ``config.sources`` and exists on the machine,
-  plus ``ecn/`` in sysfs. A failed, hung (killed after its timeout) or unparseable refresh keeps
-  the last good values, sets ``gpunet_pfc_config_refresh_success`` to 0 and leaves
-  ``gpunet_pfc_config_last_success_timestamp_seconds`` where it was; a tool that is not installed
-  is no data. The first scrape waits for the first round at most until its deadline.
-- Counters are read on every scrape in-process through the SIOCETHTOOL ioctl (what
-  ``ethtool -S`` prints), or by running ``ethtool -S`` where the ioctl is refused. Names map to
-  metrics through collectors/data/pfc_ethtool.csv; per-priority names not in it are exported
-  through a generic family. A counter the driver does not print is not exported, never zero:
-  mlx5 prints the pause counters only for priorities with PFC enabled.
-
-Formats and sources: docs/formats.md §2 (mlnx_qos), §3 (ethtool -S on mlx5), §4 (ECN).
+The configuration (``mlnx_qos``, iproute2 ``dcb`` or the OFED ``qos/`` files, and ``ecn/``) is
+read in a background.Refresher; the counters every scrape through the SIOCETHTOOL ioctl or
+``ethtool -S``, mapped by collectors/data/pfc_ethtool.csv. Formats: docs/formats.md §2-4; design
+notes: docs/architecture.md, "collectors".
 """
 
 from __future__ import annotations
@@ -64,8 +53,7 @@ _COUNTERS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "priority_bytes": (_IPD, "bytes", "Bytes received (rx) or sent (tx) on the 802.1p priority"),
     "priority_packets": (_IPD, "packets", "Packets received or sent on the priority"),
     "priority_discards": (
-        _IPD, "packets", "Packets the NIC dropped on the priority for lack of receive buffer; "
-        "must stay flat on the lossless (PFC) priority"),
+        _IPD, "packets", "Packets the NIC dropped on the priority for lack of receive buffer"),
     "priority_buffer_discards": (
         _IPD, "packets", "Packets discarded on the priority because no per-host receive buffer "
         "was free"),
@@ -74,20 +62,16 @@ _COUNTERS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "priority_ecn_marked_packets": (
         _IPD, "packets", "Packets the NIC ECN-marked on the priority for per-host congestion"),
     "pause_frames": (
-        _IPD, "frames", "PFC pause frames on the priority: rx the peer paused us, tx we paused "
-        "the peer. Drivers print these only for priorities with PFC enabled, so a priority "
-        "without the series has PFC off, not zero pauses"),
+        _IPD, "frames", "PFC pause frames on the priority (rx: the peer paused us)"),
     "pause_duration_seconds": (
-        _IPD, "seconds", "Time paused by PFC on the priority (the driver counts microseconds): rx "
-        "we could not send, tx we held the peer"),
+        _IPD, "seconds", "Time paused by PFC on the priority (rx: we could not send)"),
     "pause_transitions": (
         _IPD, "transitions", "XOFF to XON transitions of PFC pause on the priority"),
     "priority_other": (
         ("interface", "priority", "counter"), "as the driver counts it",
         "A per-priority NIC statistic this exporter has no curated name for, by driver name"),
     "global_pause_frames": (
-        _ID, "frames", "802.3x link-level (global) pause frames; only while global pause is on, "
-        "which excludes PFC"),
+        _ID, "frames", "802.3x link-level (global) pause frames"),
     "global_pause_duration_seconds": (
         _ID, "seconds", "Time paused by 802.3x link-level pause (microseconds in the driver)"),
     "global_pause_transitions": (
@@ -95,32 +79,28 @@ _COUNTERS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "pause_storm_warning_events": (
         _I, "events", "Times the NIC sent pause for longer than the stall warning threshold"),
     "pause_storm_error_events": (
-        _I, "events", "Times the NIC hit the pause stall timeout and stopped sending pause "
-        "(drops follow); must stay 0"),
+        _I, "events", "Times the NIC hit the pause stall timeout and stopped sending pause"),
     "pause_control_frames": (
         _ID, "frames", "MAC pause control frames (PFC or global, all priorities) on the physical "
         "port"),
     "port_discards": (
-        _ID, "packets", "Packets the physical port discarded: rx for lack of NIC buffer "
-        "(congestion), tx because the link was down or paused"),
+        _ID, "packets", "Packets the physical port discarded"),
     "out_of_buffer": (
-        _I, "packets", "Packets dropped because an Ethernet receive queue had no software buffer "
-        "posted (not RDMA queues: see gpunet_infiniband_port_hw_out_of_buffer_total)"),
+        _I, "packets", "Packets dropped because an Ethernet (not RDMA) receive queue had no buffer "
+        "posted"),
     "link_down_events": (_I, "events", "Times the physical link went down"),
     "crc_errors": (_I, "packets", "Packets received with a bad FCS on the physical port"),
     "symbol_errors": (_I, "errors", "Symbol errors received on the physical port"),
     "buffer_passed_threshold_events": (
         _I, "events", "Times the port's receive buffer filled past 85 percent"),
     "fec_corrected_bit_errors": (
-        _I, "bit errors", "Bits corrected by FEC (RS or FC); divide its rate by 8 times the rate "
-        "of gpunet_pfc_phy_received_bytes_total for the corrected bit error ratio"),
+        _I, "bit errors", "Bits corrected by FEC (RS or FC)"),
     "fec_uncorrected_symbol_errors": (
         _I, "symbol errors", "Symbol errors FEC did not correct (or FEC is off): lost traffic"),
     "phy_lane_raw_errors": (
         ("interface", "lane"), "errors", "Physical raw errors on one lane, before FEC correction"),
     "phy_received_bytes": (
-        _I, "bytes", "Traffic the PHY could have received (the driver counts bits; divided by "
-        "8), the denominator of bit error ratios"),
+        _I, "bytes", "Traffic the PHY could have received, the denominator of bit error ratios"),
 }
 
 
@@ -169,9 +149,8 @@ _PRIORITY_IN_NAME = re.compile(r"(?:^|_)(?:prio|pri|priority_)([0-7])(?=_|\.|$)"
 _CFG = "mlnx_qos, dcb or /sys/class/net/<interface>/qos (config.sources)"
 CONFIG_INFO = MetricSpec(
     "gpunet_pfc_config_info", "gauge",
-    "Always 1; where the QoS configuration came from (mlnx_qos, dcb or sysfs), the DCBX mode "
-    "(os or firmware) and the priority trust (pcp, dscp, or none when not supported); empty "
-    "where the source does not say", ("interface", "source", "dcbx_mode", "trust"), "", _CFG)
+    "Always 1: where the QoS configuration came from, the DCBX mode and the priority trust",
+    ("interface", "source", "dcbx_mode", "trust"), "", _CFG)
 PFC_ENABLED = MetricSpec(
     "gpunet_pfc_enabled", "gauge", "1 when PFC is enabled on the priority, else 0",
     ("interface", "priority"), "boolean", "mlnx_qos 'enabled' row or dcb pfc prio_pfc")
@@ -180,15 +159,15 @@ PRIORITY_TC = MetricSpec(
     ("interface", "priority"), "traffic class", "mlnx_qos tc blocks or dcb ets prio_tc")
 TC_INFO = MetricSpec(
     "gpunet_pfc_traffic_class_info", "gauge",
-    "Always 1; the transmission selection algorithm of a traffic class (ets, strict, vendor, "
-    "cbs, unknown)", ("interface", "tc", "tsa"), "", "mlnx_qos tc lines or dcb ets tc_tsa")
+    "Always 1: the transmission selection algorithm of a traffic class",
+    ("interface", "tc", "tsa"), "", "mlnx_qos tc lines or dcb ets tc_tsa")
 TC_BW = MetricSpec(
     "gpunet_pfc_traffic_class_bandwidth_ratio", "gauge",
     "Guaranteed share of the link of an ETS traffic class (0 to 1)", ("interface", "tc"),
     "ratio", "mlnx_qos 'bw:' or dcb ets tc_bw")
 TC_RATE = MetricSpec(
     "gpunet_pfc_traffic_class_rate_limit_bytes_per_second", "gauge",
-    "Rate limit of a traffic class; absent when unlimited", ("interface", "tc"),
+    "Rate limit of a traffic class", ("interface", "tc"),
     "bytes per second", "mlnx_qos 'ratelimit:'")
 DSCP_PRIORITY = MetricSpec(
     "gpunet_pfc_dscp_priority", "gauge",
@@ -211,9 +190,8 @@ PRIORITY_BUFFER = MetricSpec(
     "qos/prio2buffer")
 ECN_ENABLED = MetricSpec(
     "gpunet_pfc_ecn_enabled", "gauge",
-    "1 when RoCE ECN (DCQCN) is enabled on the priority at the notification point (np: marks "
-    "and sends CNPs) or reaction point (rp: slows down on CNPs), else 0; absent where the driver "
-    "has no such files (upstream mlx5: unknown, not disabled)", ("interface", "priority", "point"),
+    "1 when RoCE ECN (DCQCN) is enabled on the priority at the point, else 0",
+    ("interface", "priority", "point"),
     "boolean", f"{_NET}/ecn/roce_np|roce_rp/enable/<priority>")
 ECN_CNP_DSCP = MetricSpec(
     "gpunet_pfc_ecn_cnp_dscp", "gauge", "DSCP of the CNPs the notification point sends", _I,
@@ -223,9 +201,8 @@ ECN_CNP_PRIORITY = MetricSpec(
     "point sends", _I, "priority", f"{_NET}/ecn/roce_np/cnp_802p_prio")
 REFRESH_SUCCESS = MetricSpec(
     "gpunet_pfc_config_refresh_success", "gauge",
-    "1 if the latest background read of the interface's QoS configuration succeeded, else 0 (the "
-    "last good values keep being served); absent when no source is installed, and until the "
-    "first read has ended", _I, "boolean", "exit status and output of the configuration source")
+    "1 if the latest background read of the interface's QoS configuration succeeded, else 0",
+    _I, "boolean", "exit status and output of the configuration source")
 REFRESH_LAST_SUCCESS = last_success_spec(
     "gpunet_pfc_config", "background read of the interface's QoS configuration", _I)
 

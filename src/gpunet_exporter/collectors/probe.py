@@ -1,29 +1,11 @@
-"""probe collector: the results of micro all-reduce probes (probe/runner.py).
+"""probe collector: the results of micro all-reduce probes (probe/runner.py) and of fleet pairs.
 
-The collector never imports torch. With ``runner: intra`` (default) the probe's supervisor
-(probe/supervisor.py) keeps ``gpunet-probe run`` running in its own process group,
-which runs rounds every ``interval_seconds``: the ``intra`` scope (the GPUs among themselves,
-with two or more) and the ``net`` scope (the GPUs through the node's NICs); it kills a hung
-runner's whole process group and starts it again, as after any exit. Results come from the files
-the runner writes atomically into ``state_dir`` (probe/results.py); cluster-mode ranks
-started by torchrun or srun write ``inter.json`` there, and the collector exports whatever it
-finds, so ``runner: none`` serves those alone.
-
-The keys that are options of ``gpunet-probe run`` (``sizes``, ``interval_seconds`` ...) are
-declared once, in probe/run_options.py (``key``): their defaults, help and bounds are the
-runner's. The runner's command line (run_options.argv) carries only those that differ from
-their defaults.
-
-Fleet probes (issue 18): whoever runs pair probes between nodes (a Slurm or Kubernetes job
-following a plan of probe/plan.py) writes this node's view of the last plan into
-``<state_dir>/pairs.json`` (probe/pairs.py); the collector exports it as the
-``gpunet_fleet_*`` metrics, one ``peer`` label value per peer of that plan and at most
-``fleet_max_peers`` of them. A pair that was not measured (a GPU busy with other work on either
-end, issue 31) has no ``gpunet_fleet_pair_success``, only ``gpunet_fleet_pair_skipped`` with
-the reason: the fleet rules count measured pairs only, so it makes no node or link look bad.
-
-Scrapes read only the supervisor's last snapshot: every value is from the last round, whose
-time and success come with it. This module maps those results to metrics.
+The collector never imports torch. With ``runner: intra`` the probe's supervisor
+(probe/supervisor.py) keeps ``gpunet-probe run`` running while the GPUs are idle; scrapes read
+only its last snapshot and the result files of ``state_dir`` (probe/results.py, and
+``pairs.json`` of probe/pairs.py as the gpunet_fleet_* metrics). Design notes:
+docs/architecture.md, "collectors"; the probe itself: docs/probe.md and docs/fleet.md. The keys
+that are options of ``gpunet-probe run`` are declared once, in probe/run_options.py.
 """
 
 from __future__ import annotations
@@ -44,14 +26,13 @@ from gpunet_exporter.sources import nvml, rdma
 
 REASONS = supervisor.REASONS
 _S = ("scope",)
-_CACHED = (" Cached: from the probe's last round (every probe.interval_seconds; "
-           "gpunet_probe_last_round_timestamp_seconds says when)")
+# Every value of a round is from the probe's last round (every probe.interval_seconds);
+# gpunet_probe_last_round_timestamp_seconds says when (docs/reading-metrics.md).
 _FILE = "<probe.state_dir>/<scope>.json, written by gpunet-probe"
 SUCCESS = MetricSpec(
     "gpunet_probe_success", "gauge",
-    "1 if the last probe round finished with results, else 0 (timeout, error, no GPU); scope "
-    "intra: this node's GPUs among themselves (NVLink/P2P, SHM), net: this node's GPUs through "
-    "its NICs (NIC loopback), inter: a cluster-mode round across nodes", _S, "boolean", _FILE)
+    "1 if the last probe round of the scope finished with results, else 0", _S, "boolean",
+    _FILE)
 LAST_ROUND = MetricSpec(
     "gpunet_probe_last_round_timestamp_seconds", "gauge",
     "Unix time the last probe round ended, successful or not", _S, "seconds", _FILE)
@@ -61,27 +42,21 @@ LAST_SUCCESS = MetricSpec(
     _FILE)
 DURATION = MetricSpec(
     "gpunet_probe_duration_seconds", "gauge",
-    "Wall time of the last probe round, all sizes" + _CACHED, _S, "seconds", _FILE)
+    "Wall time of the last probe round, all sizes", _S, "seconds", _FILE)
 FAILURES = MetricSpec(
     "gpunet_probe_failures_total", "counter",
-    "Probe rounds that gave no or partial results, by reason: timeout (killed after "
-    "probe.timeout_seconds), crash (the runner exited without saying why), nccl_error, "
-    "init_error, error, no_gpu, bad_result (an unreadable result file), skipped_busy (sizes "
-    "skipped because GPUs were busy with other work)", ("scope", "reason"), "rounds",
+    "Probe rounds that gave no or partial results, by reason", ("scope", "reason"), "rounds",
     "the probe supervisor and result files")
 _SUPERVISOR = "the probe supervisor, from NVML's compute and graphics processes of every GPU"
 STATE = MetricSpec(
     "gpunet_probe_state", "gauge",
-    "1 for the probe's current state, else 0: measuring, failing (idle GPUs, failed rounds), "
-    "holdoff, yielded (a job is on the GPUs), unknown (cannot tell); docs/probe.md",
-    ("state",), "boolean", _SUPERVISOR)
+    "1 for the probe's current state, else 0", ("state",), "boolean", _SUPERVISOR)
 STATE_SINCE = MetricSpec(
     "gpunet_probe_state_since_timestamp_seconds", "gauge",
     "Unix time the probe's current state (gpunet_probe_state) began", (), "seconds", _SUPERVISOR)
 IDLE_SINCE = MetricSpec(
     "gpunet_probe_idle_since_timestamp_seconds", "gauge",
-    "Unix time the node's GPUs became idle for the probe (no foreign process for the hold-off); "
-    "absent while they are not", (), "seconds", _SUPERVISOR)
+    "Unix time the node's GPUs became idle for the probe", (), "seconds", _SUPERVISOR)
 FOREIGN = MetricSpec(
     "gpunet_probe_foreign_processes", "gauge",
     "Processes on the node's GPUs that are not the probe's, at the supervisor's last look", (),
@@ -96,21 +71,16 @@ RUNNING = MetricSpec(
     "boolean", "the probe supervisor")
 LATENCY = MetricSpec(
     "gpunet_probe_allreduce_seconds", "gauge",
-    "All-reduce time per message size: median, p99 or max over the timed iterations; an "
-    "iteration's time is the collective once every rank arrived (the shortest of the ranks' "
-    "own times: waiting for a late rank is gpunet_probe_straggler_wait_seconds)" + _CACHED,
+    "All-reduce time per message size: median, p99 or max over the timed iterations",
     ("scope", "size", "stat"), "seconds", _FILE)
 ALGBW = MetricSpec(
     "gpunet_probe_allreduce_algorithm_bandwidth_bytes_per_second", "gauge",
-    "Algorithm bandwidth: message bytes x iterations / the time of a tight loop of that many "
-    "all-reduces back to back (one event pair around the loop, as nccl-tests times it; the "
-    "shortest of the ranks' loop times), not the median of the per-iteration times." + _CACHED,
+    "Algorithm bandwidth of a tight loop of all-reduces, as nccl-tests times it",
     ("scope", "size"),
     "bytes per second", _FILE)
 BUSBW = MetricSpec(
     "gpunet_probe_allreduce_bus_bandwidth_bytes_per_second", "gauge",
-    "Bus bandwidth, nccl-tests' all-reduce formula algbw x 2(n-1)/n, from the tight loop's "
-    "algorithm bandwidth." + _CACHED,
+    "Bus bandwidth of the tight loop, nccl-tests' algbw x 2(n-1)/n",
     ("scope", "size"), "bytes per second", _FILE)
 SKIPPED = MetricSpec(
     "gpunet_probe_size_skipped", "gauge",
@@ -118,106 +88,93 @@ SKIPPED = MetricSpec(
     ("scope", "size"), "boolean", _FILE)
 STRAGGLER_WAIT = MetricSpec(
     "gpunet_probe_straggler_wait_seconds", "gauge",
-    "What the other ranks wait for the rank that arrives last at the all-reduce: the median over "
-    "iterations of their time in the collective minus that rank's, at the largest size measured"
-    + _CACHED, _S, "seconds", _FILE)
+    "What the other ranks wait for the rank that arrives last at the all-reduce", _S, "seconds",
+    _FILE)
 STRAGGLER_RATIO = MetricSpec(
     "gpunet_probe_straggler_wait_ratio", "gauge",
-    "That wait as a share of the other ranks' time in the collective (0.5: they took twice as "
-    "long as the collective itself)" + _CACHED, _S, "ratio", _FILE)
+    "The straggler wait as a share of the other ranks' time in the collective", _S, "ratio",
+    _FILE)
 STRAGGLER = MetricSpec(
     "gpunet_probe_straggler_info", "gauge",
-    "Always 1, on the node of the late rank only, while the others wait at least "
-    "probe.straggler_min_ratio of their time for it: its rank and local GPU index" + _CACHED,
+    "Always 1, on the node of a late rank: its rank and local GPU index",
     ("scope", "rank", "gpu"), "", _FILE)
 LINK = MetricSpec(
     "gpunet_probe_link_bandwidth_bytes_per_second", "gauge",
-    "The bus bandwidth the links allow: over the RDMA ports the ranks used, the lowest link rate "
-    "divided by the ranks sharing that port" + _CACHED, _S, "bytes per second",
+    "The bus bandwidth the RDMA ports the ranks used allow", _S, "bytes per second",
     _FILE + ", from /sys/class/infiniband/<device>/ports/<port>/rate")
 LINK_RATIO = MetricSpec(
     "gpunet_probe_bus_bandwidth_link_ratio", "gauge",
-    "Bus bandwidth of the largest size over gpunet_probe_link_bandwidth_bytes_per_second (the "
-    "documented target is at least 0.8); absent when that size was skipped" + _CACHED, _S,
+    "Bus bandwidth of the largest size over gpunet_probe_link_bandwidth_bytes_per_second", _S,
     "ratio", _FILE)
 HCA_RANKS = MetricSpec(
     "gpunet_probe_hca_ranks", "gauge",
-    "This node's probe ranks whose NCCL used this RDMA port in the last round (net scope: "
-    "each rank is pinned to the ACTIVE port nearest its GPU)" + _CACHED,
+    "This node's probe ranks whose NCCL used this RDMA port in the last round",
     ("scope", "device", "port"), "ranks", _FILE + ", from NCCL's INFO log")
 HCA_GDR = MetricSpec(
     "gpunet_probe_hca_gdr_active", "gauge",
-    "1 when the NET channels of the ranks on this RDMA port used GPUDirect RDMA, 0 when not; "
-    "absent without NET channels" + _CACHED, ("scope", "device", "port"), "boolean",
+    "1 when the NET channels of the ranks on this RDMA port used GPUDirect RDMA, else 0",
+    ("scope", "device", "port"), "boolean",
     "NCCL INFO log, /GDRDMA on NET channels")
 WORLD = MetricSpec("gpunet_probe_world_size", "gauge", "Ranks in the last probe round", _S,
                    "ranks", _FILE)
 INFO = MetricSpec(
-    "gpunet_probe_info", "gauge", "Always 1; the backend and NCCL version of the last round",
+    "gpunet_probe_info", "gauge", "Always 1: the backend and NCCL version of the last round",
     ("scope", "backend", "nccl_version"), "", _FILE)
 TRANSPORT = MetricSpec(
     "gpunet_probe_transport_info", "gauge",
-    "Always 1 for each transport NCCL's channels used in the last successful round (P2P, SHM, "
-    "NET, COLLNET), with the network of NET channels (IB, Socket or a plugin's name)" + _CACHED,
+    "Always 1, for each transport NCCL's channels used in the last successful round",
     ("scope", "transport", "net"), "", "NCCL INFO log of the probe, per-connection lines")
 GDR = MetricSpec(
     "gpunet_probe_gdr_active", "gauge",
-    "1 when NCCL's network channels registered GPU memory with the NIC (GPUDirect RDMA), 0 when "
-    "they did not; absent without network channels" + _CACHED, _S, "boolean",
+    "1 when NCCL's network channels used GPUDirect RDMA, else 0", _S, "boolean",
     "NCCL INFO log, /GDRDMA on NET channels")
 SOCKET_FALLBACK = MetricSpec(
     "gpunet_probe_socket_fallback", "gauge",
-    "1 when NCCL sends over TCP sockets although it should not: inter-node channels on "
-    "NET/Socket while this node has an ACTIVE RDMA port, or intra-node traffic on the network "
-    "instead of P2P/SHM; else 0" + _CACHED, _S, "boolean",
+    "1 when NCCL sends over TCP sockets although it should not, else 0", _S, "boolean",
     "NCCL INFO log and /sys/class/infiniband/*/ports/*/state")
 PROBLEM = MetricSpec(
     "gpunet_probe_nccl_problem", "gauge",
-    "Always 1 for each problem the NCCL log of the last successful round shows (socket_fallback, "
-    "gdr_disabled, no_ib_device, ...; docs/nccl-log.md)" + _CACHED, ("scope", "problem"), "",
+    "Always 1, for each problem the NCCL log of the last successful round shows",
+    ("scope", "problem"), "",
     "NCCL INFO log of the probe")
 
 
 _PAIRS = "<probe.state_dir>/pairs.json, written by the fleet pair probe on both nodes of a pair"
 _PEER = ("peer",)
-_LAST_PLAN = ("; only the peers of the last plan, at most probe.fleet_max_peers "
-              "(gpunet_fleet_pairs_dropped counts the rest)")
+# Only the peers of the last plan, at most probe.fleet_max_peers (docs/reading-metrics.md).
 PAIR_BUSBW = MetricSpec(
     "gpunet_fleet_pair_bus_bandwidth_bytes_per_second", "gauge",
-    "Bus bandwidth of the last pair probe between this node and peer; absent when the probe "
-    "measured none" + _LAST_PLAN, _PEER, "bytes per second", _PAIRS)
+    "Bus bandwidth of the last pair probe between this node and peer",
+    _PEER, "bytes per second", _PAIRS)
 PAIR_LATENCY = MetricSpec(
     "gpunet_fleet_pair_latency_seconds", "gauge",
-    "Latency of the last pair probe between this node and peer (a small message); absent when "
-    "the probe measured none" + _LAST_PLAN, _PEER, "seconds", _PAIRS)
+    "Latency of the last pair probe between this node and peer (a small message)",
+    _PEER, "seconds", _PAIRS)
 PAIR_SUCCESS = MetricSpec(
     "gpunet_fleet_pair_success", "gauge",
-    "1 if the last pair probe between this node and peer succeeded, else 0; absent when the "
-    "pair was not measured (gpunet_fleet_pair_skipped)" + _LAST_PLAN, _PEER, "boolean", _PAIRS)
+    "1 if the last pair probe between this node and peer succeeded, else 0",
+    _PEER, "boolean", _PAIRS)
 PAIR_SKIPPED = MetricSpec(
     "gpunet_fleet_pair_skipped", "gauge",
-    "Always 1 per peer whose last pair was not measured, neither a success nor a failure, and "
-    "why: busy (a process that is not the probe's was on this node's GPUs), unknown (this "
-    "node could not tell: no NVML), peer_busy and peer_unknown (the same on the peer)"
-    + _LAST_PLAN, ("peer", "reason"), "", _PAIRS)
+    "Always 1, for each peer whose last pair was not measured, and why", ("peer", "reason"), "",
+    _PAIRS)
 PAIR_INFO = MetricSpec(
     "gpunet_fleet_pair_info", "gauge",
-    "Always 1 per peer of the last plan: the peer's leaf (empty when unknown), the network the "
-    "pair used (IB, RoCE, Socket ...; empty when unknown) and whether it used GPUDirect RDMA "
-    "(true, false, empty when unknown)" + _LAST_PLAN, ("peer", "peer_leaf", "transport", "gdr"),
+    "Always 1, for each peer: its leaf, the network the pair used and whether it used GDR",
+    ("peer", "peer_leaf", "transport", "gdr"),
     "", _PAIRS)
 NODE_INFO = MetricSpec(
     "gpunet_fleet_node_info", "gauge",
-    "Always 1 while a pairs file is read: this node's leaf (rack or leaf switch) as the pair "
-    "probe knows it, empty when unknown", ("leaf",), "", _PAIRS)
+    "Always 1 while a pairs file is read: this node's leaf as the pair probe knows it",
+    ("leaf",), "", _PAIRS)
 ROUND_TS = MetricSpec(
     "gpunet_fleet_round_timestamp_seconds", "gauge",
     "Unix time of the last pair round this node took part in (alert when it grows old)", (),
     "seconds", _PAIRS)
 PAIRS_DROPPED = MetricSpec(
     "gpunet_fleet_pairs_dropped", "gauge",
-    "Peers of the last plan left out of the gpunet_fleet_pair_* metrics because there were more "
-    "than probe.fleet_max_peers (failed pairs are kept first)", (), "peers", _PAIRS)
+    "Peers of the last plan left out of the gpunet_fleet_pair_* metrics, over "
+    "probe.fleet_max_peers", (), "peers", _PAIRS)
 FLEET_METRICS = (PAIR_BUSBW, PAIR_LATENCY, PAIR_SUCCESS, PAIR_SKIPPED, PAIR_INFO, NODE_INFO,
                  ROUND_TS, PAIRS_DROPPED)
 FLEET_SCOPE = "fleet"  # where an unreadable pairs.json counts in gpunet_probe_failures_total

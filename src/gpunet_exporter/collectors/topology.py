@@ -1,14 +1,10 @@
 """topology collector: where each GPU sits relative to each RDMA NIC on the PCIe tree, whether
-GPUDirect RDMA can work on this host, whether PCIe ACS forces GPU-NIC peer-to-peer traffic through
-the root complex, and which NCCL environment variables of the running GPU processes turn the
-fast paths off.
+GPUDirect RDMA can work on this host, whether PCIe ACS forces GPU-NIC traffic through the root
+complex, the NICs' PCIe links, and which NCCL variables of the GPU processes turn fast paths off.
 
-Sources: the realpath of /sys/bus/pci/devices/<gpu> and /sys/class/infiniband/<dev>/device, and
-the numa_node files (the distances in nvidia-smi topo's vocabulary); the files NCCL checks for a
-peer-memory client and /proc/driver/nvidia/version with /proc/sys/kernel/osrelease for DMA-BUF
-(docs/formats.md §5.3); each bridge's ACS Control register from its binary config file (PCIe base
-spec 7.7.8, readable beyond 64 bytes by root only); /proc/<pid>/environ of NVML's compute processes.
-GPUs come from the shared NVML session when NVML is up, else from sysfs.
+Reads sysfs PCI paths and numa_node files, the peer-memory and NVIDIA driver files (docs/formats.md
+§5.3), bridges' ACS Control registers (root only), and /proc/<pid>/environ of NVML's compute
+processes; GPUs from the shared NVML session, else from sysfs.
 """
 
 from __future__ import annotations
@@ -73,114 +69,93 @@ ENV_CACHE_MAX = 4096  # processes whose NCCL variables are remembered
 _G = ("gpu",)
 _GD = ("gpu", "device")
 _GDP = ("gpu", "device", "path")
-_PATH_HELP = (
-    "PIX: below one PCIe switch (at most one bridge on each side below the shared one); PXB: "
-    "through several bridges below a shared one; PHB: through the host bridge; NODE: through "
-    "the interconnect between host bridges of one NUMA node; SYS: across NUMA nodes")
 _PCI_SOURCE = ("realpath of /sys/bus/pci/devices/<gpu> and /sys/class/infiniband/<device>/device, "
                "their numa_node files")
 PEERMEM_LOADED = MetricSpec(
     "gpunet_topology_gdr_peermem_loaded", "gauge",
-    "1 when a GPUDirect RDMA peer-memory client (nvidia_peermem, or the older nv_peer_mem) is "
-    "loaded, the files NCCL checks, else 0", (), "boolean",
+    "1 when a GPUDirect RDMA peer-memory client (nvidia_peermem, nv_peer_mem) is loaded, else 0",
+    (), "boolean",
     "/sys/module/nvidia_peermem/version, /sys/kernel/mm/memory_peers/{nv_mem,nv_mem_nc,"
     "nvidia-peermem}/version")
 PEERMEM_INFO = MetricSpec(
     "gpunet_topology_gdr_peermem_info", "gauge",
-    "Always 1, for each peer-memory client present; version is its version file (at most 32 "
-    "characters)", ("module", "version"), "", "the peer-memory version files")
+    "Always 1, for each peer-memory client present, with its version",
+    ("module", "version"), "", "the peer-memory version files")
 KERNEL_MODULE_INFO = MetricSpec(
     "gpunet_topology_nvidia_kernel_module_info", "gauge",
-    "Always 1 while the NVIDIA kernel module is loaded; flavor is open or proprietary",
+    "Always 1 while the NVIDIA kernel module is loaded: its flavor and version",
     ("flavor", "version"), "", "/proc/driver/nvidia/version")
 DMABUF_CAPABLE = MetricSpec(
     "gpunet_topology_gdr_dmabuf_capable", "gauge",
-    "1 when GPUDirect RDMA can use DMA-BUF instead of a peer-memory module (open NVIDIA kernel "
-    "module and Linux 5.12 or later), else 0; absent without the NVIDIA driver", (), "boolean",
+    "1 when GPUDirect RDMA can use DMA-BUF instead of a peer-memory module, else 0", (),
+    "boolean",
     "/proc/driver/nvidia/version and /proc/sys/kernel/osrelease")
 GDR_READY = MetricSpec(
     "gpunet_topology_gdr_ready", "gauge",
-    "1 when the host side of GPUDirect RDMA is in place (a peer-memory client loaded, or DMA-BUF "
-    "capable), else 0; only on hosts with an NVIDIA GPU", (), "boolean",
+    "1 when the host side of GPUDirect RDMA is in place (peer memory or DMA-BUF), else 0", (),
+    "boolean",
     "peer-memory version files, /proc/driver/nvidia/version, /proc/sys/kernel/osrelease")
 GPU_NIC_PATH = MetricSpec(
     "gpunet_topology_gpu_nic_path", "gauge",
-    "Always 1; path is the PCIe distance between the GPU (NVML index) and the RDMA device in "
-    "nvidia-smi topo's terms. " + _PATH_HELP, _GDP, "", _PCI_SOURCE)
+    "Always 1: the PCIe path between the GPU and the RDMA device, in nvidia-smi topo's terms",
+    _GDP, "", _PCI_SOURCE)
 NEAREST_NIC = MetricSpec(
     "gpunet_topology_gpu_nearest_nic", "gauge",
-    "Always 1, for the RDMA device nearest the GPU (PIX < PXB < PHB < NODE < SYS, then fewest "
-    "bridges, then device name)", _GDP, "", _PCI_SOURCE)
+    "Always 1, for the RDMA device nearest the GPU", _GDP, "", _PCI_SOURCE)
 NUMA_MISMATCH = MetricSpec(
     "gpunet_topology_gpu_nearest_nic_numa_mismatch", "gauge",
-    "1 when the GPU's nearest rail RDMA device (gpunet_topology_gpu_nearest_rail_nic: the NIC "
-    "NCCL would use, not a storage port that happens to be closer) is on another NUMA node, "
-    "else 0; absent when either NUMA node is unknown (-1) or no device is a rail", _G, "boolean",
+    "1 when the GPU's nearest rail RDMA device is on another NUMA node, else 0", _G, "boolean",
     "numa_node of the GPU and of the device")
 ACS_REDIRECT = MetricSpec(
     "gpunet_topology_gpu_nic_acs_redirect_bridges", "gauge",
-    "PCI bridges between the GPU and the RDMA device (below the last component their paths "
-    "share) whose ACS Control has P2P Request or Completion Redirect set, which sends GPUDirect "
-    "traffic through the root complex; absent when a bridge's config space is unreadable "
-    "(needs root)", _GD, "bridges", "/sys/bus/pci/devices/<bridge>/config, ACS Control register")
+    "PCI bridges between the GPU and the RDMA device whose ACS redirects P2P traffic",
+    _GD, "bridges", "/sys/bus/pci/devices/<bridge>/config, ACS Control register")
 NCCL_ENV_FINDINGS = MetricSpec(
     "gpunet_topology_nccl_env_findings", "gauge",
-    "GPU compute processes whose initial environment sets the NCCL variable so that it certainly "
-    "takes a fast path away (ib_disabled, gdr_disabled, p2p_disabled, socket_forced, "
-    "unknown_device); faults only, settings are in gpunet_topology_nccl_env_settings; values "
-    "are never exported; parsed environments are cached per process",
+    "GPU compute processes whose environment sets the NCCL variable to take a fast path away",
     ("variable", "issue"), "processes", "/proc/<pid>/environ of NVML's compute processes")
 NCCL_ENV_SETTINGS = MetricSpec(
     "gpunet_topology_nccl_env_settings", "gauge",
-    "GPU compute processes whose initial environment sets the audited NCCL variable, by a fixed "
-    "class of its value (never the value); faults among them are also counted in "
-    "gpunet_topology_nccl_env_findings; only classes some process has are exported",
+    "GPU compute processes whose initial environment sets the NCCL variable, by class of value",
     ("variable", "value_class"), "processes", "/proc/<pid>/environ of NVML's compute processes")
 NCCL_ENV_PROCESSES = MetricSpec(
     "gpunet_topology_nccl_env_processes", "gauge",
-    "GPU compute processes whose environment was inspected or could not be read (other users' "
-    "processes need root or CAP_SYS_PTRACE with CAP_DAC_READ_SEARCH, and the host PID "
-    "namespace)", ("result",), "processes",
+    "GPU compute processes whose environment was inspected or could not be read", ("result",),
+    "processes",
     "NVML compute processes, /proc/<pid>/environ")
 
 # -- PCIe link of each RDMA device's PCI function (issue 16) ---------------------------------------
-_LINK_SOURCE = ("current_link_speed, current_link_width, max_link_speed, max_link_width of "
-                "/sys/class/infiniband/<device>/device and of the bridge above it")
-_END_HELP = ("; end is device (the NIC's function) or upstream (the bridge port above it: a "
-             "switch downstream port or a root port)")
+_LINK_SOURCE = ("{current,max}_link_{speed,width} of /sys/class/infiniband/<device>/device and "
+                "of the bridge above it")
 NIC_PCIE_INFO = MetricSpec(
     "gpunet_topology_nic_pcie_info", "gauge",
-    "Always 1, for each RDMA device with a PCI function; pci_address is the function, "
-    "upstream_pci_address the bridge port above it (empty on a host bridge, as in many VMs)",
+    "Always 1, for each RDMA device with a PCI function: its address and the bridge port above",
     ("device", "pci_address", "upstream_pci_address"), "",
     "realpath of /sys/class/infiniband/<device>/device")
 NIC_PCIE_SPEED = MetricSpec(
     "gpunet_topology_nic_pcie_link_speed_transfers_per_second", "gauge",
-    "Current PCIe link speed of the RDMA device's link (32e9 is Gen5)" + _END_HELP,
+    "Current PCIe link speed at this end of the RDMA device's link (32e9 is Gen5)",
     ("device", "end"), "transfers per second", _LINK_SOURCE)
 NIC_PCIE_WIDTH = MetricSpec(
     "gpunet_topology_nic_pcie_link_width_lanes", "gauge",
-    "Current PCIe link width of the RDMA device's link" + _END_HELP,
+    "Current PCIe link width at this end of the RDMA device's link",
     ("device", "end"), "lanes", _LINK_SOURCE)
 NIC_PCIE_MAX_SPEED = MetricSpec(
     "gpunet_topology_nic_pcie_link_max_speed_transfers_per_second", "gauge",
-    "Highest PCIe link speed the end supports (Link Capabilities)" + _END_HELP,
+    "Highest PCIe link speed the end supports (Link Capabilities)",
     ("device", "end"), "transfers per second", _LINK_SOURCE)
 NIC_PCIE_MAX_WIDTH = MetricSpec(
     "gpunet_topology_nic_pcie_link_max_width_lanes", "gauge",
-    "Widest PCIe link the end supports (Link Capabilities)" + _END_HELP,
+    "Widest PCIe link the end supports (Link Capabilities)",
     ("device", "end"), "lanes", _LINK_SOURCE)
 NIC_PCIE_DEGRADED = MetricSpec(
     "gpunet_topology_nic_pcie_link_degraded", "gauge",
-    "1 when the RDMA device's PCIe link runs slower or narrower than both its ends allow "
-    "(current below min(device max, upstream port max)), else 0; a slot narrower than the NIC "
-    "is not degraded. Absent when an end's values are unknown or the function is not in D0",
+    "1 when the RDMA device's PCIe link runs slower or narrower than both its ends allow, else 0",
     ("device",), "boolean", _LINK_SOURCE + ", power_state")
 NEAREST_RAIL_NIC = MetricSpec(
     "gpunet_topology_gpu_nearest_rail_nic", "gauge",
-    "Always 1, for the rail RDMA device nearest the GPU (the one NCCL would use for it; rails "
-    "are topology.rail_devices minus topology.rail_exclude, by default every device), ranked "
-    "like gpunet_topology_gpu_nearest_nic", _GDP, "", _PCI_SOURCE)
+    "Always 1, for the rail RDMA device nearest the GPU (the one NCCL would use for it)", _GDP,
+    "", _PCI_SOURCE)
 _LINK_FILES = ("current_link_speed", "current_link_width", "max_link_speed", "max_link_width")
 def _pci_sort_key(address: str) -> tuple[int, ...]:
     domain, bus, devfn = address.split(":")

@@ -1,23 +1,10 @@
 """Hot-plug: device events (uevents) from the kernel or udev, counted and handed to collectors.
 
-A daemon thread listens on a netlink uevent socket through pyudev for the ``infiniband``, ``net``
-and ``pci`` subsystems: RDMA devices, netdevs, and PCI functions with their driver binds (a GPU
-or NIC driver loaded, unloaded or reloaded). Each event is counted in
-``gpunet_device_events_total{subsystem, action}`` and passed to every collector's
-``device_event()`` hook, which may forget a cache or wake a background refresh so the next scrape
-does not serve values of a device that went away.
-
-``infiniband_verbs`` (the ``uverbsN`` character devices) is not watched: each one comes and goes
-with its ``infiniband`` device, so it would only double every event.
-
-The source is ``udev`` when udevd runs (``/run/udev/control`` exists): events after its rules
-ran, with the final interface names. Otherwise ``kernel``: root and, on most kernels, any user
-receive the kernel's own uevents without udevd (containers, minimal images). Kernel ``net``
-events reach only sockets in the device's network namespace, so an exporter in its own network
-namespace sees only its own netdevs (run it with the host network). Where no monitor can be
-opened (no pyudev, no libudev, netlink refused) the exporter says so once and carries on:
-collectors re-list devices on every scrape anyway, and hot-plug only makes background values
-catch up sooner.
+A daemon thread listens through pyudev for the ``infiniband``, ``net`` and ``pci`` subsystems,
+counts each event in ``gpunet_device_events_total`` and passes it to every collector's
+``device_event()`` hook. Sources (udev or the kernel), what each collector does with an event and
+what happens without a monitor: docs/configuration.md, "Hot-plug"; design notes:
+docs/architecture.md, "daemon".
 """
 
 from __future__ import annotations
@@ -47,15 +34,12 @@ STOP_WAIT_SECONDS = 2.0
 # Exported by the service next to the scrape metrics (Hotplug is registered in its registry).
 HOTPLUG_MONITORING = MetricSpec(
     "gpunet_hotplug_monitoring", "gauge",
-    "1 while the exporter receives hot-plug events (uevents) of InfiniBand, network and PCI "
-    "devices, 0 when it cannot (no pyudev or libudev, netlink refused) or --no-hotplug; devices "
-    "are re-listed on every scrape either way", (), "boolean",
+    "1 while the exporter receives hot-plug events (uevents) of RDMA, network and PCI devices",
+    (), "boolean",
     "pyudev netlink monitor (udev, or kernel uevents without udevd)")
 DEVICE_EVENTS = MetricSpec(
     "gpunet_device_events_total", "counter",
-    f"Device events received since the exporter started, by subsystem ({', '.join(SUBSYSTEMS)}) "
-    f"and action ({', '.join(ACTIONS)}; anything else is other); a series appears with its "
-    "first event. Kernel net events come only from the exporter's network namespace",
+    "Device events received since the exporter started, by subsystem and action",
     ("subsystem", "action"), "events", "udev or kernel uevents (netlink)")
 METRICS = (HOTPLUG_MONITORING, DEVICE_EVENTS)
 

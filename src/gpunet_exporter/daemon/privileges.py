@@ -1,16 +1,9 @@
 """Which privileges the collectors use, and the warning for running as root.
 
-No collector needs root. Everything the exporter reads is open to any user (sysfs, NVML through
-the /dev/nvidia* nodes, the SIOCETHTOOL statistics ioctl, DCB netlink reads, rdma-core's
-/dev/infiniband/uverbs*) except two topology readings, and for those a capability gives the same
-data as root (measured on Linux 6.18 with setpriv, see docs/install.md). Each collector declares
-its own (``Collector.privileges``); this module only reads the declarations:
-
-- the ACS Control register of PCIe bridges: the kernel shows a ``config`` file beyond its first
-  64 bytes only to CAP_SYS_ADMIN (drivers/pci/pci-sysfs.c, pci_read_config);
-- /proc/PID/environ of GPU processes of other users, for the NCCL environment audit: the file is
-  mode 0400 (CAP_DAC_READ_SEARCH passes that) and opening it needs ptrace read access
-  (CAP_SYS_PTRACE); neither one alone is enough.
+No collector needs root: each declares what needs more than an ordinary user
+(``Collector.privileges``), and this module only reads the declarations. Today those are two
+topology readings, the ACS Control register of PCIe bridges (CAP_SYS_ADMIN) and other users'
+/proc/PID/environ (CAP_DAC_READ_SEARCH with CAP_SYS_PTRACE): docs/install.md says why and how.
 """
 
 from __future__ import annotations

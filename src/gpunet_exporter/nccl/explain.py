@@ -1,12 +1,8 @@
 """gpunet-probe explain-log [--json] FILE...: what NCCL INFO logs say, for operators.
 
-For each process found in the logs: host, pid, rank, GPU and NCCL version, the network NCCL
-chose, the transports its channels used, whether GPUDirect RDMA carried network traffic, the
-HCAs, the NCCL_* settings it read from the environment, and the problems found (docs/nccl-log.md).
-FILE may be "-" for standard input.
-
-Exit codes: 0 no problems; 1 problems found; 2 a file could not be read, no file was an NCCL
-log, or bad arguments. Bad input gets one line naming it, never a traceback.
+For each process found in the logs: host, pid, rank, GPU, NCCL version, network, transports,
+GPUDirect RDMA, HCAs, NCCL_* settings and the problems found. FILE may be "-" for standard input.
+What it reports, the problem codes and the exit status: docs/nccl-log.md.
 """
 
 from __future__ import annotations

@@ -1,41 +1,9 @@
 """``gpunet-probe fleet``: run a pairing plan across nodes and write each node's ``pairs.json``.
 
-Started once per node by the engine the fleet already runs, never by a coordinator of ours:
-
-- Slurm: ``srun --ntasks-per-node=1 gpunet-probe fleet ...`` with MASTER_ADDR and MASTER_PORT
-  exported (slurm/gpunet-fleet.sbatch); the rank is SLURM_PROCID of SLURM_NTASKS.
-- torchrun with the c10d rendezvous (Kubernetes, kubernetes/fleet-probe.yaml):
-  ``torchrun --nnodes=N --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT
-  -m gpunet_exporter.probe.cli fleet ...``.
-
-Either way the processes meet in torch.distributed's own rendezvous (``env://``: the TCPStore that
-rank 0, or torchrun's agent, serves). No process group spans the fleet: the store alone carries
-the little there is to share, in O(N) requests, so a few thousand nodes cost the store little.
-
-1. Every node puts its name, address and leaf in the store; rank 0 reads them all, makes the
-   plan (probe/plan.py; nodes in natural name order, so a ring follows rack order when
-   names do) and puts each node's own schedule in the store: per round, the peer, which end
-   serves the pair's rendezvous, and where.
-2. Per round, each node in a pair starts ``gpunet-probe run`` for its end (``--gpus-per-node``
-   ranks of a world of two nodes, RANK/WORLD_SIZE/MASTER_ADDR of the pair: the probe's own
-   cluster mode, results in ``<state_dir>/fleet/<peer>/inter.json``), killed after
-   ``--pair-timeout``. Only on GPUs free of other work (issue 31, probe/idle.py): an
-   end whose node has a process that is not the fleet's on a GPU starts no rank, an end whose
-   node gets one while the pair runs is killed at once (watched every WATCH_SECONDS), and
-   either way the pair is not measured (``skipped``), never failed; the end says so in the
-   store, and its peer stops its own end. Then every node waits at the round's barrier, so a
-   round's pairs run at once and the next round starts clean. A node that never arrives costs
-   only its own pairs: the barrier gives up after the pair timeout, releasing every node
-   waiting there at once, and the rounds go on.
-3. Each node puts its view in the store and reads its peers' views: a pair is ok only when both
-   ends say so, and not measured on both ends when either end did not run. Each node writes
-   ``<state_dir>/pairs.json`` atomically (probe/pairs.py); a repair plan merges its
-   pairs into the file there, other plans replace it, a node with no pair leaves it alone.
-   Rank 0 prints one JSON line per pair.
-
-Exit 0 when the plan ran (failed pairs are results, recorded ok=false; so are pairs not
-measured), 2 for bad arguments or
-node names, 4 when the rendezvous failed (a node writes what it measured itself).
+Started once per node by Slurm (srun) or torchrun; the nodes meet in torch.distributed's
+rendezvous store, rank 0 makes the plan (probe/plan.py), each pair runs ``gpunet-probe run`` in
+cluster mode on GPUs free of other work (probe/idle.py), and every node writes its view
+(probe/pairs.py). The steps, the barrier, busy GPUs and the exit codes: docs/fleet.md.
 """
 
 from __future__ import annotations

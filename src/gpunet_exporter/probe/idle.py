@@ -1,12 +1,10 @@
 """Whether the node's GPUs are free for the probe (issue 31): no compute or graphics process on
 any GPU but the probe's own, now and for a hold-off window before now.
 
-NVML lists each GPU's processes by PID in the host's PID namespace. A process is the probe's own
-when its session is one the exporter (or the fleet pair end) started: ``own_sessions``. The PID
-is first read through the procfs root (``--path.procfs``, the host's /proc in a container), and
-mapped to this process's PID namespace by the innermost ``NSpid`` entry; a process that cannot
-be found or read here is foreign, so a job the exporter cannot see still makes the probe yield.
-No torch here: the exporter imports this module.
+NVML lists processes by host PID; a process is the probe's own when its session is one the
+exporter (or the fleet pair end) started (``own_sessions``), and one that cannot be found or read
+is foreign. How PIDs are mapped through ``--path.procfs``: docs/probe.md, "Idle only". No torch
+here.
 """
 
 from __future__ import annotations

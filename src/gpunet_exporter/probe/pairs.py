@@ -1,27 +1,9 @@
 """Pair results of fleet probes: ``<state_dir>/pairs.json``, this node's view of the last plan.
 
-Whoever runs a round of pair probes (a Slurm or Kubernetes job following a plan of
-probe/plan.py) writes the file on both nodes of each pair, atomically
-(gpunet_exporter.statefile.write_json), one entry per peer of this node in the last plan::
-
-    {"version": 1, "node": "n1", "leaf": "leaf-a" | null, "plan": "ring",
-     "round_timestamp": 1767225600.0,
-     "pairs": [{"peer": "n2", "peer_leaf": "leaf-b" | null, "ok": true,
-                "latency_seconds": 2.1e-05 | null,
-                "bus_bandwidth_bytes_per_second": 4.5e10 | null,
-                "transport": "IB" | "RoCE" | "Socket" | ... | null, "gdr": true | null,
-                "error": null | "one line",
-                "skipped": "busy" | "unknown" | "peer_busy" | "peer_unknown"}]}
-
-``skipped`` (issue 31) is present only for a pair that was not measured: a foreign process was
-on this node's GPUs (``busy``) or the GPUs' processes could not be read (``unknown``), so this
-end did not start or was stopped; ``peer_busy`` and ``peer_unknown`` are the same on the peer's
-end. Such a pair is neither a success nor a failure: ``ok`` is false, the numbers are null, and
-``error`` says why. Files written before the field have no ``skipped``: every pair measured.
-
-A new file replaces the old one whole: the peers of an earlier plan are gone with it. The
-probe collector exports it (gpunet_fleet_* metrics). The reader is bounded and validating; it
-raises only BadPairs (or OSError), which the exporter counts as one failure. No torch here.
+Written atomically on both nodes of each pair (statefile.write_json) by whoever runs the plan;
+read by the probe collector as the gpunet_fleet_* metrics. The format, ``skipped`` and the
+reader's bounds: docs/fleet.md, "The file". The reader raises only BadPairs (or OSError),
+which the exporter counts as one failure. No torch here.
 """
 
 from __future__ import annotations

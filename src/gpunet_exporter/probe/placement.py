@@ -1,9 +1,8 @@
 """Which RDMA port each probe rank uses, and how fast that port's link is.
 
-The net scope pins each rank to the ACTIVE RDMA port nearest its GPU on the PCIe tree (the
-distance nvidia-smi topo and the topology collector use, sources/pcie.py), through
-``NCCL_IB_HCA==<device>:<port>``, so a node with eight GPUs and eight HCAs exercises all eight
-rails and a result can be told apart per HCA. The link rate comes from the port's ``rate`` file
+The net scope pins each rank to the ACTIVE RDMA port nearest its GPU on the PCIe tree
+(sources/pcie.py) through ``NCCL_IB_HCA==<device>:<port>``, so every rail is exercised and a
+result can be told apart per HCA; the link rate comes from the port's ``rate`` file
 (docs/formats.md §1.3). No torch here.
 """
 

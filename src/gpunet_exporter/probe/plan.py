@@ -1,24 +1,9 @@
 """Pairing plans for fleet probes (issue 18): which nodes probe each other, and when.
 
-A plan is a list of rounds; a round is a list of disjoint pairs (a node is in at most one pair
-of a round), so the pairs of a round run at the same time. Every function here is pure and
-deterministic: the same arguments give the same plan. Node names are taken in the order given
-(an operator lists them in rack order, say); a name given twice is an error.
-
-- ``ring``: each node with its successor, the last with the first: with three nodes or more
-  every node is in exactly two pairs (two rounds for an even count, three for an odd one; two
-  nodes make one pair, one node none). With ``hops`` k, also with the nodes 2 .. k places on:
-  2k pairs per node (k = 2: four, enough for a robust median per node), scheduled greedily.
-- ``random_pairs``: a perfect matching of the nodes shuffled with ``seed``. With an odd count
-  the node left over is paired a second time, with the first node of the shuffle, in a round of
-  its own: pairs stay pairs (a pair probe has two ends), and one node pays for two.
-- ``repair``: the second pass of the two-pass method (Google's cluster-health-scanner): each
-  suspect paired with a distinct known-good node, all in one round; a suspect that fails again
-  against a good node is the bad one, a suspect that passes was the victim of its first partner.
-  With leaves, a good node on the suspect's own leaf is preferred (the re-pair then tests the
-  node and its leaf links, not the spine).
-- ``leaf_aware``: per node one intra-leaf pair and one cross-leaf pair where possible, so a
-  bad leaf shows as cross-leaf pairs failing while intra-leaf pairs pass.
+A plan is a list of rounds; a round is a list of disjoint pairs, so its pairs run at once. Every
+function here is pure and deterministic; node names are taken in the order given, and a name
+given twice is an error. The kinds (``ring``, ``random_pairs``, ``repair``, ``leaf_aware``) and
+what each is for: docs/fleet.md, "Plans".
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Probe result files: how the runner hands a round's results to the exporter.
 
-One JSON file per scope in the state directory (``intra.json`` for the node's GPUs among
-themselves, ``net.json`` for the node's GPUs through its NICs, ``inter.json`` for a cluster-mode
-round across nodes), replaced atomically (written to a
-temporary file in the same directory, fsynced, renamed), so a reader sees the previous round or
-the new one, never half a file. ``status.json`` says what the node's launcher does now and since
-when, which is how the exporter's supervisor tells a hung launcher from a slow interval. No
-torch here: the exporter imports this module.
+One JSON file per scope in the state directory (``intra.json``, ``net.json``, ``inter.json``),
+replaced atomically, so a reader sees the previous round or the new one, never half a file;
+``status.json`` says what the node's launcher does now and since when (how the supervisor tells a
+hung launcher from a slow interval). No torch here: the exporter imports this module.
 """
 
 from __future__ import annotations

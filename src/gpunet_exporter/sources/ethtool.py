@@ -1,19 +1,9 @@
 """NIC statistics as ``ethtool -S`` prints them, read in-process through the SIOCETHTOOL ioctl,
 plus a parser of ``ethtool -S`` text (captures, and platforms where the ioctl is refused).
 
-The ioctl takes three calls per interface: the size of the statistics string set
-(ETHTOOL_GSSET_INFO), the names (ETHTOOL_GSTRINGS) and the values (ETHTOOL_GSTATS). Older kernels
-write as many entries as the driver has *now* without checking the size of the caller's buffer
-(net/ethtool/ioctl.c ethtool_get_strings/ethtool_get_stats), and mlx5 changes its count when PFC
-is reconfigured, so buffers carry generous headroom; newer kernels return no entries when the
-count the caller passes is no longer the driver's. Either way a reply whose names and values
-disagree in number, or that is empty, is read again. Names are re-read on every call, because
-the same count can hide other names (PFC moved from priority 3 to 4); when the names are
-byte-for-byte those of the last call, the same tuple object is returned, so callers can cache
-what they derived from it.
-
-Sources: include/uapi/linux/ethtool.h (struct ethtool_sset_info, ethtool_gstrings,
-ethtool_stats; ETH_GSTRING_LEN 32), ethtool's ``do_gnicstats``; text format docs/formats.md §3.
+Three ioctl calls per interface: the string set size, the names, the values (include/uapi/linux/
+ethtool.h, ethtool's ``do_gnicstats``). Why the buffers have headroom and the names are re-read
+on every call: docs/architecture.md, "sources"; text format: docs/formats.md §3.
 """
 
 from __future__ import annotations

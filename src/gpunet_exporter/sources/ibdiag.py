@@ -2,16 +2,9 @@
 ``ibqueryerrors`` and ``dump_fts``, and :func:`sweep`, which runs them (never through a shell,
 each with a timeout) and joins what they print into one :class:`Fabric`.
 
-One sweep: ``ibnetdiscover --cache FILE`` discovers the subnet once (SMPs to every node); then
-``iblinkinfo --load-cache FILE`` prints every switch port's state, width, speed and neighbour from
-that discovery, with "Could be ..." where both ends support more than the link trained at;
-``ibqueryerrors --load-cache FILE`` reads every switch port's PortCounters twice, once for the
-data counters (``--counters``) and once for the error counters over a threshold file of zeros (a
-counter it does not print for a port it read is 0; it exits 1 when it printed any);
-``dump_fts`` reads every switch's unicast forwarding table. A step that fails costs its own
-part of the fabric (``Fabric.failed``), not the sweep; discovery failing fails the whole sweep.
-
-Formats and their sources: docs/formats.md §10.
+One sweep discovers the subnet once (``ibnetdiscover --cache``) and runs the other tools on that
+cache; a step that fails costs its own part (``Fabric.failed``), discovery failing the whole
+sweep. The steps: docs/architecture.md, "sources"; formats: docs/formats.md §10.
 """
 
 from __future__ import annotations

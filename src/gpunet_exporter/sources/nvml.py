@@ -1,15 +1,9 @@
 """One NVML session per process, shared by the collectors that need NVML (gpu, topology).
 
-NVML is reached through a module implementing the pynvml API: ``pynvml`` from nvidia-ml-py by
-default (docs/formats.md §6.1), a stand-in in tests (``--nvml.module``). The session initialises
-NVML once, enumerates the GPUs, and re-initialises after a driver reload: a collector that sees NVML
-answer as if it had been shut down (Uninitialized, DriverNotLoaded, a library/driver version
-mismatch) or sees every GPU lost calls :meth:`Session.invalidate`, and the next use initialises
-again, at most once every ``RETRY_SECONDS``.
-
-States: ``absent`` (no nvidia-ml-py, no libnvidia-ml, or no driver, and NVML never came up: not a
-GPU node, no data), ``up``, and ``down`` (NVML was up before, or the library is broken: a fault
-worth a metric).
+NVML is reached through a module with the pynvml API (nvidia-ml-py by default, docs/formats.md
+§6.1; a stand-in in tests, ``--nvml.module``). The session initialises once, enumerates the GPUs
+and re-initialises after a driver reload; its states (absent, up, down) and when it retries:
+docs/architecture.md, "sources".
 """
 
 from __future__ import annotations

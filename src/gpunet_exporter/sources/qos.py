@@ -1,14 +1,8 @@
 """QoS configuration of a RoCE netdev, from the best source the machine has: ``mlnx_qos -i IF``
 (MLNX_OFED / mlnx-tools), iproute2 ``dcb -j ... show dev IF`` (upstream kernels), or the
 MLNX_OFED sysfs files under ``/sys/class/net/IF/qos/``; plus the ECN switches under
-``/sys/class/net/IF/ecn/``.
-
-Every parser is written from the documented grammar (docs/formats.md §2 and §4; mlnx-tools
-python/mlnx_qos ``pretty_print`` and dcbnetlink.py; iproute2 dcb/dcb_*.c). They ignore lines and
-keys they do not know and never fail on odd whitespace, tabs turned into spaces, trailing spaces
-or older layouts; they raise ``ValueError`` only when the text is not the tool's output at all.
-A number that is garbled (a character ``int()`` refuses, more than 20 digits) costs that value
-alone: it reads as absent, and the other values of its line keep their positions.
+``/sys/class/net/IF/ecn/``. Grammars: docs/formats.md §2 and §4; how tolerant the parsers are:
+docs/architecture.md, "sources".
 """
 
 from __future__ import annotations

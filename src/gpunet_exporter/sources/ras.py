@@ -1,17 +1,10 @@
 """NCCL's RAS service (NCCL 2.24 and later): its client protocol, its answers and its listeners.
 
-Every NCCL process runs a RAS thread; on each node those threads listen on ``localhost:28028``
-(``NCCL_RAS_ADDR`` to change it), all on the same port through SO_REUSEPORT, so the kernel hands
-each connection to one of them. The protocol is lines of text (NVIDIA/nccl src/ras/client.cc and
-client_support.cc, protocol 2): the client sends ``CLIENT PROTOCOL 2`` and gets
-``SERVER PROTOCOL 2``; ``TIMEOUT <seconds>`` and ``SET FORMAT json`` (NCCL 2.28.7 and later)
-each get ``OK`` or ``ERROR: ...``; ``STATUS`` gets the report, and the server closes the
-connection after it. The JSON report lists every communicator with the data of each rank that
-answered (status, per-operation collective counts) and the ranks that did not
-(``unresponsive``, ``considered_dead``). The text report (every release) is for people; only its
-job summary, its communicator table and its DEAD and INCOMPLETE errors are read here.
-
-Formats with their sources: docs/formats.md §11.
+Every NCCL process listens on ``localhost:28028`` (``NCCL_RAS_ADDR``), all on one port through
+SO_REUSEPORT. The client sends ``CLIENT PROTOCOL 2``, optionally ``TIMEOUT`` and ``SET FORMAT
+json`` (NCCL 2.28.7 and later), then ``STATUS`` for the report (NVIDIA/nccl src/ras/client.cc).
+Of the text report only the job summary, the communicator table and the DEAD and INCOMPLETE
+errors are read. The protocol and both formats: docs/formats.md §11.
 """
 
 from __future__ import annotations

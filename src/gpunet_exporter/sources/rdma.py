@@ -1,10 +1,8 @@
 """RDMA device and port discovery under /sys/class/infiniband, shared by the collectors.
 
 :class:`Snapshot` is one listing of the devices, their ports, link layers and netdevs; a scrape
-builds one and every collector of that scrape reads it (CollectorContext.rdma()), instead of
-each walking the tree again. Counters and states are not in it: each collector reads those itself.
-
-Sources and formats: docs/formats.md §1.1 (layout, netdev mapping order).
+builds one and every collector of that scrape reads it (CollectorContext.rdma()). Counters and
+states are not in it: each collector reads those itself. Formats: docs/formats.md §1.1.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """The HTTP/1.1 server under the exporter's WSGI app: h11 parses and frames every message, an
 asyncio event loop in one thread of its own holds the connections, and a bounded pool of threads
-runs the app.
-
-Why not a complete server library: docs/benchmarks.md ("HTTP server") has the measurements. In
-short, hypercorn (also h11 on asyncio) keeps every connection its client has closed for its whole
-keep-alive timeout and leaves TLS sockets open after its idle timeout; cheroot runs the TLS
-handshake in its accepting thread (one silent client stalls every new connection) and holds a
-worker thread per slow request head; waitress has no TLS. Here, h11 (python-hyper) does the part
-where the security lies, parsing and framing, and this module only enforces limits:
-
-- a connection has HEAD_TIMEOUT seconds to send a whole request (head and body), counted from
-  its start or from the end of the previous response; an idle kept-alive connection is closed
-  after as long; the TLS handshake has HANDSHAKE_TIMEOUT;
-- at most ``max_connections`` are open; the next one is reset as soon as it is accepted;
-- request heads are at most MAX_HEAD bytes (431 beyond), bodies are read and dropped up to
-  MAX_BODY bytes (413 beyond, and the connection closes);
-- anything h11 cannot parse gets its 400 (or 501, 505, ...) and the connection closes; so does a
-  request with both Content-Length and Transfer-Encoding (request smuggling through a proxy that
-  frames by the other one), and a request line without an HTTP version (HTTP/0.9);
-- the app runs in ``threads`` worker threads; connections cost no thread while they connect,
-  shake hands, send or idle.
+runs the app; this module only enforces limits (request time, head and body size, open
+connections). The limits and what a client that breaks them gets: docs/security.md, "How the
+server behaves"; why not hypercorn, cheroot or waitress: docs/benchmarks.md ("HTTP server").
 """
 
 from __future__ import annotations
