@@ -26,8 +26,8 @@ from typing import Any
 
 import yaml
 
-from gpunet_exporter.health import rules
-from gpunet_exporter.health.thresholds import load
+from gpunet_exporter.mixin import rules
+from gpunet_exporter.mixin.thresholds import load
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

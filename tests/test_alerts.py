@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpunet_exporter.health import rules, thresholds
+from gpunet_exporter.mixin import rules, thresholds
 
 from support.paths import REPO
 
@@ -33,7 +33,7 @@ def tool(name: str) -> str:
 
 
 def run_rules(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gpunet_exporter.health.rules", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "gpunet_exporter.mixin.rules", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -66,7 +66,7 @@ def test_rule_file_is_generated_from_the_defaults() -> None:
     out = run_rules("--check", str(RULES))
     assert out.returncode == 0, (
         f"{out.stderr}alerts/gpunet.rules.yml is stale: run "
-        "`python -m gpunet_exporter.health.rules -o alerts/gpunet.rules.yml`")
+        "`python -m gpunet_exporter.mixin`")
     assert RULES.read_text() == rules.render(thresholds.defaults(rules.ALERT_NAMES))
 
 
@@ -171,7 +171,7 @@ def test_alerts_are_well_formed() -> None:
             "GpunetPfcTrustNotExpected", "GpunetFabricSweepFailing"), (
             f"{name}: the description should show the value")
         url = ann["runbook_url"]
-        assert url.startswith(thresholds.defaults()["runbook_url"] + "#")
+        assert url.startswith(thresholds.defaults().runbook_url + "#")
         assert url.split("#")[1] in anchors, f"{name}: no section in docs/runbooks.md"
     assert {r["labels"]["severity"] for r in alerts} >= {"critical", "warning"}
 
@@ -248,7 +248,7 @@ def test_configured_expected_bandwidth_fires_below_80_percent(tmp_path: Path) ->
                                      "description": "The 67108864-byte all-reduce reaches 70GB/s"
                                      " bus bandwidth (inter probe) on slow, below the "
                                      "expected.",
-                                     "runbook_url": thresholds.defaults()["runbook_url"]
+                                     "runbook_url": thresholds.defaults().runbook_url
                                      + "#gpunetbusbandwidthlow"}}]}]}])
 
 
@@ -304,7 +304,7 @@ def test_values_at_the_bounds_are_accepted(tmp_path: Path) -> None:
     f.write_text("pfc: {roce_priority: 7, pause_ratio: 1}\ngpu: {busy_utilization_ratio: 0}\n"
                  "probe: {straggler_wait_ratio: 0.3}\nfor: {GpunetPortDown: 0s}\n")
     t = thresholds.load(str(f), rules.ALERT_NAMES)
-    assert t["pfc"]["roce_priority"] == 7 and t["probe"]["straggler_wait_ratio"] == 0.3
+    assert t.pfc.roce_priority == 7 and t.probe.straggler_wait_ratio == 0.3
 
 
 def test_missing_thresholds_file(tmp_path: Path) -> None:
@@ -331,7 +331,7 @@ def test_every_threshold_is_documented_in_the_runbooks() -> None:
             return
         assert f"`{prefix}`" in text, f"threshold {prefix} is not in docs/runbooks.md"
 
-    walk("", {k: v for k, v in thresholds.defaults().items() if k != "for"})
+    walk("", thresholds.as_dict(thresholds.defaults()))
 
 
 # -- Alertmanager example ---------------------------------------------------------------------
@@ -475,8 +475,8 @@ def test_exponent_numbers_read_as_numbers(tmp_path: Path) -> None:
     f = tmp_path / "t.yml"
     f.write_text("probe: {expected_bus_bandwidth_bytes_per_second: {inter: 1.0e11, intra: 4e11}}\n")
     t = thresholds.load(str(f))
-    assert t["probe"]["expected_bus_bandwidth_bytes_per_second"] == {
-        "inter": 1e11, "intra": 4e11, "net": 0}
+    assert t.probe.expected_bus_bandwidth_bytes_per_second == thresholds.ExpectedBusBandwidth(
+        inter=1e11, intra=4e11, net=0)
     f.write_text("probe: {latency_seconds: 2ms}\n")
     with pytest.raises(thresholds.ConfigError, match="expected a number, got '2ms'"):
         thresholds.load(str(f))

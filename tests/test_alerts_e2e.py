@@ -36,7 +36,7 @@ import pytest
 import requests
 import yaml
 
-from gpunet_exporter.health import rules
+from gpunet_exporter.mixin import rules
 
 from support import sysfs_tree as st
 from support.bundle_node import (

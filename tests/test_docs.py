@@ -118,7 +118,7 @@ def test_every_family_of_the_golden_scrape_is_documented() -> None:
 
 def test_readme_counts_the_alerts_the_rules_hold() -> None:
     """The README's alert count is the generated rules file's, not a number written once."""
-    from gpunet_exporter.health import rules
+    from gpunet_exporter.mixin import rules
 
     readme = (REPO / "README.md").read_text()
     stated = re.search(r"\((\d+) alerts:", readme)

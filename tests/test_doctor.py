@@ -239,7 +239,7 @@ def _snapshots(dt: float, before: dict[str, list[tuple[dict[str, str], float]]],
     a, b = doctor_module.Snapshot([]), doctor_module.Snapshot([])
     a.samples, b.samples = before, after
     b.time = a.time + dt
-    from gpunet_exporter.health import rules, thresholds
+    from gpunet_exporter.mixin import rules, thresholds
     return doctor_module.Check(a, b, thresholds.defaults(rules.ALERT_NAMES))
 
 

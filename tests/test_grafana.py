@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpunet_exporter.health.rules import CLASSES as RULE_CLASSES
+from gpunet_exporter.mixin.alerts.common import CLASSES as RULE_CLASSES
 from gpunet_exporter.registry import discover
 
 from support.dashboards import load_generator

@@ -36,7 +36,7 @@ from cloudcoil.models.prometheus_operator import v1 as monitoring
 
 from gpunet_exporter.collectors.probe import ProbeSettings
 from gpunet_exporter.config import load_file
-from gpunet_exporter.health import thresholds
+from gpunet_exporter.mixin import thresholds
 from gpunet_exporter.options import build_parser, config_schema, resolve
 from gpunet_exporter.registry import discover
 
@@ -431,7 +431,7 @@ def test_the_servicemonitor_scrapes_the_service(render: Any) -> None:
     assert parse_args(docs).scrape_timeout < scrape_timeout < seconds(endpoint["interval"])
     # the targets' job is the one the rules are generated for: up{job="gpunet"}
     job = svc["metadata"]["labels"][sm["spec"]["jobLabel"]]
-    assert job == thresholds.defaults()["job"]
+    assert job == thresholds.defaults().job
     assert f'up{{job="{job}"}}' in RULES.read_text()
 
 
