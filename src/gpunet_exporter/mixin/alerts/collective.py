@@ -11,13 +11,13 @@ FLEET_MEDIAN_BUSBW = "scope_size:gpunet_probe_allreduce_bus_bandwidth_bytes_per_
 # The pair plan (issue 18): every node exports its own view of the last round's pairs, labelled
 # by the peer's node name. Nothing joins `peer` to `instance` (a scrape address): a node is judged
 # from its own pairs, and a peer from the pairs that name it, on the other nodes' series.
-_PAIR_BW = "gpunet_fleet_pair_bus_bandwidth_bytes_per_second"
+PAIR_BW = "gpunet_fleet_pair_bus_bandwidth_bytes_per_second"
 _PAIR_OK = "gpunet_fleet_pair_success"
-NODE_MEDIAN_BW = f"instance:{_PAIR_BW}:median"
-FLEET_MEDIAN_BW = f"job:{_PAIR_BW}:median"
-FLEET_MAD_BW = f"job:{_PAIR_BW}:mad"
+NODE_MEDIAN_BW = f"instance:{PAIR_BW}:median"
+FLEET_MEDIAN_BW = f"job:{PAIR_BW}:median"
+FLEET_MAD_BW = f"job:{PAIR_BW}:mad"
 FLEET_NODES = "job:gpunet_fleet_nodes_reporting:count"
-PAIR_RATIO = f"instance_peer:{_PAIR_BW}:ratio_to_fleet_median"
+PAIR_RATIO = f"instance_peer:{PAIR_BW}:ratio_to_fleet_median"
 PAIR_HEALTHY = "instance_peer:gpunet_fleet_pair_healthy:bool"
 NODE_PAIRS = "instance:gpunet_fleet_pairs:count"
 NODE_PAIRS_HEALTHY = "instance:gpunet_fleet_pairs_healthy:count"
@@ -26,9 +26,9 @@ PEER_PAIRS_HEALTHY = "peer:gpunet_fleet_pairs_healthy:count"
 # Per pair: this node's leaf, the peer's leaf and whether they differ (cross_leaf "true"/"false";
 # absent when either leaf is unknown), so GpunetFleetLinkSlow can carry them for Alertmanager.
 PAIR_LEAVES = "instance_peer:gpunet_fleet_pair_info:leaves"
-LEAF_INTRA_BW = f"leaf:{_PAIR_BW}:median_intra_leaf"
-LEAF_CROSS_BW = f"leaf:{_PAIR_BW}:median_cross_leaf"
-LEAF_CROSS_RATIO = f"leaf:{_PAIR_BW}:cross_to_intra_leaf_ratio"
+LEAF_INTRA_BW = f"leaf:{PAIR_BW}:median_intra_leaf"
+LEAF_CROSS_BW = f"leaf:{PAIR_BW}:median_cross_leaf"
+LEAF_CROSS_RATIO = f"leaf:{PAIR_BW}:cross_to_intra_leaf_ratio"
 
 
 def _busbw_low(t: Thresholds) -> str:
@@ -218,7 +218,7 @@ def _fleet_recording(t: Thresholds) -> list[Rule]:
     """The pair plan's recording rules: per-node and fleet statistics of the pair bandwidth
     (successful pairs only), each pair's health, and the per-leaf intra and cross medians."""
     f = t.fleet
-    ran = f"{_PAIR_BW} and on (instance, job, peer) {_PAIR_OK} == 1"
+    ran = f"{PAIR_BW} and on (instance, job, peer) {_PAIR_OK} == 1"
     # Pairs whose peer is on this node's leaf: pair_info with peer_leaf copied into leaf, so it
     # matches the node's own leaf label (PromQL cannot compare two labels directly).
     with_leaf = (f"(\n    {ran}\n  )\n"
