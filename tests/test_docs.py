@@ -12,8 +12,8 @@ from gpunet_exporter.collectors.infiniband import InfinibandCollector
 from gpunet_exporter.collectors.link import LinkCollector
 from gpunet_exporter.collectors.pfc import PfcCollector
 from gpunet_exporter.daemon import hotplug
-from gpunet_exporter.health import configdoc
-from gpunet_exporter.health.metricsdoc import own_metrics, render
+from gpunet_exporter.mixin import configdoc
+from gpunet_exporter.mixin.metricsdoc import own_metrics, render
 from gpunet_exporter.registry import SCRAPE_METRICS, discover
 from gpunet_exporter.sources.ethtool import parse_stats_text
 from gpunet_exporter.web.http import SCRAPES_REJECTED
@@ -29,8 +29,7 @@ ALL_SPECS = [*SCRAPE_METRICS, *hotplug.METRICS, SCRAPES_REJECTED,
 def test_metrics_md_is_fresh() -> None:
     committed = (REPO / "docs" / "metrics.md").read_text()
     assert committed == render(), (
-        "docs/metrics.md is stale: run "
-        "`python -m gpunet_exporter.health.metricsdoc > docs/metrics.md`")
+        "docs/metrics.md is stale: run `python -m gpunet_exporter.mixin`")
 
 
 def test_configuration_keys_are_fresh() -> None:
@@ -38,8 +37,7 @@ def test_configuration_keys_are_fresh() -> None:
     (tests/test_settings.py checks that its defaults are the dataclasses')."""
     text = (REPO / "docs" / "configuration.md").read_text()
     assert configdoc.refresh(text) == text, (
-        "docs/configuration.md is stale: run "
-        "`python -m gpunet_exporter.health.configdoc docs/configuration.md`")
+        "docs/configuration.md is stale: run `python -m gpunet_exporter.mixin`")
 
 
 def test_every_exported_family_is_documented(tmp_path: Path) -> None:

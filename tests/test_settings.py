@@ -32,7 +32,7 @@ from gpunet_exporter.config import (
     settings_from,
     validate,
 )
-from gpunet_exporter.health import configdoc
+from gpunet_exporter.mixin import configdoc
 from gpunet_exporter.options import build_parser, config_schema, resolve, start_collectors
 from gpunet_exporter.registry import discover
 
