@@ -3,9 +3,9 @@ Slurm prolog or a node health check.
 
 It runs the collectors the exporter would run (same flags, same config file), reads them twice
 ``--interval`` seconds apart so counters give rates, waits for the probe's first round when the
-probe collector is on, and applies the alert thresholds of exporter.thresholds (the same values
-the generated Prometheus rules use; ``--thresholds FILE`` overrides them the same way). Findings
-are grouped by root cause, each naming the device and a command that confirms it.
+probe collector is on, and applies the alert thresholds of gpunet_exporter.mixin.thresholds (the
+same values the generated Prometheus rules use; ``--thresholds FILE`` overrides them the same
+way). Findings are grouped by root cause, each naming the device and a command that confirms it.
 
 Exit codes: 0 healthy (or only info findings), 1 findings, 2 could not check (a collector failed,
 nothing to check, or bad input). ``--json`` prints one JSON document instead of the report.
