@@ -1,4 +1,8 @@
-"""The collective alerts: probe results, the NCCL jobs running now, the pair plan."""
+"""The collective alerts: probe results, the NCCL jobs running now, the pair plan; and the
+recording rules they read (the fleet median per probe scope and size, the pair plan's per-node,
+per-peer, per-leaf and fleet statistics), whose names the dashboards import. The pair plan's
+alerts stay together here, GpunetFleetLinkSlow labelled ``link`` and GpunetFleetCrossLeafSlow
+``topology`` as the health matrix shows them."""
 
 from __future__ import annotations
 
@@ -68,7 +72,6 @@ def _probe_stale(t: Thresholds) -> str:
             f"gpunet_probe_last_success_timestamp_seconds{{scope=\"inter\"}} > {stale}")
 
 
-
 def _fleet_link_slow(t: Thresholds) -> str:
     """A pair slow or failed while this node has a healthy pair, unless the fleet's view of the
     peer (the pairs that name it, on every other node) makes the peer the suspect: then
@@ -92,7 +95,6 @@ def _fleet_outlier(t: Thresholds) -> str:
             f"and on (instance, job)\n{NODE_MEDIAN_BW}\n"
             f"  < on (job) group_left {_g(f.outlier_ratio)} * {FLEET_MEDIAN_BW}\n"
             f"and on (job) {FLEET_NODES} >= {f.outlier_min_nodes}")
-
 
 
 ALERTS: tuple[Alert, ...] = (

@@ -34,7 +34,6 @@ def _fabric_receive_errors(t: Thresholds) -> str:
     return _fabric_port("\n  or\n  ".join(parts))
 
 
-
 # A switch port: the switch's node description and GUID, the port, and its last neighbour.
 _SWITCH = "{{ $labels.name }} ({{ $labels.switch }})"
 _SWPORT = (f"Switch {_SWITCH} port {{{{ $labels.port }}}}{{{{ with $labels.remote_name }}}}"
@@ -44,7 +43,6 @@ _SUPPORTED = (
     '{{ with printf "gpunet_fabric_port_rate_supported_bytes_per_second{instance=%q, '
     'switch=%q, port=%q} * 8 / 1e9" $labels.instance $labels.switch $labels.port | query }}'
     "{{ . | first | value }} Gb/s{{ else }}rate{{ end }}")
-
 
 
 ALERTS: tuple[Alert, ...] = (

@@ -31,7 +31,6 @@ def _network_bound(t: Thresholds) -> str:
             f" >= {_g(g.network_bound_gpu_share)}")
 
 
-
 ALERTS: tuple[Alert, ...] = (
     Alert("GpunetGpuPcieLinkDegraded", "gpu", "warning", "10m",
           lambda t: "gpunet_gpu_pcie_link_degraded == 1",

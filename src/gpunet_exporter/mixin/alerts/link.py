@@ -14,7 +14,6 @@ def _port_with_interface(expr: str) -> str:
             f"or on (instance, device, port)\n(\n  {expr}\n)")
 
 
-
 ALERTS: tuple[Alert, ...] = (
     Alert("GpunetPortDown", "link", "critical", "2m",
           lambda t: _port_with_interface(

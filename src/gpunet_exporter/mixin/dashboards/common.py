@@ -437,8 +437,6 @@ def dashboard(uid: str, title: str, description: str, layout: Layout,
 # --- fleet ---
 
 
-
-
 def port_legend(what: str) -> str:
     return "{{device}}/{{port}} " + what
 
@@ -512,10 +510,6 @@ def nccl_job_panels(lay: Layout, legend: str) -> None:
                            "healthy.",
                            [target(sel("gpunet_nccl_ras_query_success"), legend)],
                            mappings=RAS_ANSWER), 12, 8)
-
-
-
-
 
 
 def iter_panels(dashboard: Json) -> Iterator[Json]:
