@@ -44,8 +44,8 @@ def _read(root: str, path: str) -> str:
     try:
         data = read_regular(full)
     except ConfigError as exc:
-        raise ConfigError(f"cannot read {full}: {str(exc).removeprefix('cannot read: ')}") \
-            from None
+        reason = str(exc).removeprefix("cannot read: ")
+        raise ConfigError(f"cannot read {full}: {reason} (--root names the checkout)") from None
     try:
         return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError:
