@@ -15,7 +15,7 @@ Four parts, each printed as markdown and written, with every raw number, to --ou
   pairs.json (written as statefile.write_json writes it) and the series its exporter serves for
   it (the probe collector's own _export_pairs, counted).
 - prometheus: a real Prometheus (Debian's `prometheus` on PATH) loads the generated rules
-  (gpunet_exporter.health.rules, every `for:` at 0s as tests/support/prometheus.py makes them, the
+  (gpunet_exporter.mixin.rules, every `for:` at 0s as tests/support/prometheus.py makes them, the
   expressions unchanged) and scrapes synthetic fleets: per node the gpunet_fleet_* series its
   exporter would serve for a plan of 2 pairs per node (the ring) or 4 (the ring plus a ring
   through the leaves, whose pairs all cross leaves), 32 nodes per leaf, a few nodes slow (every

@@ -43,7 +43,7 @@ INSTALL = "python3 -m venv .venv && .venv/bin/pip install ."
 try:  # the exporter's own dependency and package, from the virtualenv running this script
     import yaml
 
-    from gpunet_exporter.health.rules import ALERT_NAMES
+    from gpunet_exporter.mixin.alerts import ALERT_NAMES
 except ImportError as exc:
     print(f"demo: {exc.name} not importable: run the demo with the virtualenv's Python after "
           f"`{INSTALL}`", file=sys.stderr)

@@ -15,13 +15,21 @@ from typing import Any
 import pytest
 import yaml
 
-from gpunet_exporter.health import rules, thresholds
+from gpunet_exporter.mixin import rules, thresholds
+from gpunet_exporter.mixin.alerts import MODULES
 
 from support.paths import REPO
 
 ALERTS_DIR = REPO / "alerts"
 RULES = ALERTS_DIR / "gpunet.rules.yml"
-RULE_TESTS = ALERTS_DIR / "gpunet.rules.test.yml"
+# promtool unit tests, one file per class of alerts (and one of the health matrix), each naming
+# ../gpunet.rules.yml.
+RULE_TESTS = sorted((ALERTS_DIR / "tests").glob("*.test.yml"))
+
+
+def rule_test_cases() -> list[dict[str, Any]]:
+    """Every promtool test case of every file."""
+    return [case for path in RULE_TESTS for case in yaml.safe_load(path.read_text())["tests"]]
 AM_CONFIG = ALERTS_DIR / "alertmanager.yml"
 RUNBOOKS = REPO / "docs" / "runbooks.md"
 
@@ -33,7 +41,7 @@ def tool(name: str) -> str:
 
 
 def run_rules(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gpunet_exporter.health.rules", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "gpunet_exporter.mixin.rules", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -66,7 +74,7 @@ def test_rule_file_is_generated_from_the_defaults() -> None:
     out = run_rules("--check", str(RULES))
     assert out.returncode == 0, (
         f"{out.stderr}alerts/gpunet.rules.yml is stale: run "
-        "`python -m gpunet_exporter.health.rules -o alerts/gpunet.rules.yml`")
+        "`python -m gpunet_exporter.mixin`")
     assert RULES.read_text() == rules.render(thresholds.defaults(rules.ALERT_NAMES))
 
 
@@ -104,16 +112,31 @@ def test_promtool_check_rules() -> None:
 
 
 def test_promtool_unit_tests_pass() -> None:
-    out = subprocess.run([tool("promtool"), "test", "rules", RULE_TESTS.name], cwd=ALERTS_DIR,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([tool("promtool"), "test", "rules",
+                          *(str(p.relative_to(ALERTS_DIR)) for p in RULE_TESTS)],
+                         cwd=ALERTS_DIR, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("SUCCESS") == len(RULE_TESTS)
+
+
+def test_the_unit_tests_are_split_by_class() -> None:
+    """One file per module of mixin/alerts (and the health matrix's), each reading the rule
+    file; an alert's cases sit in the file of the module that declares it."""
+    assert sorted(p.name for p in RULE_TESTS) == sorted(
+        f"{c}.test.yml" for c in (*rules.CLASSES, "health"))
+    owner = {a.name: m.__name__.rpartition(".")[2] for m in MODULES for a in m.ALERTS}
+    for path in RULE_TESTS:
+        doc = yaml.safe_load(path.read_text())
+        assert doc["rule_files"] == ["../gpunet.rules.yml"], path
+        for case in doc["tests"]:
+            for a in case.get("alert_rule_test", []):
+                assert f"{owner[a['alertname']]}.test.yml" == path.name, (path, case["name"])
 
 
 def test_every_alert_has_a_firing_and_a_silent_unit_test() -> None:
-    doc = yaml.safe_load(RULE_TESTS.read_text())
     firing: set[str] = set()
     silent: set[str] = set()
-    for t in doc["tests"]:
+    for t in rule_test_cases():
         for a in t.get("alert_rule_test", []):
             (firing if a["exp_alerts"] else silent).add(a["alertname"])
             for exp in a["exp_alerts"]:  # each expectation spells out the whole notification
@@ -130,8 +153,9 @@ def test_unit_tests_bite_when_a_threshold_moves(tmp_path: Path) -> None:
     (tmp_path / "t.yml").write_text("infiniband: {symbol_errors_per_hour: 200}\n")
     moved = rules.render(thresholds.load(str(tmp_path / "t.yml"), rules.ALERT_NAMES))
     (tmp_path / "gpunet.rules.yml").write_text(moved)
-    shutil.copy(RULE_TESTS, tmp_path / RULE_TESTS.name)
-    out = subprocess.run([tool("promtool"), "test", "rules", RULE_TESTS.name], cwd=tmp_path,
+    shutil.copytree(ALERTS_DIR / "tests", tmp_path / "tests")
+    out = subprocess.run([tool("promtool"), "test", "rules", "tests/link.test.yml",
+                          "tests/fabric.test.yml"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "GpunetPortSymbolErrors: fires" in out.stdout + out.stderr
@@ -171,7 +195,7 @@ def test_alerts_are_well_formed() -> None:
             "GpunetPfcTrustNotExpected", "GpunetFabricSweepFailing"), (
             f"{name}: the description should show the value")
         url = ann["runbook_url"]
-        assert url.startswith(thresholds.defaults()["runbook_url"] + "#")
+        assert url.startswith(thresholds.defaults().runbook_url + "#")
         assert url.split("#")[1] in anchors, f"{name}: no section in docs/runbooks.md"
     assert {r["labels"]["severity"] for r in alerts} >= {"critical", "warning"}
 
@@ -248,7 +272,7 @@ def test_configured_expected_bandwidth_fires_below_80_percent(tmp_path: Path) ->
                                      "description": "The 67108864-byte all-reduce reaches 70GB/s"
                                      " bus bandwidth (inter probe) on slow, below the "
                                      "expected.",
-                                     "runbook_url": thresholds.defaults()["runbook_url"]
+                                     "runbook_url": thresholds.defaults().runbook_url
                                      + "#gpunetbusbandwidthlow"}}]}]}])
 
 
@@ -304,7 +328,7 @@ def test_values_at_the_bounds_are_accepted(tmp_path: Path) -> None:
     f.write_text("pfc: {roce_priority: 7, pause_ratio: 1}\ngpu: {busy_utilization_ratio: 0}\n"
                  "probe: {straggler_wait_ratio: 0.3}\nfor: {GpunetPortDown: 0s}\n")
     t = thresholds.load(str(f), rules.ALERT_NAMES)
-    assert t["pfc"]["roce_priority"] == 7 and t["probe"]["straggler_wait_ratio"] == 0.3
+    assert t.pfc.roce_priority == 7 and t.probe.straggler_wait_ratio == 0.3
 
 
 def test_missing_thresholds_file(tmp_path: Path) -> None:
@@ -331,7 +355,7 @@ def test_every_threshold_is_documented_in_the_runbooks() -> None:
             return
         assert f"`{prefix}`" in text, f"threshold {prefix} is not in docs/runbooks.md"
 
-    walk("", {k: v for k, v in thresholds.defaults().items() if k != "for"})
+    walk("", thresholds.as_dict(thresholds.defaults()))
 
 
 # -- Alertmanager example ---------------------------------------------------------------------
@@ -475,8 +499,8 @@ def test_exponent_numbers_read_as_numbers(tmp_path: Path) -> None:
     f = tmp_path / "t.yml"
     f.write_text("probe: {expected_bus_bandwidth_bytes_per_second: {inter: 1.0e11, intra: 4e11}}\n")
     t = thresholds.load(str(f))
-    assert t["probe"]["expected_bus_bandwidth_bytes_per_second"] == {
-        "inter": 1e11, "intra": 4e11, "net": 0}
+    assert t.probe.expected_bus_bandwidth_bytes_per_second == thresholds.ExpectedBusBandwidth(
+        inter=1e11, intra=4e11, net=0)
     f.write_text("probe: {latency_seconds: 2ms}\n")
     with pytest.raises(thresholds.ConfigError, match="expected a number, got '2ms'"):
         thresholds.load(str(f))
@@ -501,12 +525,12 @@ def test_nan_threshold_refused(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # about 30 s: promtool runs the unit tests twice per alert
 def test_every_alert_test_can_fail(tmp_path: Path) -> None:
-    """Mutation check of alerts/gpunet.rules.test.yml, alert by alert: with the alert's
+    """Mutation check of alerts/tests/*.test.yml, alert by alert: with the alert's
     expression made to never fire, each of its firing cases fails; made to always fire, each of
     its silent cases evaluated after the alert's `for:` has run fails (those before it check the
     `for:`, which an always-true expression does not change), and every alert has such a case.
     So no case passes whatever the expression says."""
-    doc = yaml.safe_load(RULE_TESTS.read_text())
+    doc = {"tests": rule_test_cases()}
     t = thresholds.defaults(rules.ALERT_NAMES)
     base = rules.rule_groups(t)
 

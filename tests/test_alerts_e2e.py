@@ -36,7 +36,8 @@ import pytest
 import requests
 import yaml
 
-from gpunet_exporter.health import rules
+from gpunet_exporter.mixin import dashboards as gen
+from gpunet_exporter.mixin import rules
 
 from support import sysfs_tree as st
 from support.bundle_node import (
@@ -50,7 +51,6 @@ from support.bundle_node import (
     build_node,
     start_ras_jobs,
 )
-from support.dashboards import load_generator
 from support.exporter import Exporter, free_port
 from support.paths import REPO
 from support.prometheus import query, start, start_prometheus, stop
@@ -356,7 +356,7 @@ def test_port_down_inhibits_its_symptoms(bundle: Bundle) -> None:
 
 def test_fleet_causes_inhibit_their_pair_alerts(bundle: Bundle) -> None:
     """The pair-plan rules of the shipped example, through Alertmanager's API, with the labels
-    the generated rules give these alerts (alerts/gpunet.rules.test.yml shows them): leaf-b's
+    the generated rules give these alerts (alerts/tests/collective.test.yml shows them): leaf-b's
     GpunetFleetCrossLeafSlow mutes the slow links that cross from or to leaf-b, seen from either
     end, not the slow link inside leaf-b nor one between two other leaves; a suspect node mutes
     its own outlier alert, not another node's."""
@@ -418,7 +418,6 @@ def test_every_dashboard_query_returns_data(bundle: Bundle) -> None:
     faulty node (or all nodes where the variable is multi-valued), runs in Prometheus and
     returns at least one series."""
     test_health_matrix_records_every_node_and_class(bundle)  # recorded series exist
-    gen = load_generator()
     variables = {"instance": FAULTY, "job": "gpunet", "__rate_interval": "30s",
                  "__interval": "1s", "__range": "5m", "datasource": "prometheus"}
     queries: list[tuple[str, str]] = []

@@ -30,8 +30,8 @@ from gpunet_exporter.config import (
     short,
     validate,
 )
-from gpunet_exporter.health import thresholds
-from gpunet_exporter.health.rules import ALERT_NAMES
+from gpunet_exporter.mixin import thresholds
+from gpunet_exporter.mixin.alerts import ALERT_NAMES
 from gpunet_exporter.options import config_type
 from gpunet_exporter.registry import discover
 
@@ -205,8 +205,8 @@ def test_aliases_count_as_all_they_repeat(tmp_path: Path) -> None:
             "infiniband: &ib {link_downed_window: 12h}\n"
             "pfc: {<<: {trust: pcp}, roce_priority: 5}\n")
     t = thresholds.load(write(tmp_path, text), ALERT_NAMES)
-    assert t["for"] == {"GpunetPortDown": "15m", "GpunetPortFlapping": "15m"}
-    assert t["pfc"]["trust"] == "pcp" and t["pfc"]["roce_priority"] == 5
+    assert t.durations == {"GpunetPortDown": "15m", "GpunetPortFlapping": "15m"}
+    assert t.pfc.trust == "pcp" and t.pfc.roce_priority == 5
     # A value 300 values large, repeated 300 times (90,000): inside the budget...
     leaves = ", ".join(["x"] * 299)
     ok = f"a: &a [{leaves}]\nb: [{', '.join(['*a'] * 300)}]\n"

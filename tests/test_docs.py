@@ -14,8 +14,8 @@ from gpunet_exporter.collectors.infiniband import InfinibandCollector
 from gpunet_exporter.collectors.link import LinkCollector
 from gpunet_exporter.collectors.pfc import PfcCollector
 from gpunet_exporter.daemon import hotplug
-from gpunet_exporter.health import configdoc
-from gpunet_exporter.health.metricsdoc import own_metrics, render
+from gpunet_exporter.mixin import configdoc
+from gpunet_exporter.mixin.metricsdoc import own_metrics, render
 from gpunet_exporter.registry import SCRAPE_METRICS, discover
 from gpunet_exporter.sources.ethtool import parse_stats_text
 from gpunet_exporter.web.http import SCRAPES_REJECTED
@@ -36,8 +36,7 @@ HELP_MAX = 100
 def test_metrics_md_is_fresh() -> None:
     committed = (REPO / "docs" / "metrics.md").read_text()
     assert committed == render(), (
-        "docs/metrics.md is stale: run "
-        "`python -m gpunet_exporter.health.metricsdoc > docs/metrics.md`")
+        "docs/metrics.md is stale: run `python -m gpunet_exporter.mixin`")
 
 
 def test_configuration_keys_are_fresh() -> None:
@@ -45,8 +44,7 @@ def test_configuration_keys_are_fresh() -> None:
     (tests/test_settings.py checks that its defaults are the dataclasses')."""
     text = (REPO / "docs" / "configuration.md").read_text()
     assert configdoc.refresh(text) == text, (
-        "docs/configuration.md is stale: run "
-        "`python -m gpunet_exporter.health.configdoc docs/configuration.md`")
+        "docs/configuration.md is stale: run `python -m gpunet_exporter.mixin`")
 
 
 def test_every_exported_family_is_documented(tmp_path: Path) -> None:
@@ -163,7 +161,7 @@ def test_every_family_of_the_golden_scrape_is_documented() -> None:
 
 def test_readme_counts_the_alerts_the_rules_hold() -> None:
     """The README's alert count is the generated rules file's, not a number written once."""
-    from gpunet_exporter.health import rules
+    from gpunet_exporter.mixin import rules
 
     readme = (REPO / "README.md").read_text()
     stated = re.search(r"\((\d+) alerts:", readme)

@@ -239,7 +239,7 @@ def _snapshots(dt: float, before: dict[str, list[tuple[dict[str, str], float]]],
     a, b = doctor_module.Snapshot([]), doctor_module.Snapshot([])
     a.samples, b.samples = before, after
     b.time = a.time + dt
-    from gpunet_exporter.health import rules, thresholds
+    from gpunet_exporter.mixin import rules, thresholds
     return doctor_module.Check(a, b, thresholds.defaults(rules.ALERT_NAMES))
 
 
@@ -265,7 +265,7 @@ def _job_readings(moved: float, util: tuple[float, float, float] = (0.2, 0.3, 0.
 def test_gpu_job_with_idle_rdma_ports(moved: float, state: float, procs: float,
                                       found: bool) -> None:
     """GpunetGpuJobRdmaIdle on the doctor's two readings, as the rule judges it (promtool
-    covers the same four cases in alerts/gpunet.rules.test.yml)."""
+    covers the same four cases in alerts/tests/transport.test.yml)."""
     c = _snapshots(10.0, _job_readings(0.0, state=state, procs=procs),
                    _job_readings(moved, state=state, procs=procs))
     doctor_module.check_job_rdma_idle(c)

@@ -160,7 +160,7 @@ def skipped(peer: str, reason: str = "busy") -> dict[str, Any]:
 
 def test_a_pair_not_measured_is_neither_a_success_nor_a_failure(node: Node) -> None:
     """Issue 31: a pair skipped because a GPU was busy (on this end or the peer's) has no
-    gpunet_fleet_pair_success, which the fleet rules count (alerts/gpunet.rules.test.yml,
+    gpunet_fleet_pair_success, which the fleet rules count (alerts/tests/collective.test.yml,
     "a busy node's pairs not measured"), and says why in gpunet_fleet_pair_skipped."""
     node.write(pairs_file(pair("n2"), skipped("n3"), skipped("n4", "peer_busy"),
                           skipped("n5", "unknown"), skipped("n6", "peer_unknown"),

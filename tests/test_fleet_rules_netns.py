@@ -37,7 +37,7 @@ import pytest
 import requests
 import yaml
 
-from gpunet_exporter.health import rules
+from gpunet_exporter.mixin.alerts import collective
 from gpunet_exporter.probe import pairs, plan
 
 from support import fleet as launch
@@ -185,7 +185,7 @@ def evaluate(stack: Stack, sc: Scenario) -> set[tuple[str, str, str]]:
                                        for p in got.pairs)
 
     def medians() -> float | None:
-        rows = api(stack.prometheus, "query", query=rules.NODE_MEDIAN_BW)["result"]
+        rows = api(stack.prometheus, "query", query=collective.NODE_MEDIAN_BW)["result"]
         got = {stack.instance[r["metric"]["instance"]]: float(r["value"][1]) for r in rows}
         ok = got.keys() == want.keys() and all(
             math.isclose(got[n], want[n], rel_tol=1e-9) for n in want)

@@ -147,7 +147,7 @@ from gpunet_exporter.config import (
     short,
     validate,
 )
-from gpunet_exporter.health import thresholds
+from gpunet_exporter.mixin import thresholds
 from gpunet_exporter.nccl import log as ncclog
 from gpunet_exporter.nccl.env import (
     NCCL_FINDINGS,

@@ -1,9 +1,9 @@
-"""The Grafana dashboards in grafana/: committed JSON equals what grafana/generate.py makes, the
-structure Grafana 10 needs and our conventions (stable uids, tag, datasource variable, units,
-$__rate_interval, instance filters, no overlapping panels), every metric a query names exists
-in docs/metrics.md or in a collector's MetricSpecs, and every query is valid PromQL to
-promtool. Each checker is also fed a
-deliberately broken input, so that a check that silently accepts everything fails here."""
+"""The Grafana dashboards in grafana/: committed JSON equals what gpunet_exporter.mixin.dashboards
+builds, the structure Grafana 10 needs and our conventions (stable uids, tag, datasource
+variable, units, $__rate_interval, instance filters, no overlapping panels), every metric a
+query names exists in docs/metrics.md or in a collector's MetricSpecs, and every query is valid
+PromQL to promtool. Each checker is also fed a deliberately broken input, so that a check that
+silently accepts everything fails here."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,16 +19,15 @@ from typing import Any
 import pytest
 import yaml
 
-from gpunet_exporter.health.rules import CLASSES as RULE_CLASSES
+from gpunet_exporter.mixin import dashboards as gen
+from gpunet_exporter.mixin.alerts.common import CLASSES as RULE_CLASSES
 from gpunet_exporter.registry import discover
 
-from support.dashboards import load_generator
 from support.paths import REPO
 
 GRAFANA = REPO / "grafana"
 
 
-gen = load_generator()
 Json = dict[str, Any]
 DASHBOARDS: dict[str, Json] = gen.dashboards()
 
@@ -296,7 +294,7 @@ def variable_problems(dash: Json) -> list[str]:
     texts += [p.get("title", "") for p in _panels(dash)]
     texts += [v.get("query", "") for v in variables.values() if v.get("type") == "query"]
     for text in texts:
-        for m in gen._VARIABLE.finditer(text):
+        for m in gen.VARIABLE.finditer(text):
             name = next(g for g in m.groups() if g)
             if name not in variables and name not in BUILTIN_VARIABLES:
                 problems.append(f"${name} used in {text!r} is not a variable of the dashboard")
@@ -377,51 +375,18 @@ def test_committed_dashboards_are_fresh() -> None:
     assert set(DASHBOARDS) == set(EXPECTED_UIDS)
     for name, dash in DASHBOARDS.items():
         path = GRAFANA / name
-        assert path.exists(), f"{path} missing: run `python grafana/generate.py`"
+        assert path.exists(), f"{path} missing: run `python -m gpunet_exporter.mixin`"
         assert path.read_text(encoding="utf-8") == gen.render(dash), (
-            f"{path} is stale: run `python grafana/generate.py` and commit the result")
+            f"{path} is stale: run `python -m gpunet_exporter.mixin` and commit the result")
         assert json.loads(path.read_text(encoding="utf-8")) == dash
 
 
 def test_generation_is_deterministic() -> None:
-    again = load_generator().dashboards()
+    again = gen.dashboards()
     for name, dash in DASHBOARDS.items():
         text = gen.render(dash)
         assert text == gen.render(again[name])
         assert text.endswith("}\n")
-
-
-def _copy_committed(tmp_path: Path) -> None:
-    for name in EXPECTED_UIDS:
-        shutil.copy(GRAFANA / name, tmp_path / name)
-
-
-def test_check_flag_passes_on_fresh_files(tmp_path: Path) -> None:
-    _copy_committed(tmp_path)
-    res = subprocess.run([sys.executable, str(GRAFANA / "generate.py"), "--check",
-                          "--dir", str(tmp_path)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-
-
-def test_check_flag_names_the_stale_file(tmp_path: Path) -> None:
-    _copy_committed(tmp_path)
-    stale = tmp_path / "gpunet-node.json"
-    stale.write_text(stale.read_text().replace('"gpunet / Node"', '"gpunet / Node (old)"'))
-    res = subprocess.run([sys.executable, str(GRAFANA / "generate.py"), "--check",
-                          "--dir", str(tmp_path)], capture_output=True, text=True)
-    assert res.returncode == 1
-    assert "gpunet-node.json" in res.stderr
-    assert "gpunet-fleet.json" not in res.stderr
-    (tmp_path / "gpunet-fleet.json").unlink()  # a missing file is stale too
-    res = subprocess.run([sys.executable, str(GRAFANA / "generate.py"), "--check",
-                          "--dir", str(tmp_path)], capture_output=True, text=True)
-    assert res.returncode == 1 and "gpunet-fleet.json" in res.stderr
-
-
-def test_generate_writes_the_files(tmp_path: Path) -> None:
-    assert gen.main(["--dir", str(tmp_path)]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(EXPECTED_UIDS)
-    assert gen.main(["--check", "--dir", str(tmp_path)]) == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,10 +434,8 @@ def test_fleet_health_matrix_uses_the_recording_rule() -> None:
     (expr,) = [t["expr"] for t in matrix[0]["targets"]]
     assert metric_names(expr) == {"instance_class:gpunet_alerts_firing:count"}
     organize = matrix[0]["transformations"][-1]["options"]["indexByName"]
-    assert [c for c in organize if c in gen.ALERT_CLASSES] == list(gen.ALERT_CLASSES)
-    # One column per class the rules label alerts with (generate.py imports nothing of the
-    # package, so it keeps its own copy).
-    assert gen.ALERT_CLASSES == RULE_CLASSES
+    # One column per class the rules label alerts with, in their order.
+    assert [c for c in organize if c in RULE_CLASSES] == list(RULE_CLASSES)
 
 
 def test_pair_matrix_is_node_by_peer() -> None:
@@ -719,17 +682,6 @@ def test_queries_are_valid_promql(tmp_path: Path) -> None:
 def test_promtool_check_catches_bad_promql(tmp_path: Path) -> None:
     res = _promtool_check(['sum(rate(a{instance=~".+"}[1m])', "a and on (x b"], tmp_path)
     assert res.returncode != 0
-
-
-# ---------------------------------------------------------------------------------------------
-# The generator itself: stdlib only (ruff and mypy --strict check it in tests/run.sh).
-
-
-def test_generator_uses_only_the_standard_library() -> None:
-    source = (GRAFANA / "generate.py").read_text()
-    imported = set(re.findall(r"^(?:from|import) ([a-zA-Z_]\w*)", source, re.M))
-    assert imported <= set(sys.stdlib_module_names) | {"__future__"}, imported
-
 
 
 def test_probe_state_panel_knows_every_state() -> None:

@@ -27,8 +27,9 @@ import pytest
 import requests
 import yaml
 
+from gpunet_exporter.mixin import dashboards as gen
+
 from support import ibsim
-from support.dashboards import load_generator
 from support.exporter import Exporter
 from support.prometheus import query, start_prometheus, stop
 from support.wait import wait_for
@@ -46,7 +47,6 @@ NODE = "fabric-host"
 VARIABLES = {"instance": NODE, "job": JOB, "leaf": "L2", "__rate_interval": "30s",
              "__interval": "1s", "__range": "5m", "datasource": "prometheus"}
 
-gen = load_generator()
 DASH = gen.dashboards()["gpunet-fabric.json"]
 PANELS = {p["title"]: p for p in gen.iter_panels(DASH)}
 

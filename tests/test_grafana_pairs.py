@@ -28,9 +28,9 @@ import pytest
 import requests
 import yaml
 
+from gpunet_exporter.mixin import dashboards as gen
 from gpunet_exporter.probe import pairs
 
-from support.dashboards import load_generator
 from support.exporter import Exporter, free_port
 from support.paths import REPO
 from support.prometheus import query, start, start_prometheus, stop
@@ -211,7 +211,6 @@ def test_every_pairs_panel_query_returns_data(stack: Stack) -> None:
     """Every query of the pair dashboard, variables substituted as Grafana does for all nodes
     of the job, returns at least one series on this fleet."""
     firing(stack)  # the rules have evaluated: recorded series and ALERTS exist
-    gen = load_generator()
     variables = {"instance": ".+", "job": JOB, "__rate_interval": "30s", "__interval": "1s",
                  "__range": "5m", "datasource": "prometheus"}
     queries = [(title, gen.substitute(expr, variables))
@@ -227,7 +226,6 @@ def test_pair_matrix_and_suspects_name_the_faults(stack: Stack) -> None:
     (20 GB/s) or -1 for the failed pair; the suspect node; the slow links with their share;
     the slow leaf with its cross/intra ratio."""
     firing(stack)
-    gen = load_generator()
     dash = gen.dashboards()["gpunet-pairs.json"]
     panels = {p["title"]: p for p in gen.iter_panels(dash)}
 

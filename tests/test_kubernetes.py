@@ -29,7 +29,7 @@ import yaml
 
 from gpunet_exporter.collectors.probe import ProbeSettings
 from gpunet_exporter.flags import Parser
-from gpunet_exporter.health import thresholds
+from gpunet_exporter.mixin import thresholds
 from gpunet_exporter.probe import fleet
 
 from support.kube import kustomize
@@ -346,7 +346,7 @@ def test_a_run_ends_before_the_next_and_stale_is_three_periods() -> None:
     assert int(conf["join_timeout"]) < job["activeDeadlineSeconds"] < period
     assert int(conf["read_timeout"]) <= int(conf["join_timeout"])
     # GpunetFleetProbeStale fires after three missed periods.
-    assert thresholds.defaults()["fleet"]["stale_seconds"] == 3 * period
+    assert thresholds.defaults().fleet.stale_seconds == 3 * period
 
 
 def test_the_repair_job_is_the_hourly_pod_on_named_nodes() -> None:

@@ -16,7 +16,6 @@ loader, and the security invariants of docs/kubernetes.md. No cluster ran these 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import shutil
@@ -25,7 +24,6 @@ import sys
 from collections.abc import Iterator, Mapping
 from functools import cache
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import kubernetes_validate
@@ -36,7 +34,7 @@ from cloudcoil.models.prometheus_operator import v1 as monitoring
 
 from gpunet_exporter.collectors.probe import ProbeSettings
 from gpunet_exporter.config import load_file, settings_items
-from gpunet_exporter.health import thresholds
+from gpunet_exporter.mixin import thresholds
 from gpunet_exporter.options import build_parser, config_type, resolve
 from gpunet_exporter.registry import discover
 
@@ -59,15 +57,6 @@ MONITORING = "monitoring.coreos.com/v1"
 # refuses annotations over 256 KiB in all.
 ANNOTATION_LIMIT = 262_144
 PROBE_STATE = "/var/lib/gpunet-exporter/probe"
-
-
-def load_generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpunet_kubernetes_generate",
-                                                  KUBE / "generate_manifests.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def components() -> list[str]:
@@ -195,22 +184,10 @@ def validate(doc: dict[str, Any]) -> None:
 # -- generated files -------------------------------------------------------------------------
 
 def test_generated_files_are_fresh() -> None:
-    out = subprocess.run([sys.executable, str(KUBE / "generate_manifests.py"), "--check"],
-                         capture_output=True, text=True, timeout=60)
+    """The one generator (tests/test_mixin.py tests its --check) finds kubernetes/ fresh."""
+    out = subprocess.run([sys.executable, "-m", "gpunet_exporter.mixin", "--check", "--root",
+                          str(REPO)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-
-
-def test_the_check_sees_a_stale_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    gen = load_generator()
-    copied = tmp_path / "exporter"
-    shutil.copytree(EXPORTER, copied)
-    monkeypatch.setattr(gen, "EXPORTER", copied)
-    monkeypatch.setattr(gen, "COMPONENTS", copied / "components")
-    assert gen.main(["--check"]) == 0
-    rule = copied / "components" / "prometheusrule" / "prometheusrule.yaml"
-    rule.write_text(rule.read_text().replace("for: 5m", "for: 6m", 1))
-    assert gen.main(["--check"]) == 1
-    assert gen.main([]) == 0 and gen.main(["--check"]) == 0
 
 
 def test_the_namespace_is_the_fleet_probes() -> None:
@@ -431,7 +408,7 @@ def test_the_servicemonitor_scrapes_the_service(render: Any) -> None:
     assert parse_args(docs).scrape_timeout < scrape_timeout < seconds(endpoint["interval"])
     # the targets' job is the one the rules are generated for: up{job="gpunet"}
     job = svc["metadata"]["labels"][sm["spec"]["jobLabel"]]
-    assert job == thresholds.defaults()["job"]
+    assert job == thresholds.defaults().job
     assert f'up{{job="{job}"}}' in RULES.read_text()
 
 

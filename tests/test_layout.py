@@ -25,6 +25,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("web", ("web",)),
     ("options", ("options",)),
     ("daemon", ("daemon",)),
+    ("mixin", ("mixin",)),
     ("health", ("health",)),
     ("cli", ("cli", "__main__")),
 )

@@ -32,7 +32,7 @@ from gpunet_exporter.config import (
     settings_items,
     with_setting,
 )
-from gpunet_exporter.health import configdoc
+from gpunet_exporter.mixin import configdoc
 from gpunet_exporter.options import build_parser, config_type, resolve, start_collectors
 from gpunet_exporter.registry import discover
 

@@ -682,7 +682,7 @@ def load_file(path: str, schema: type[S] | Field, what: str = "config file"
     """Read a YAML file (an empty one is an empty mapping) and check it against ``schema``, a
     Settings class (its instance is returned). Raises ConfigError with ``what`` and the file
     name in the text. (A ``Field`` schema, returning the validated mapping, is kept for
-    health/thresholds.py until it declares Settings too.)"""
+    the thresholds (mixin/thresholds.py), whose ``for`` map of alert names is built at run time.)"""
     try:
         raw = read_yaml(path)
         if isinstance(schema, Field):

@@ -11,7 +11,7 @@ from typing import Any
 import requests
 import yaml
 
-from gpunet_exporter.health import rules, thresholds
+from gpunet_exporter.mixin import rules, thresholds
 
 from support.exporter import free_port
 

@@ -3,9 +3,9 @@ Slurm prolog or a node health check.
 
 It runs the collectors the exporter would run (same flags, same config file), reads them twice
 ``--interval`` seconds apart so counters give rates, waits for the probe's first round when the
-probe collector is on, and applies the alert thresholds of exporter.thresholds (the same values
-the generated Prometheus rules use; ``--thresholds FILE`` overrides them the same way). Findings
-are grouped by root cause, each naming the device and a command that confirms it.
+probe collector is on, and applies the alert thresholds of gpunet_exporter.mixin.thresholds (the
+same values the generated Prometheus rules use; ``--thresholds FILE`` overrides them the same
+way). Findings are grouped by root cause, each naming the device and a command that confirms it.
 
 Exit codes: 0 healthy (or only info findings), 1 findings, 2 could not check (a collector failed,
 nothing to check, or bad input). ``--json`` prints one JSON document instead of the report.
@@ -35,9 +35,9 @@ from gpunet_exporter.collector import Collector, Scrape
 from gpunet_exporter.collectors.nccl import NcclCollector
 from gpunet_exporter.collectors.probe import ProbeCollector, ProbeSettings
 from gpunet_exporter.config import ConfigError, read_regular
-from gpunet_exporter.health import rules
-from gpunet_exporter.health.thresholds import load
 from gpunet_exporter.logs import setup
+from gpunet_exporter.mixin.alerts import ALERT_NAMES, ALERTS
+from gpunet_exporter.mixin.thresholds import Thresholds, load
 from gpunet_exporter.nccl.env import NCCL_FAULT_CLASSES, NCCL_SETTING_NOTES
 from gpunet_exporter.options import build_parser, server_only_flags, start_collectors
 from gpunet_exporter.probe import idle, results
@@ -47,7 +47,6 @@ from gpunet_exporter.statefile import write_json
 
 PROG = "gpunet-exporter doctor"
 DEFAULT_STATE = "/var/lib/gpunet-exporter/doctor.json"
-T = dict[str, Any]
 Labels = dict[str, str]
 
 # Root causes, in the order the report lists them, in the operator's words.
@@ -70,7 +69,7 @@ CAUSES = {
 # Findings that say something could not be checked rather than that something is wrong: alone,
 # they make the exit code 2 (could not check), not 1, and each also gives a `problems` entry.
 COULD_NOT_CHECK = frozenset({"GpunetPfcConfigUnreadable"})
-SEVERITY = {a.name: a.severity for a in rules.ALERTS}
+SEVERITY = {a.name: a.severity for a in ALERTS}
 # Causes that say something of a job rather than of this node: listed, never the exit code. RAS
 # reports the whole job from every node, so a rank killed on one node (out of memory, a user's
 # bug) would otherwise fail the health check of every node of the job and drain them all.
@@ -121,7 +120,7 @@ class Snapshot:
 class Check:
     """The two snapshots and the thresholds the checks read."""
 
-    def __init__(self, a: Snapshot, b: Snapshot, t: T) -> None:
+    def __init__(self, a: Snapshot, b: Snapshot, t: Thresholds) -> None:
         self.a, self.b, self.t = a, b, t
         self.dt = max(b.time - a.time, 1e-3)
         self.findings: list[Finding] = []
@@ -166,7 +165,7 @@ def _port(lbl: Labels) -> str:
 
 
 def check_links(c: Check) -> None:
-    b, t = c.b, c.t["infiniband"]
+    b, t = c.b, c.t.infiniband
     phys = {(lbl["device"], lbl["port"]): v for lbl, v in b.all(
         "gpunet_infiniband_port_phys_state_id")}
     for lbl, state in b.all("gpunet_infiniband_port_state_id"):
@@ -192,14 +191,14 @@ def check_links(c: Check) -> None:
             c.add("link", "GpunetInterfaceFlapping", lbl["interface"],
                   "carrier changed during the check", f"ip -s link show {lbl['interface']}")
     for metric, alert, limit, per, what in (
-            ("symbol_errors", "GpunetPortSymbolErrors", t["symbol_errors_per_hour"], 3600,
+            ("symbol_errors", "GpunetPortSymbolErrors", t.symbol_errors_per_hour, 3600,
              "symbol errors per hour"),
             ("link_error_recoveries", "GpunetPortLinkErrorRecoveries",
-             t["link_error_recoveries_per_minute"], 60, "link retrains per minute"),
-            ("receive_errors", "GpunetPortReceiveErrors", t["receive_errors_per_second"], 1,
+             t.link_error_recoveries_per_minute, 60, "link retrains per minute"),
+            ("receive_errors", "GpunetPortReceiveErrors", t.receive_errors_per_second, 1,
              "receive errors per second"),
             ("transmit_discards", "GpunetPortTransmitDiscards",
-             t["transmit_discards_per_second"], 1, "transmit discards per second")):
+             t.transmit_discards_per_second, 1, "transmit discards per second")):
         for lbl, r in c.rate(f"gpunet_infiniband_port_{metric}_total"):
             if r * per > limit:
                 c.add("link", alert, _port(lbl), f"{r * per:.4g} {what} (limit {limit:g})",
@@ -240,7 +239,7 @@ PHY_ERRORS = (
 def check_phy(c: Check) -> None:
     """GpunetInterfacePhyErrors: any of the PHY error counters of a RoCE interface rising
     faster than link.phy_errors_per_hour (one finding per interface, as the alert's ``or``)."""
-    limit, roce = c.t["link"]["phy_errors_per_hour"], c.roce_interfaces()
+    limit, roce = c.t.link.phy_errors_per_hour, c.roce_interfaces()
     seen: set[str] = set()
     for metric, what, names in PHY_ERRORS:
         for lbl, r in c.rate(f"gpunet_pfc_{metric}_total"):
@@ -301,10 +300,10 @@ def check_flap_history(c: Check) -> None:
     when the counter rose by the alert's count since an earlier doctor run that lies within the
     alert's window (so the alert fires too); a note when it rose less, or since a run older than
     the window, and for a large count since boot, whose time the doctor cannot tell."""
-    b, t = c.b, c.t["infiniband"]
+    b, t = c.b, c.t.infiniband
     found = {(f.alert, f.where) for f in c.findings}
     for metric, alert, kind, count_key, window_key, what in FLAP_COUNTERS:
-        count, window = t[count_key], t[window_key]
+        count, window = getattr(t, count_key), getattr(t, window_key)
         past: dict[str, list[list[float]]] = c.history.get(kind, {})
         for lbl, v in b.all(metric):
             key, where = _flap_key(kind, lbl)
@@ -358,14 +357,14 @@ def _compact(obs: list[list[float]], horizon: float) -> list[list[float]]:
     return (old[-1:] + [o for o in out if o[0] >= horizon])[-HISTORY_KEEP:]
 
 
-def write_history(path: str, history: dict[str, Any], b: Snapshot, t: T) -> str | None:
+def write_history(path: str, history: dict[str, Any], b: Snapshot, t: Thresholds) -> str | None:
     """Add this run's counters to the history and write it atomically (a temporary file in the
     same directory, then rename); a note instead of an error when it cannot."""
     if not path:
         return None
     data: dict[str, Any] = {"version": 1, "time": b.time}
     for metric, _, kind, _, window_key, _ in FLAP_COUNTERS:
-        horizon = b.time - seconds(t["infiniband"][window_key])
+        horizon = b.time - seconds(getattr(t.infiniband, window_key))
         mine: dict[str, list[list[float]]] = {}
         for lbl, v in b.all(metric):
             key, _ = _flap_key(kind, lbl)
@@ -389,7 +388,7 @@ def write_history(path: str, history: dict[str, Any], b: Snapshot, t: T) -> str 
 
 def check_mtu(c: Check) -> None:
     b, roce = c.b, c.roce_interfaces()
-    least = c.t["link"]["roce_min_mtu_bytes"]
+    least = c.t.link.roce_min_mtu_bytes
     for lbl, mtu in b.all("gpunet_link_mtu_bytes"):
         name = lbl["interface"]
         if name in roce and mtu < least:
@@ -411,8 +410,8 @@ def check_mtu(c: Check) -> None:
 
 
 def check_pfc(c: Check) -> None:
-    b, t, roce = c.b, c.t["pfc"], c.roce_interfaces()
-    prio = str(t["roce_priority"])
+    b, t, roce = c.b, c.t.pfc, c.roce_interfaces()
+    prio = str(t.roce_priority)
     for lbl, v in b.all("gpunet_pfc_enabled", priority=prio):
         if v == 0 and lbl["interface"] in roce:
             c.add("pfc", "GpunetPfcDisabledOnRocePriority", lbl["interface"],
@@ -420,9 +419,9 @@ def check_pfc(c: Check) -> None:
                   f"mlnx_qos -i {lbl['interface']}  # or: dcb pfc show dev {lbl['interface']}")
     for lbl, _ in b.all("gpunet_pfc_config_info"):
         trust = lbl.get("trust", "")
-        if trust and trust != t["trust"]:
+        if trust and trust != t.trust:
             c.add("pfc", "GpunetPfcTrustNotExpected", lbl["interface"],
-                  f"trusts {trust}, expected {t['trust']}", f"mlnx_qos -i {lbl['interface']}")
+                  f"trusts {trust}, expected {t.trust}", f"mlnx_qos -i {lbl['interface']}")
     for lbl, r in c.rate("gpunet_pfc_pause_frames_total"):
         on = b.get("gpunet_pfc_enabled", interface=lbl["interface"], priority=lbl["priority"])
         if r > 0 and on == 0:
@@ -435,14 +434,14 @@ def check_pfc(c: Check) -> None:
                 c.add("pfc", "GpunetPauseStorm", lbl["interface"], "PFC pause storm detected",
                       f"ethtool -S {lbl['interface']} | grep pause_storm")
     for lbl, r in c.rate("gpunet_pfc_pause_duration_seconds_total"):
-        if r > t["pause_ratio"]:
+        if r > t.pause_ratio:
             c.add("pfc", "GpunetPauseDurationHigh", lbl["interface"],
                   f"paused {r:.0%} of the time ({lbl['direction']}) on priority "
                   f"{lbl['priority']}", f"ethtool -S {lbl['interface']} | grep pause_duration")
     for metric, alert, limit, what in (
             ("np_ecn_marked_roce_packets", "GpunetEcnMarksHigh",
-             t["ecn_marked_packets_per_second"], "ECN-marked packets received per second"),
-            ("rp_cnp_handled", "GpunetCnpsHigh", t["cnp_handled_per_second"],
+             t.ecn_marked_packets_per_second, "ECN-marked packets received per second"),
+            ("rp_cnp_handled", "GpunetCnpsHigh", t.cnp_handled_per_second,
              "CNPs handled per second")):
         for lbl, r in c.rate(f"gpunet_infiniband_port_hw_{metric}_total"):
             if r > limit:
@@ -473,10 +472,10 @@ def check_job_rdma_idle(c: Check) -> None:
     rates = [r for name in ("gpunet_infiniband_port_transmitted_bytes_total",
                             "gpunet_infiniband_port_received_bytes_total")
              for _, r in c.rate(name)]
-    idle = c.t["infiniband"]["rdma_idle_bytes_per_second"]
+    idle = c.t.infiniband.rdma_idle_bytes_per_second
     if not rates or sum(rates) >= idle:
         return
-    lo = c.t["gpu"]["busy_utilization_ratio"]
+    lo = c.t.gpu.busy_utilization_ratio
     starved = [gpu for gpu, util in c.working_gpus().items() if util < lo]
     if starved:
         c.add("nccl_tcp", "GpunetGpuJobRdmaIdle", "node",
@@ -534,15 +533,15 @@ RETRANSMISSIONS = (
 def check_retransmissions(c: Check) -> None:
     """GpunetRoceRetransmissions: one finding per port whose sequence errors or ACK timeouts
     rise faster than their thresholds (the alert's ``or`` of the four rates)."""
-    t = c.t["infiniband"]
+    t = c.t.infiniband
     seen: set[tuple[str, str]] = set()
     for metric, file, key, what in RETRANSMISSIONS:
         for lbl, r in c.rate(f"gpunet_infiniband_port_hw_{metric}_total"):
             port = (lbl.get("device", ""), lbl.get("port", ""))
-            if port not in seen and r > t[key]:
+            if port not in seen and r > getattr(t, key):
                 seen.add(port)
                 c.add("retransmit", "GpunetRoceRetransmissions", _port(lbl),
-                      f"{r:.4g} {what} per second (limit {t[key]:g})",
+                      f"{r:.4g} {what} per second (limit {getattr(t, key):g})",
                       f"cat /sys/class/infiniband/{lbl['device']}/ports/{lbl['port']}/"
                       f"hw_counters/{file}  # twice; rdma statistic show link "
                       f"{lbl['device']}/{lbl['port']}")
@@ -564,7 +563,7 @@ def check_placement(c: Check) -> None:
 
 
 def check_gpus(c: Check) -> None:
-    b, t = c.b, c.t["gpu"]
+    b, t = c.b, c.t.gpu
     for lbl, v in b.all("gpunet_gpu_pcie_link_degraded"):
         if v == 1:
             gen = b.get("gpunet_gpu_pcie_link_generation", **lbl)
@@ -575,7 +574,7 @@ def check_gpus(c: Check) -> None:
                   f"PCIe Gen{gen or 0:.0f} x{width or 0:.0f}, capable of Gen{gmax or 0:.0f} "
                   f"x{wmax or 0:.0f}", f"nvidia-smi -q -d PCIE -i {lbl['gpu']}")
     for lbl, r in c.rate("gpunet_gpu_pcie_replays_total"):
-        if r * 60 > t["pcie_replays_per_minute"]:
+        if r * 60 > t.pcie_replays_per_minute:
             c.add("gpu_pcie", "GpunetGpuPcieReplays", f"GPU {lbl['gpu']}",
                   f"{r * 60:.3g} PCIe replays per minute", f"nvidia-smi -q -d PCIE -i {lbl['gpu']}")
     for lbl, v in b.all("gpunet_gpu_lost"):
@@ -588,7 +587,7 @@ def check_gpus(c: Check) -> None:
               "nvidia-smi -L; lspci -d 10de:")
     if b.get("gpunet_gpu_nvml_up") == 0:
         c.add("gpu", "GpunetNvmlDown", "node", "NVML fails", "nvidia-smi")
-    critical = set(t["critical_xids"])
+    critical = set(t.critical_xids)
     for lbl, when in b.all("gpunet_gpu_xid_last_timestamp_seconds"):
         if b.time - when < 600:
             code = b.get("gpunet_gpu_xid_last_code", gpu=lbl["gpu"]) or 0
@@ -600,8 +599,8 @@ def check_gpus(c: Check) -> None:
 def check_gpu_utilization(c: Check) -> None:
     """GpunetGpuStarved and GpunetGpusNetworkBoundBand on the check's own readings: the mean of
     the two snapshots' utilization, where the alerts average 10 or 30 minutes."""
-    t = c.t["gpu"]
-    lo, hi = t["busy_utilization_ratio"], t["network_bound_utilization_ratio"]
+    t = c.t.gpu
+    lo, hi = t.busy_utilization_ratio, t.network_bound_utilization_ratio
     working = c.working_gpus()
     busy, in_band = len(working), 0
     for gpu, util in working.items():
@@ -612,28 +611,29 @@ def check_gpu_utilization(c: Check) -> None:
                   "10 minutes)", f"nvidia-smi dmon -s u -c 10 -i {gpu}")
         elif util < hi:
             in_band += 1
-    if busy and in_band / busy >= t["network_bound_gpu_share"]:
+    if busy and in_band / busy >= t.network_bound_gpu_share:
         c.add("gpu_wait", "GpunetGpusNetworkBoundBand", "node",
               f"{in_band} of {busy} GPUs running compute processes are {lo:.0%} to {hi:.0%} "
               "busy, the band of training that waits on its collectives (read over the "
-              f"check's {c.dt:.3g} s; the alert averages {t['network_bound_window']})",
+              f"check's {c.dt:.3g} s; the alert averages {t.network_bound_window})",
               "nvidia-smi dmon -s u -c 30  # and the job's other nodes")
 
 
 def check_collectives(c: Check) -> None:
-    b, p = c.b, c.t["probe"]
-    for lbl, v in b.all("gpunet_probe_allreduce_seconds", size=str(p["latency_size_bytes"]),
+    b, p = c.b, c.t.probe
+    for lbl, v in b.all("gpunet_probe_allreduce_seconds", size=str(p.latency_size_bytes),
                         stat="median"):
-        if v > p["latency_seconds"]:
+        if v > p.latency_seconds:
             c.add("collective", "GpunetAllreduceLatencyHigh", f"{lbl['scope']} probe",
                   f"{lbl['size']}-byte all-reduce takes {v * 1e3:.3g} ms "
-                  f"(limit {p['latency_seconds'] * 1e3:g} ms)",
+                  f"(limit {p.latency_seconds * 1e3:g} ms)",
                   "cat /var/lib/gpunet-exporter/probe/*.json")
-    expected = p["expected_bus_bandwidth_bytes_per_second"]
+    expected = p.expected_bus_bandwidth_bytes_per_second
     for lbl, v in b.all("gpunet_probe_allreduce_bus_bandwidth_bytes_per_second",
-                        size=str(p["bandwidth_size_bytes"])):
-        want = expected.get(lbl["scope"], 0)
-        if want > 0 and v < p["bus_bandwidth_ratio"] * want:
+                        size=str(p.bandwidth_size_bytes)):
+        want = (getattr(expected, lbl["scope"])
+                if lbl["scope"] in ("intra", "net", "inter") else 0)
+        if want > 0 and v < p.bus_bandwidth_ratio * want:
             c.add("collective", "GpunetBusBandwidthLow", f"{lbl['scope']} probe",
                   f"bus bandwidth {v / 1e9:.3g} GB/s, expected {want / 1e9:.3g} GB/s",
                   "cat /var/lib/gpunet-exporter/probe/*.json")
@@ -652,14 +652,14 @@ def check_collectives(c: Check) -> None:
         c.notes.append(Note("probe", "not run: a job's processes are on the GPUs (the probe "
                             "runs only on idle GPUs)"))
     for lbl, v in b.all("gpunet_probe_bus_bandwidth_link_ratio"):
-        if v < p["link_ratio"]:
+        if v < p.link_ratio:
             c.add("collective", "GpunetBusBandwidthBelowLinkRate", f"{lbl['scope']} probe",
                   f"the all-reduce reaches {v:.0%} of what its RDMA links allow "
-                  f"(limit {p['link_ratio']:.0%})",
+                  f"(limit {p.link_ratio:.0%})",
                   "cat /var/lib/gpunet-exporter/probe/net.json  # hcas, link_bytes_per_second")
     for lbl, _ in b.all("gpunet_probe_straggler_info"):
         v = b.get("gpunet_probe_straggler_wait_ratio", scope=lbl["scope"]) or 0.0
-        if v > p["straggler_wait_ratio"]:
+        if v > p.straggler_wait_ratio:
             c.add("collective", "GpunetStragglerRank", f"{lbl['scope']} probe",
                   f"rank {lbl['rank']} (GPU {lbl['gpu']}) arrives late: the other ranks spend "
                   f"{v:.0%} of their all-reduce time waiting for it",
@@ -878,7 +878,7 @@ def main(argv: Sequence[str]) -> int:
     if args.interval <= 0 or args.probe_wait < 0:
         parser.error("--interval must be positive and --probe-wait not negative")
     try:
-        t = load(args.thresholds, rules.ALERT_NAMES)
+        t = load(args.thresholds, ALERT_NAMES)
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
@@ -940,6 +940,6 @@ def main(argv: Sequence[str]) -> int:
             "checked": checked, "problems": problems, "notes": [asdict(n) for n in notes]},
             indent=1))
     else:
-        sys.stdout.write(report(findings, checked, problems, t["runbook_url"], notes))
+        sys.stdout.write(report(findings, checked, problems, t.runbook_url, notes))
     return code
 

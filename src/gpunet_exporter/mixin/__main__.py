@@ -1,0 +1,5 @@
+"""``python -m gpunet_exporter.mixin``: every generated file (mixin/generate.py)."""
+
+from gpunet_exporter.mixin.generate import entry
+
+entry()

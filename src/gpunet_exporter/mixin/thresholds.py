@@ -1,0 +1,303 @@
+"""The thresholds behind the alert rules and the dashboards: one typed declaration, shared by
+the rules (``gpunet-rules``), the dashboards and the node health check (the doctor).
+
+Every value has a default here, with the source that documented it in docs/runbooks.md. An
+operator changes thresholds in one YAML file that names only what differs, for example::
+
+    pfc: {roce_priority: 5}
+    probe: {expected_bus_bandwidth_bytes_per_second: {inter: 3.2e11}}
+    for: {GpunetPortRateBelowExpected: 15m}
+
+and regenerates rules and dashboards with ``python -m gpunet_exporter.mixin --thresholds FILE``
+(or only the rules with ``gpunet-rules --thresholds FILE``). Unknown keys, wrong types and bad
+durations are refused with one line naming the key.
+
+Each section is a frozen dataclass declared with :func:`gpunet_exporter.config.setting`, as a
+collector's settings are: its keys, kinds, bounds and defaults are the declaration. Every
+number is checked for meaning, not only for type: counts, rates and durations are not negative,
+ratios lie from 0 to 1, a priority from 0 to 7; a value outside would silently turn an alert
+off or leave it always on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from gpunet_exporter.config import (
+    ConfigError,
+    Field,
+    Settings,
+    load_file,
+    parse_settings,
+    setting,
+    settings_fields,
+    short,
+    validate,
+)
+
+# Prometheus duration syntax, as `for:` and range selectors take it (one or more unit groups).
+_DURATION = re.compile(r"^(?:\d+(?:ms|s|m|h|d|w|y))+$")
+
+CRITICAL_XIDS = (48, 56, 57, 58, 62, 63, 64, 65, 68, 69, 73, 74, 79, 80, 81, 92, 119, 120)
+
+
+def _help(cls: type[Settings]) -> str:
+    """A section's help: its class docstring on one line."""
+    return " ".join((cls.__doc__ or "").split())
+
+
+@dataclass(frozen=True)
+class Infiniband(Settings):
+    """port state, rate and error counters"""
+
+    symbol_errors_per_hour: float = setting(
+        "symbol errors per hour above which a link is out of its BER budget", 120, minimum=0)
+    link_downed_count: int = setting(
+        "link-downed events within link_downed_window from which a port is flapping", 2,
+        minimum=1)
+    link_downed_window: str = setting("window of link_downed_count", "24h")
+    carrier_changes_count: int = setting(
+        "netdev carrier changes within carrier_changes_window from which an interface is "
+        "flapping (one flap is two changes: down, then up)", 4, minimum=1)
+    carrier_changes_window: str = setting("window of carrier_changes_count", "6h")
+    link_error_recoveries_per_minute: float = setting("link retrains per minute", 5, minimum=0)
+    receive_errors_per_second: float = setting("received packets with errors, per second", 10,
+                                               minimum=0)
+    transmit_discards_per_second: float = setting("packets discarded on transmit, per second",
+                                                  100, minimum=0)
+    sequence_errors_per_second: float = setting(
+        "RoCE/IB transport sequence errors per second (out_of_sequence, packet_seq_err, "
+        "implied_nak_seq_err hw_counters), each a lost packet and a retransmission", 10,
+        minimum=0)
+    ack_timeouts_per_second: float = setting(
+        "QP ACK timer expiries per second (local_ack_timeout_err hw_counter)", 1, minimum=0)
+    rdma_idle_bytes_per_second: float = setting(
+        "bytes per second, sent and received over all of a node's RDMA ports together, "
+        "below which the ports are idle (GpunetGpuJobRdmaIdle)", 1e6, minimum=0)
+
+
+@dataclass(frozen=True)
+class Link(Settings):
+    """MTU of the RoCE netdevs"""
+
+    roce_min_mtu_bytes: int = setting(
+        "smallest netdev MTU that carries a 4096-byte RDMA MTU with RoCE headers", 4200,
+        minimum=68)
+    phy_errors_per_hour: float = setting(
+        "symbol, CRC or FEC-uncorrected errors per hour (ethtool -S) above which a RoCE "
+        "interface is out of its bit-error budget", 120, minimum=0)
+
+
+@dataclass(frozen=True)
+class Pfc(Settings):
+    """PFC, pause and ECN on RoCE interfaces"""
+
+    roce_priority: int = setting("the 802.1p priority RoCE traffic uses (lossless)", 3,
+                                 minimum=0, maximum=7)
+    trust: str = setting("the expected priority trust mode", "dscp", choices=("dscp", "pcp"))
+    pause_ratio: float = setting(
+        "fraction of time an interface may be paused (or pausing its peer) on one "
+        "priority before it alerts", 0.1, minimum=0, maximum=1)
+    ecn_marked_packets_per_second: float = setting(
+        "ECN-marked RoCE packets received per second (notification point) above which "
+        "congestion alerts", 100000, minimum=0)
+    cnp_handled_per_second: float = setting(
+        "CNPs acted on per second (reaction point) above which congestion alerts", 100000,
+        minimum=0)
+
+
+@dataclass(frozen=True)
+class Gpu(Settings):
+    """NVML"""
+
+    pcie_replays_per_minute: float = setting("PCIe replays per minute", 8, minimum=0)
+    busy_utilization_ratio: float = setting(
+        "utilization under which a GPU with compute processes counts as starved", 0.5,
+        minimum=0, maximum=1)
+    network_bound_utilization_ratio: float = setting(
+        "upper end of the network-bound band: a GPU with compute processes whose "
+        "utilization, averaged over network_bound_window, lies from busy_utilization_ratio "
+        "up to (not including) this value is in the band", 0.8, minimum=0, maximum=1)
+    network_bound_gpu_share: float = setting(
+        "share of a node's GPUs with compute processes that must be in the band for the "
+        "node to alert", 0.75, minimum=0, maximum=1)
+    network_bound_window: str = setting("window of the utilization average of the band", "30m")
+    critical_xids: tuple[int, ...] = setting(
+        "XID codes that page (the GPU needs a reset or the node a drain)", CRITICAL_XIDS,
+        minimum=1)
+
+
+@dataclass(frozen=True)
+class ExpectedBusBandwidth(Settings):
+    """expected bus bandwidth per scope; 0 (the default) compares with the fleet's median of
+    the same scope and size instead"""
+
+    intra: float = setting("intra-node", 0, minimum=0)
+    net: float = setting("through the node's NICs", 0, minimum=0)
+    inter: float = setting("across nodes", 0, minimum=0)
+
+
+@dataclass(frozen=True)
+class Probe(Settings):
+    """all-reduce probes"""
+
+    latency_size_bytes: int = setting("message size whose median time is checked", 8192,
+                                      minimum=4, multiple_of=4)
+    latency_seconds: float = setting("median all-reduce time above which latency alerts",
+                                     0.002, minimum=1e-6)
+    bandwidth_size_bytes: int = setting("message size whose bus bandwidth is checked", 64 << 20,
+                                        minimum=4, multiple_of=4)
+    bus_bandwidth_ratio: float = setting(
+        "fraction of the expected bus bandwidth under which bandwidth alerts", 0.8, minimum=0,
+        maximum=1)
+    link_ratio: float = setting(
+        "fraction of the link rate under which the bus bandwidth through the NICs alerts", 0.8,
+        minimum=0, maximum=1)
+    expected_bus_bandwidth_bytes_per_second: ExpectedBusBandwidth = setting(
+        _help(ExpectedBusBandwidth), ExpectedBusBandwidth())
+    straggler_wait_ratio: float = setting(
+        "share of their collective time the other ranks may spend waiting for the late "
+        "rank (0.5: they take twice as long as the collective itself)", 0.5, minimum=0,
+        maximum=1)
+    variation_ratio: float = setting(
+        "coefficient of variation of the per-round median time over the window", 0.1,
+        minimum=0, maximum=1)
+    variation_window: str = setting("window of the round-to-round variation", "30m")
+    stale_seconds: float = setting("age of the last successful round that counts as stale",
+                                   900, minimum=1)
+
+
+@dataclass(frozen=True)
+class Fleet(Settings):
+    """pair plan across the fleet: which node, which link, which leaf"""
+
+    link_slow_ratio: float = setting(
+        "fraction of the fleet's median node bandwidth under which a pair counts as slow "
+        "(a failed pair always counts as unhealthy)", 0.5, minimum=0, maximum=1)
+    suspect_min_pairs: int = setting(
+        "pairs a node must have in the last round before all of them failing or slow makes "
+        "it the suspect", 2, minimum=2)
+    outlier_mad_factor: float = setting(
+        "robust sigmas (1.4826 x MAD of the node medians) below the fleet median from which "
+        "a node's median pair bandwidth is an outlier", 3, minimum=0)
+    outlier_ratio: float = setting(
+        "fraction of the fleet median under which a node's median pair bandwidth must also "
+        "lie to be an outlier (guards a fleet whose MAD is near 0)", 0.7, minimum=0, maximum=1)
+    outlier_min_nodes: int = setting(
+        "nodes reporting a median pair bandwidth needed before outliers are judged", 4,
+        minimum=3)
+    cross_leaf_ratio: float = setting(
+        "median bandwidth of a leaf's cross-leaf pairs, as a fraction of its intra-leaf "
+        "pairs, under which the spine side alerts", 0.6, minimum=0, maximum=1)
+    stale_seconds: float = setting(
+        "age of a node's last pair round that counts as stale (3 rounds at the documented "
+        "1 h pair-plan period)", 10800, minimum=1)
+
+
+@dataclass(frozen=True)
+class Fabric(Settings):
+    """switch ports, uplinks and routing of the InfiniBand fabric (the fabric collector); a
+    switch port's error counters are judged by the infiniband section's budgets, as the host
+    end of the same cable"""
+
+    uplink_imbalance_ratio: float = setting(
+        "how much more traffic a leaf's busiest uplink may carry than the mean of its "
+        "uplinks (busiest / mean - 1) before the leaf's uplink traffic counts as unbalanced",
+        0.2, minimum=0)
+    stale_seconds: float = setting(
+        "age of the last successful fabric sweep that counts as stale (15 sweeps at the "
+        "default 60 s fabric.interval_seconds)", 900, minimum=1)
+
+
+@dataclass(frozen=True)
+class Sections(Settings):
+    """The keys of a thresholds file but ``for``: one section per group of alerts."""
+
+    job: str = setting("the scrape job of the exporters (`up{job=...}`)", "gpunet")
+    runbook_url: str = setting(
+        "base address of the runbooks; each alert links to its section",
+        "https://github.com/gpunet-exporter/gpunet-exporter/blob/main/docs/runbooks.md")
+    infiniband: Infiniband = setting(_help(Infiniband), Infiniband())
+    link: Link = setting(_help(Link), Link())
+    pfc: Pfc = setting(_help(Pfc), Pfc())
+    gpu: Gpu = setting(_help(Gpu), Gpu())
+    probe: Probe = setting(_help(Probe), Probe())
+    fleet: Fleet = setting(_help(Fleet), Fleet())
+    fabric: Fabric = setting(_help(Fabric), Fabric())
+
+
+@dataclass(frozen=True)
+class Thresholds(Sections):
+    """The thresholds in force: the sections, and the ``for:`` durations a file replaces
+    (alert name -> duration)."""
+
+    durations: Mapping[str, str] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({}))
+
+    def for_(self, alert: str, default: str) -> str:
+        """The ``for:`` duration of ``alert``: the file's, else the alert's own."""
+        return self.durations.get(alert, default)
+
+
+def schema(alert_names: tuple[str, ...] = ()) -> Field:
+    """The thresholds schema; ``alert_names`` are the keys allowed under ``for``."""
+    fields = settings_fields(Sections)
+    fields["for"] = Field("map", "`for:` duration per alert name, replacing the built-in one",
+                          default={}, fields={n: Field("str") for n in alert_names})
+    return Field("map", fields=fields)
+
+
+def _check_durations(value: Any, key: str) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_durations(v, f"{key}.{k}" if key else k)
+    elif (key.startswith("for.") or key.endswith("_window")) and not _DURATION.match(value):
+        raise ConfigError(f"key {key!r}: expected a Prometheus duration such as 5m or "
+                          f"1h30m, got {short(value)}")
+    elif key.endswith("_window") and not any(c in "123456789" for c in value):
+        # `for: 0s` fires at once; a range of 0s is refused by Prometheus' rule loader.
+        raise ConfigError(f"key {key!r}: expected a window longer than 0, got "
+                          f"{short(value)}")
+
+
+def load(path: str | None, alert_names: tuple[str, ...] = ()) -> Thresholds:
+    """The defaults, overridden by the YAML file at ``path`` (when given); ConfigError names the
+    file and the key that is wrong."""
+    spec = schema(alert_names)
+    where = "defaults" if path is None else f"thresholds file {path!r}"
+    result = validate({}, spec, "") if path is None else load_file(path, spec, "thresholds file")
+    try:
+        _check_durations(result, "")
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    durations = result.pop("for")
+    sections = parse_settings(Sections, result, "")
+    return Thresholds(**{f.name: getattr(sections, f.name)
+                         for f in dataclasses.fields(Sections)},
+                      durations=MappingProxyType(dict(durations)))
+
+
+def defaults(alert_names: tuple[str, ...] = ()) -> Thresholds:
+    return load(None, alert_names)
+
+
+def as_dict(t: Sections) -> dict[str, Any]:
+    """The thresholds as the file's mapping (lists as lists), ``for`` left out."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(Sections):
+        value = getattr(t, f.name)
+        out[f.name] = _lists(dataclasses.asdict(value) if isinstance(value, Settings) else value)
+    return out
+
+
+def _lists(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _lists(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_lists(v) for v in value]
+    return value
