@@ -9,27 +9,23 @@ import os
 import socket
 import tempfile
 import tracemalloc
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import pytest
 
-from gpunet_exporter import config
+from gpunet_exporter import files
 from gpunet_exporter.config import (
-    MAX_DEPTH,
-    MAX_FILE_BYTES,
-    MAX_VALUES,
-    ConfigError,
-    Field,
-    key_text,
+    Settings,
     load_file,
-    read_regular,
-    read_yaml,
+    parse_settings,
+    setting,
     settings_items,
-    short,
-    validate,
 )
+from gpunet_exporter.errors import ConfigError, key_text, short
+from gpunet_exporter.files import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES, read_regular, read_yaml
 from gpunet_exporter.mixin import thresholds
 from gpunet_exporter.mixin.alerts import ALERT_NAMES
 from gpunet_exporter.options import config_type
@@ -147,8 +143,8 @@ def test_a_file_that_grows_is_read_only_up_to_the_limit(tmp_path: Path) -> None:
         read.append(len(data))
         return data
 
-    with (mock.patch.object(config.os, "stat", return_value=small),
-          mock.patch.object(config.os, "read", counting_read),
+    with (mock.patch.object(files.os, "stat", return_value=small),
+          mock.patch.object(files.os, "read", counting_read),
           pytest.raises(ConfigError, match=r"^too large: more than 1 MiB, the limit$")):
         read_regular(path)
     assert sum(read) == MAX_FILE_BYTES + 1
@@ -176,7 +172,7 @@ def test_a_file_replaced_by_a_fifo_after_the_check_is_refused(tmp_path: Path) ->
     blocking)."""
     os.mkfifo(tmp_path / "fifo")
     regular = os.stat(write(tmp_path, "a: 1\n"))
-    with (mock.patch.object(config.os, "stat", return_value=regular),
+    with (mock.patch.object(files.os, "stat", return_value=regular),
           pytest.raises(ConfigError, match=r"^a FIFO, not a regular file$")):
         read_yaml(str(tmp_path / "fifo"))
 
@@ -241,11 +237,21 @@ def test_yaml_errors_are_cut_short(tmp_path: Path) -> None:
     assert message.endswith("...")
 
 
+@dataclass(frozen=True)
+class Row(Settings):
+    v: tuple[str, ...] = setting(default=())
+
+
+@dataclass(frozen=True)
+class Rows(Settings):
+    x: tuple[Row, ...] = setting(default=())
+
+
 def test_validate_never_walks_more_than_the_file_allows(tmp_path: Path) -> None:
     """What read_yaml returns has at most MAX_VALUES values even counted through every alias, so
-    validate's walk is bounded; the schema's own defaults are not counted against it."""
-    spec = Field("map", fields={"x": Field("list", item=Field("list", item=Field("str")))})
-    text = f"a: &a [{', '.join(['v'] * 99)}]\nx: [{', '.join(['*a'] * 900)}]\n"
+    validation's walk is bounded; the schema's own defaults are not counted against it."""
+    text = f"a: &a {{v: [{', '.join(['v'] * 99)}]}}\nx: [{', '.join(['*a'] * 900)}]\n"
     raw = read_yaml(write(tmp_path, text))
     del raw["a"]
-    assert len(validate(raw, spec, "")["x"]) == 900
+    rows = parse_settings(Rows, raw, "").x
+    assert len(rows) == 900 and all(len(row.v) == 99 for row in rows)

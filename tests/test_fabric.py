@@ -324,7 +324,7 @@ def test_a_vanished_fabric_fails_the_sweep_and_keeps_the_last_values(
 
 
 def test_bad_environment_setting_is_one_clear_error(tmp_path: Path) -> None:
-    from gpunet_exporter.config import ConfigError
+    from gpunet_exporter.errors import ConfigError
     with pytest.raises((ValueError, ConfigError), match="NAME=value"):
         make_collector(FabricCollector, "/", {"environment": ["LD_PRELOAD"]})
 

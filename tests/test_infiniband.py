@@ -15,7 +15,7 @@ import pytest
 
 from gpunet_exporter.collector import Scrape, build_collector
 from gpunet_exporter.collectors.infiniband import COUNTER_SPECS, InfinibandCollector
-from gpunet_exporter.config import ConfigError
+from gpunet_exporter.errors import ConfigError
 from gpunet_exporter.sources.sysfs import Root
 
 from support import sysfs_tree as st

@@ -17,8 +17,8 @@ PACKAGE = "gpunet_exporter"
 # Lowest first. A module may import its own part and the parts below it, never one above.
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sources", ("sources",)),
-    ("core", ("__init__", "config", "flags", "logs", "statefile", "collector", "background",
-              "inventory", "registry")),
+    ("core", ("__init__", "errors", "files", "config", "flags", "logs", "statefile", "collector",
+              "background", "inventory", "registry")),
     ("nccl", ("nccl",)),
     ("probe", ("probe",)),
     ("collectors", ("collectors",)),
@@ -133,3 +133,39 @@ def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
     assert found == {f"{PACKAGE}.daemon.serve"}
     assert part(f"{PACKAGE}.sources.bad") == "sources"
     assert part(f"{PACKAGE}.daemon.serve") == "daemon"
+
+
+def schema_uses(source: str) -> list[str]:
+    """Where ``source`` builds a ``Field`` of gpunet_exporter.config or imports a private name of
+    it (``_validate``): a way to declare or check settings other than Settings and setting()."""
+    found = []
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == f"{PACKAGE}.config":
+            found += [f"{node.lineno}: imports {a.name}" for a in node.names
+                      if a.name.startswith("_")]
+        elif isinstance(node, ast.Call):
+            name = (node.func.id if isinstance(node.func, ast.Name) else
+                    node.func.attr if isinstance(node.func, ast.Attribute) else "")
+            if name in ("Field", "_validate"):
+                found.append(f"{node.lineno}: calls {name}")
+    return found
+
+
+def test_settings_are_declared_only_through_setting() -> None:
+    """Field (the schema settings_fields gives, to read) is built and checked only inside
+    config.py: every section, the thresholds' ``for`` map included, is a Settings class."""
+    uses = []
+    for folder in ("src", "tests", "bench", "examples"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if path != REPO / "src" / PACKAGE / "config.py":
+                uses += [f"{path.relative_to(REPO)}:{use}"
+                         for use in schema_uses(path.read_text(encoding="utf-8"))]
+    assert not uses, "\n".join(uses)
+
+
+def test_the_checker_sees_a_schema_built_by_hand() -> None:
+    bad = ("from gpunet_exporter.config import Field, _validate\n"
+           "_validate({}, Field('map'), '')\n")
+    assert schema_uses(bad) == ["1: imports _validate", "2: calls _validate", "2: calls Field"]
+    assert schema_uses("from dataclasses import field\nx = field(default=1)\n") == []

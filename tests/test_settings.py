@@ -22,7 +22,6 @@ from gpunet_exporter.collectors.link import IbvDevinfoSettings, LinkCollector, L
 from gpunet_exporter.collectors.pfc import SOURCES, PfcSettings
 from gpunet_exporter.collectors.probe import ProbeSettings
 from gpunet_exporter.config import (
-    ConfigError,
     Settings,
     load_file,
     make_settings,
@@ -32,6 +31,7 @@ from gpunet_exporter.config import (
     settings_items,
     with_setting,
 )
+from gpunet_exporter.errors import ConfigError
 from gpunet_exporter.mixin import configdoc
 from gpunet_exporter.options import build_parser, config_type, resolve, start_collectors
 from gpunet_exporter.registry import discover

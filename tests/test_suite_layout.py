@@ -88,7 +88,7 @@ def test_the_import_check_can_fail() -> None:
     for source, want in cases.items():
         assert imports_of_tests(source) == want, source
     for fine in ("from support.wait import wait_for\n", "from support import fake_nvml\n",
-                 "import pytest\nfrom gpunet_exporter.config import validate\n",
+                 "import pytest\nfrom gpunet_exporter.config import parse_settings\n",
                  "TEXT = 'import this test_x'\n"):
         assert imports_of_tests(fine) == [], fine
 

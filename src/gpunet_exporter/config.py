@@ -1,22 +1,17 @@
-"""The optional YAML configuration file: a small schema, validated once at start.
+"""Settings: every section of every file the commands read, declared once and validated once.
 
+Every section is declared once, as a frozen dataclass of :class:`Settings` whose fields are
+declared with :func:`setting` (a collector's section, the web config file, the thresholds, the
+config file's top level through :func:`make_settings`); the schema (:func:`settings_fields`) is
+derived from it, and :func:`parse_settings` (or :func:`load_file` for a whole YAML file, read
+through :func:`gpunet_exporter.files.read_yaml`) checks a section and returns an instance of it.
 An unknown key, a wrong type or a bad regular expression produces one ``ConfigError`` that names
 the file, the key (dotted, with list indexes) and what was expected.
 
-Every section is declared once, as a frozen dataclass of :class:`Settings` whose fields are
-declared with :func:`setting` (a collector's section, the web config file, the config file's top
-level through :func:`make_settings`); the schema (:func:`settings_fields`) is derived from it,
-and :func:`parse_settings` (or :func:`load_file` for a whole file) checks a section and returns
-an instance of it. ``Field`` and :func:`validate` are how that is done, not a way to declare.
-
-Every YAML file the commands read (``--config.file``, ``--web.config.file``, thresholds files) goes
-through :func:`read_yaml`, which bounds what a file can cost before any value is checked: a
-regular file (a FIFO, a device, a directory or a socket is refused without being opened for a
-blocking read), at most ``MAX_FILE_BYTES`` (never more is read), nested at most ``MAX_DEPTH``
-deep, and at most ``MAX_VALUES`` values once YAML aliases are expanded, so that a few hundred
-bytes of anchors and aliases (a "billion laughs") cannot make ``validate`` or an error message walk
-billions of values. Error messages show values through :func:`short`, which builds at most a
-short excerpt, whatever the value's size.
+``Field`` is the schema of one key as :func:`settings_fields` gives it, to read (the docs' key
+table, ``--help``'s defaults); it is built only here, from a declaration, and checked only here
+(``_validate``): it is no way to declare. This module is the stable import path of ``Settings``
+and ``setting`` for third-party collectors (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -24,27 +19,22 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import keyword
-import math
-import os
 import re
-import stat
 import types
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, cast
 
-import yaml
+from gpunet_exporter.errors import ConfigError, bounds_text, key_text, short, text_problem
+from gpunet_exporter.files import read_yaml
 
 Kind = Literal["str", "int", "number", "bool", "regex", "list", "map"]
 
-
-class ConfigError(Exception):
-    """A user error in the configuration; its text is the whole message to print."""
-
-
 @dataclass(frozen=True)
 class Field:
+    """The schema of one key, derived from its declaration (read-only outside this module)."""
+
     kind: Kind
     help: str = ""
     default: Any = None
@@ -72,75 +62,6 @@ _EXPECTED = {
 _EXPONENT = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 
-SHORT = 60  # characters of a value that an error message shows
-
-
-def _pieces(value: Any, room: int) -> Iterator[str]:
-    """repr(value) in pieces, lazily: a consumer that stops after ``room`` characters has made
-    only those, however large or aliased the value is (9**9 leaves behind 9 shared lists)."""
-    if isinstance(value, (list, tuple, set, frozenset, dict)):
-        if isinstance(value, (set, frozenset)) and not value:
-            yield f"{type(value).__name__}()"
-            return
-        opening, closing = ("[", "]") if isinstance(value, list) else (
-            ("(", ")") if isinstance(value, tuple) else ("{", "}"))
-        yield opening
-        items: Any = value.items() if isinstance(value, dict) else value
-        for i, item in enumerate(items):
-            if i:
-                yield ", "
-            if isinstance(value, dict):
-                yield from _pieces(item[0], room)
-                yield ": "
-                yield from _pieces(item[1], room)
-            else:
-                yield from _pieces(item, room)
-        if isinstance(value, tuple) and len(value) == 1:
-            yield ","
-        yield closing
-    elif isinstance(value, (str, bytes)):
-        yield repr(value[:room + 1])  # a longer one is cut anyway; its repr may not be made
-    elif isinstance(value, int) and not isinstance(value, bool):
-        yield _int_text(value)
-    else:  # None, bool, float, dates: short by nature
-        yield repr(value)
-
-
-def _int_text(value: int) -> str:
-    """repr() of an int, or its size where Python refuses to convert it (beyond 4,300 digits
-    unless configured otherwise; YAML's 0x form has no such limit)."""
-    try:
-        return repr(value)
-    except ValueError:
-        digits = int(value.bit_length() * math.log10(2)) + 1
-        return f"<{'negative ' if value < 0 else ''}integer of about {digits} digits>"
-
-
-def short(value: Any, limit: int = SHORT) -> str:
-    """repr(value), or its first ``limit - 3`` characters and "..."; bounded in time and memory
-    for any value."""
-    text = ""
-    for piece in _pieces(value, limit):
-        text += piece
-        if len(text) > limit:
-            return text[:limit - 3] + "..."
-    return text
-
-
-def key_text(key: Any) -> str:
-    """A mapping key as error messages name it: as str() gives it, cut to ``SHORT``
-    characters."""
-    if isinstance(key, str):
-        text = key
-    elif isinstance(key, int) and not isinstance(key, bool):
-        text = _int_text(key)
-    elif isinstance(key, (bytes, tuple, frozenset)):  # !!binary; no other key has a size
-        text = short(key)
-    else:  # None, bool, float, dates
-        text = str(key)
-    return text if len(text) <= SHORT else text[:SHORT - 3] + "..."
-
-
 def _describe(value: Any) -> str:
     return f"{short(value)} ({type(value).__name__})"
 
@@ -155,34 +76,8 @@ def _in_float_range(value: float) -> bool:
     return True
 
 
-def text_problem(text: str) -> str | None:
-    """Why a string cannot be a file name, program, interface, label or line of output: a NUL
-    (open() and exec refuse it, C cuts the string there) or an unpaired surrogate (YAML's
-    "\\ud800" escape: no UTF-8 encoding exists); None when it can."""
-    if "\0" in text:
-        return "a NUL character"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return "an unpaired surrogate (not a Unicode character)"
-    return None
 
-
-def number_text(value: float) -> str:
-    """A bound as people write it: 1048576, not %g's 1.04858e+06; 0.1."""
-    if float(value).is_integer() and abs(value) < 1e16:
-        return str(int(value))
-    return f"{value:g}"
-
-
-def bounds_text(low: float | None, high: float | None) -> str:
-    """``from LOW to HIGH``, ``>= LOW`` or ``<= HIGH``."""
-    if low is not None and high is not None:
-        return f"from {number_text(low)} to {number_text(high)}"
-    return f">= {number_text(low)}" if low is not None else f"<= {number_text(cast(float, high))}"
-
-
-def validate(value: Any, spec: Field, key: str) -> Any:
+def _validate(value: Any, spec: Field, key: str) -> Any:
     """Check ``value`` against ``spec`` and return it normalised (regexes compiled).
 
     ``key`` is the dotted location used in error messages.
@@ -245,7 +140,7 @@ def validate(value: Any, spec: Field, key: str) -> Any:
         if not isinstance(value, list):
             raise wrong()
         assert spec.item is not None
-        return [validate(v, spec.item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [_validate(v, spec.item, f"{key}[{i}]") for i, v in enumerate(value)]
     # map
     if not isinstance(value, dict):
         raise wrong()
@@ -258,18 +153,18 @@ def validate(value: Any, spec: Field, key: str) -> Any:
             problem = text_problem(k)
             if problem is not None:
                 raise ConfigError(f"key {sub!r}: a key cannot hold {problem}")
-            out[k] = validate(v, spec.values, sub)
+            out[k] = _validate(v, spec.values, sub)
             continue
         if not isinstance(k, str) or k not in spec.fields:
             known = ", ".join(sorted(spec.fields)) or "none"
             raise ConfigError(f"key {sub!r}: unknown key (known keys here: {known})")
-        out[k] = validate(v, spec.fields[k], sub)
+        out[k] = _validate(v, spec.fields[k], sub)
     for k, f in spec.fields.items():
         if k not in out:
             if f.required:
                 raise ConfigError(f"key {(key + '.' + k) if key else k!r}: missing, it is required")
             if f.default is not None:
-                out[k] = validate(f.default, f, f"{key}.{k}" if key else k)
+                out[k] = _validate(f.default, f, f"{key}.{k}" if key else k)
     return out
 
 
@@ -277,10 +172,10 @@ def validate(value: Any, spec: Field, key: str) -> Any:
 #
 # Every section of every file is declared once, as a frozen dataclass deriving from Settings
 # whose fields carry their schema (setting()): the Python type of each field gives its kind, and
-# the dataclass default is the default. The schema validate() checks, the defaults shown by
+# the dataclass default is the default. The schema _validate() checks, the defaults shown by
 # --help and docs/configuration.md are all derived from that declaration, and parse_settings()
-# turns a section into an instance, once, at start. Field and validate() are how that is done,
-# not a way to declare.
+# turns a section into an instance, once, at start. Field and _validate() are how that is done,
+# not a way to declare: nothing outside this module builds a Field or calls _validate().
 
 
 @dataclass(frozen=True)
@@ -370,7 +265,7 @@ class _Member:
     name: str  # the field's
     key: str  # the file's
     spec: Field
-    convert: Callable[[Any], Any]  # from what validate() returns to the field's type
+    convert: Callable[[Any], Any]  # from what _validate() returns to the field's type
 
 
 def _scalar(hint: Any, doc: _Doc, where: str) -> Field:
@@ -455,7 +350,7 @@ def _member(f: dataclasses.Field[Any], hint: Any, where: str) -> _Member:
     if default is not None and spec.kind == "regex":
         raise TypeError(f"setting {where}: a regular expression defaults to None")
     if default is not None:
-        validate(default, spec, where)  # a default the schema refuses is a bug of the code
+        _validate(default, spec, where)  # a default the schema refuses is a bug of the code
     return _Member(f.name, key, dataclasses.replace(spec, default=default, required=required),
                    _same)
 
@@ -500,7 +395,7 @@ def parse_settings(cls: type[S], section: Any, key: str) -> S:
         section = {}
     elif isinstance(section, Mapping) and not isinstance(section, dict):
         section = dict(section)
-    valid = validate(section, Field("map", fields=settings_fields(cls)), key)
+    valid = _validate(section, Field("map", fields=settings_fields(cls)), key)
     return _build(cls, _members(cls), valid)
 
 
@@ -508,187 +403,16 @@ def with_setting(settings: S, key: str, value: Any, where: str) -> S:
     """``settings`` with one key set to ``value`` (a flag's text), checked as the file's value
     would be; ConfigError naming ``where`` otherwise."""
     member = next(m for m in _members(type(settings)) if m.key == key)
-    valid = validate(value, member.spec, where)
+    valid = _validate(value, member.spec, where)
     return dataclasses.replace(settings, **{member.name: member.convert(valid)})
 
 
-MAX_FILE_BYTES = 1 << 20  # a config, web config or thresholds file: some KiB in practice
-MAX_DEPTH = 32  # nesting; the schemas go 5 deep
-MAX_VALUES = 100_000  # keys, scalars, lists and mappings, each alias counted as all it repeats
 
-_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                (stat.S_ISSOCK, "a socket"))
-
-
-def _mib(size: int) -> str:
-    return f"{size / (1 << 20):g} MiB"
-
-
-def _not_regular(mode: int) -> str:
-    what = next((name for test, name in _NOT_REGULAR if test(mode)), None)
-    return f"{what}, not a regular file" if what else "not a regular file"
-
-
-def open_regular(path: str, limit: int) -> int:
-    """A file descriptor open for reading on the regular file at ``path`` of at most ``limit``
-    bytes; ConfigError saying what is wrong (without the file name) otherwise.
-
-    It never blocks and never opens a device: the path is stat()ed first (a FIFO, a device, a
-    directory or a socket is refused by its type), then opened with O_NONBLOCK and checked again
-    (it may have been replaced in between).
-    """
-    try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(_not_regular(info.st_mode))
-        if info.st_size > limit:
-            raise ConfigError(f"too large: {info.st_size} bytes, the limit is {_mib(limit)}")
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror or exc}") from None
-    except ValueError as exc:  # a NUL, or a surrogate with no bytes: no file has this name
-        raise ConfigError(f"cannot read: not a file name ({exc})") from None
-    try:
-        info = os.fstat(fd)
-    except OSError as exc:
-        os.close(fd)
-        raise ConfigError(f"cannot read: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise ConfigError(_not_regular(info.st_mode))
-    return fd
-
-
-def read_regular(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
-    """The content of the regular file at ``path``, read only up to ``limit`` + 1 bytes so that a
-    file that grows after the check is refused without being read; ConfigError as
-    :func:`open_regular` says, or "too large"."""
-    fd = open_regular(path, limit)
-    chunks, size = [], 0
-    try:
-        while size <= limit:
-            chunk = os.read(fd, limit + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
-    if size > limit:
-        raise ConfigError(f"too large: more than {_mib(limit)}, the limit")
-    return b"".join(chunks)
-
-
-def _at(mark: Any) -> str:
-    return f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-
-
-class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's SafeLoader that counts what it composes, before anything is constructed: at most
-    ``MAX_DEPTH`` levels of nesting and ``MAX_VALUES`` values, where an alias counts as every
-    value under its anchor (PyYAML shares the aliased object, but whoever walks the result, a
-    ``<<`` merge included, walks it once per alias). An alias inside its own anchor (a recursive
-    structure) is refused. Linear in the size of the text: the expanded size of every anchored
-    node is remembered when its composition ends."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self.values = 0
-        self.depth = 0
-        self.sizes: dict[int, int] = {}  # id(anchored node) -> its values, aliases expanded
-
-    def count(self, n: int, mark: Any) -> None:
-        self.values += n
-        if self.values > MAX_VALUES:
-            raise ConfigError(f"more than {MAX_VALUES} values{_at(mark)} (keys, scalars, lists "
-                              "and mappings, each YAML alias counted as all it repeats)")
-
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
-        event: Any = self.peek_event()  # type: ignore[no-untyped-call]
-        if isinstance(event, yaml.AliasEvent):
-            node = self.anchors.get(event.anchor)
-            if node is not None:  # an undefined alias is PyYAML's error
-                size = self.sizes.get(id(node))
-                if size is None:
-                    raise ConfigError(f"alias *{key_text(event.anchor)} inside its own anchor (a "
-                                      f"recursive structure){_at(event.start_mark)}")
-                self.count(size, event.start_mark)
-            return super().compose_node(parent, index)
-        if self.depth >= MAX_DEPTH:
-            raise ConfigError(f"nested more than {MAX_DEPTH} levels deep"
-                              f"{_at(event.start_mark)}")
-        before = self.values
-        self.count(1, event.start_mark)
-        self.depth += 1
-        try:
-            node = super().compose_node(parent, index)
-        finally:
-            self.depth -= 1
-        if getattr(event, "anchor", None) is not None:
-            self.sizes[id(node)] = self.values - before
-        return node
-
-
-def _cut(text: str, limit: int = 200) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def read_yaml(path: str) -> Any:
-    """A YAML file's content; raises ConfigError saying what is wrong (without the file name,
-    which the caller puts in front). The file is bounded as the module's docstring says."""
-    data = read_regular(path)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"not UTF-8 text: {exc.reason}") from None
-    loader = None
-    try:
-        loader = _BoundedLoader(text)  # the reader refuses non-printable characters here
-        return loader.get_single_data()
-    except yaml.reader.ReaderError as exc:  # its str() is two lines
-        line = text.count("\n", 0, exc.position) + 1
-        column = exc.position - text.rfind("\n", 0, exc.position)
-        char = exc.character if isinstance(exc.character, int) else ord(exc.character)
-        raise ConfigError(f"invalid YAML at line {line}, column {column}: unacceptable "
-                          f"character #x{char:04x} ({exc.reason})") from None
-    except yaml.YAMLError as exc:
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"invalid YAML{_at(getattr(exc, 'problem_mark', None))}: "
-                          f"{_cut(' '.join(problem.split()))}") from None
-    # PyYAML lets these through its YAMLError: RecursionError from its composer for deep
-    # nesting (MAX_DEPTH stops that first); ValueError or OverflowError from constructing a value
-    # (chr() of an escape beyond U+10FFFF, int() of more than 4300 digits, a date such as
-    # 2001-13-45).
-    except RecursionError:
-        raise ConfigError("invalid YAML: nested too deeply") from None
-    except (ValueError, OverflowError) as exc:
-        raise ConfigError(f"invalid YAML: cannot construct a value ({_cut(str(exc))})") from None
-    finally:
-        if loader is not None:
-            loader.dispose()
-
-
-@typing.overload
-def load_file(path: str, schema: type[S], what: str = ...) -> S: ...
-@typing.overload
-def load_file(path: str, schema: Field, what: str = ...) -> dict[str, Any]: ...
-
-
-def load_file(path: str, schema: type[S] | Field, what: str = "config file"
-              ) -> S | dict[str, Any]:
+def load_file(path: str, schema: type[S], what: str = "config file") -> S:
     """Read a YAML file (an empty one is an empty mapping) and check it against ``schema``, a
-    Settings class (its instance is returned). Raises ConfigError with ``what`` and the file
-    name in the text. (A ``Field`` schema, returning the validated mapping, is kept for
-    the thresholds (mixin/thresholds.py), whose ``for`` map of alert names is built at run time.)"""
+    Settings class; its instance is returned. Raises ConfigError with ``what`` and the file name
+    in the text."""
     try:
-        raw = read_yaml(path)
-        if isinstance(schema, Field):
-            result: S | dict[str, Any] = validate({} if raw is None else raw, schema, "")
-        else:
-            result = parse_settings(schema, raw, "")
+        return parse_settings(schema, read_yaml(path), "")
     except ConfigError as exc:
         raise ConfigError(f"{what} {path!r}: {exc}") from None
-    return result

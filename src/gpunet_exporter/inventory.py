@@ -20,7 +20,8 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
-from gpunet_exporter.config import ConfigError, read_regular
+from gpunet_exporter.errors import ConfigError
+from gpunet_exporter.files import read_regular
 from gpunet_exporter.statefile import write_json
 
 KINDS = ("rdma_device", "rdma_port", "netdev")

@@ -15,7 +15,6 @@ from typing import NoReturn
 from gpunet_exporter import DEFAULT_PORT, __version__
 from gpunet_exporter.collector import Collector, build_collector
 from gpunet_exporter.config import (
-    ConfigError,
     Settings,
     load_file,
     make_settings,
@@ -24,6 +23,7 @@ from gpunet_exporter.config import (
     settings_items,
     with_setting,
 )
+from gpunet_exporter.errors import ConfigError
 from gpunet_exporter.flags import Parser, non_negative_int, positive_seconds, root_problem
 from gpunet_exporter.logs import LEVELS
 from gpunet_exporter.sources.sysfs import Root

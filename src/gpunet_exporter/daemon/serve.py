@@ -20,9 +20,9 @@ from prometheus_client import (
 )
 
 from gpunet_exporter import __version__
-from gpunet_exporter.config import ConfigError
 from gpunet_exporter.daemon.hotplug import Hotplug
 from gpunet_exporter.daemon.privileges import root_warning
+from gpunet_exporter.errors import ConfigError
 from gpunet_exporter.logs import setup
 from gpunet_exporter.options import build_parser, fail, start_collectors
 from gpunet_exporter.registry import Scraper, discover

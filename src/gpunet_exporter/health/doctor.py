@@ -34,7 +34,8 @@ from prometheus_client.core import Metric
 from gpunet_exporter.collector import Collector, Scrape
 from gpunet_exporter.collectors.nccl import NcclCollector
 from gpunet_exporter.collectors.probe import ProbeCollector, ProbeSettings
-from gpunet_exporter.config import ConfigError, read_regular
+from gpunet_exporter.errors import ConfigError
+from gpunet_exporter.files import read_regular
 from gpunet_exporter.logs import setup
 from gpunet_exporter.mixin.alerts import ALERT_NAMES, ALERTS
 from gpunet_exporter.mixin.thresholds import Thresholds, load

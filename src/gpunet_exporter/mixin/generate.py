@@ -23,7 +23,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from gpunet_exporter.config import ConfigError, read_regular
+from gpunet_exporter.errors import ConfigError
+from gpunet_exporter.files import read_regular
 from gpunet_exporter.flags import Parser
 from gpunet_exporter.mixin import configdoc, kubernetes, metricsdoc, rules
 from gpunet_exporter.mixin.alerts import ALERT_NAMES

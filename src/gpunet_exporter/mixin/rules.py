@@ -20,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from gpunet_exporter.config import ConfigError, read_regular
+from gpunet_exporter.errors import ConfigError
+from gpunet_exporter.files import read_regular
 from gpunet_exporter.flags import Parser
 from gpunet_exporter.mixin.alerts import ALERT_NAMES, ALERTS, recording
 from gpunet_exporter.mixin.alerts.common import ALERTS_FIRING, CLASSES

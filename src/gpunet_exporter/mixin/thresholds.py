@@ -13,32 +13,26 @@ and regenerates rules and dashboards with ``python -m gpunet_exporter.mixin --th
 durations are refused with one line naming the key.
 
 Each section is a frozen dataclass declared with :func:`gpunet_exporter.config.setting`, as a
-collector's settings are: its keys, kinds, bounds and defaults are the declaration. Every
-number is checked for meaning, not only for type: counts, rates and durations are not negative,
-ratios lie from 0 to 1, a priority from 0 to 7; a value outside would silently turn an alert
-off or leave it always on.
+collector's settings are (the ``for`` map, whose keys are the alert names, through
+:func:`gpunet_exporter.config.make_settings`): its keys, kinds, bounds and defaults are the
+declaration. Every number is checked for meaning, not only for type: counts, rates and
+durations are not negative, ratios lie from 0 to 1, a priority from 0 to 7; a value outside
+would silently turn an alert off or leave it always on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from gpunet_exporter.config import (
-    ConfigError,
-    Field,
-    Settings,
-    load_file,
-    parse_settings,
-    setting,
-    settings_fields,
-    short,
-    validate,
-)
+from gpunet_exporter.config import Settings, make_settings, parse_settings, setting, settings_items
+from gpunet_exporter.errors import ConfigError, short
+from gpunet_exporter.files import read_yaml
 
 # Prometheus duration syntax, as `for:` and range selectors take it (one or more unit groups).
 _DURATION = re.compile(r"^(?:\d+(?:ms|s|m|h|d|w|y))+$")
@@ -244,12 +238,16 @@ class Thresholds(Sections):
         return self.durations.get(alert, default)
 
 
-def schema(alert_names: tuple[str, ...] = ()) -> Field:
-    """The thresholds schema; ``alert_names`` are the keys allowed under ``for``."""
-    fields = settings_fields(Sections)
-    fields["for"] = Field("map", "`for:` duration per alert name, replacing the built-in one",
-                          default={}, fields={n: Field("str") for n in alert_names})
-    return Field("map", fields=fields)
+def file_settings(alert_names: tuple[str, ...] = ()) -> type[Settings]:
+    """The Settings of a thresholds file: the sections, and ``for`` with ``alert_names`` as its
+    keys (each a duration, unset unless the file names it)."""
+    durations = make_settings("For", {name: (str | None, setting()) for name in alert_names})
+    hints = typing.get_type_hints(Sections)
+    return make_settings("ThresholdsFile", {
+        **{f.name: (hints[f.name], f) for f in dataclasses.fields(Sections)},
+        "for": (durations, setting("`for:` duration per alert name, replacing the built-in one",
+                                   durations())),
+    })
 
 
 def _check_durations(value: Any, key: str) -> None:
@@ -267,19 +265,20 @@ def _check_durations(value: Any, key: str) -> None:
 
 def load(path: str | None, alert_names: tuple[str, ...] = ()) -> Thresholds:
     """The defaults, overridden by the YAML file at ``path`` (when given); ConfigError names the
-    file and the key that is wrong."""
-    spec = schema(alert_names)
+    file and the key that is wrong.
+
+    The file is checked against its Settings first, then its durations in the file's order
+    (the defaults are good durations), so the first wrong key is the one named."""
     where = "defaults" if path is None else f"thresholds file {path!r}"
-    result = validate({}, spec, "") if path is None else load_file(path, spec, "thresholds file")
     try:
-        _check_durations(result, "")
+        raw = None if path is None else read_yaml(path)
+        read = parse_settings(file_settings(alert_names), raw, "")
+        _check_durations(raw or {}, "")
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    durations = result.pop("for")
-    sections = parse_settings(Sections, result, "")
-    return Thresholds(**{f.name: getattr(sections, f.name)
-                         for f in dataclasses.fields(Sections)},
-                      durations=MappingProxyType(dict(durations)))
+    items = settings_items(read)
+    durations = {k: v for k, v in settings_items(items.pop("for")).items() if v is not None}
+    return Thresholds(**items, durations=MappingProxyType(durations))
 
 
 def defaults(alert_names: tuple[str, ...] = ()) -> Thresholds:

@@ -24,7 +24,8 @@ from typing import Any, Protocol
 
 import yaml
 
-from gpunet_exporter.config import ConfigError, read_regular, short
+from gpunet_exporter.errors import ConfigError, short
+from gpunet_exporter.files import read_regular
 from gpunet_exporter.flags import Parser
 from gpunet_exporter.probe import idle, pairs, plan, results, run_options, runner
 from gpunet_exporter.sources import nvml

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpunet_exporter import statefile
-from gpunet_exporter.config import short
+from gpunet_exporter.errors import short
 from gpunet_exporter.probe.results import finite, load_json
 
 VERSION = 1

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpunet_exporter.config import short
+from gpunet_exporter.errors import short
 
 VERSION = 2
 SCOPES = ("intra", "net", "inter")

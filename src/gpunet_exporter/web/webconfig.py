@@ -24,19 +24,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpunet_exporter.config import (
-    ConfigError,
-    Settings,
-    key_text,
-    make_settings,
-    open_regular,
-    parse_settings,
-    read_yaml,
-    setting,
-    settings_items,
-    short,
-    text_problem,
-)
+from gpunet_exporter.config import Settings, make_settings, parse_settings, setting, settings_items
+from gpunet_exporter.errors import ConfigError, key_text, short, text_problem
+from gpunet_exporter.files import open_regular, read_yaml
 from gpunet_exporter.web.httpserver import StartResponse, WSGIApp
 
 log = logging.getLogger("gpunet.exporter")
