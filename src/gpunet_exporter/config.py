@@ -76,7 +76,6 @@ def _in_float_range(value: float) -> bool:
     return True
 
 
-
 def _validate(value: Any, spec: Field, key: str) -> Any:
     """Check ``value`` against ``spec`` and return it normalised (regexes compiled).
 
@@ -405,7 +404,6 @@ def with_setting(settings: S, key: str, value: Any, where: str) -> S:
     member = next(m for m in _members(type(settings)) if m.key == key)
     valid = _validate(value, member.spec, where)
     return dataclasses.replace(settings, **{member.name: member.convert(valid)})
-
 
 
 def load_file(path: str, schema: type[S], what: str = "config file") -> S:

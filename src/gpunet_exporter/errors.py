@@ -18,7 +18,6 @@ class ConfigError(Exception):
     """A user error in the configuration; its text is the whole message to print."""
 
 
-
 SHORT = 60  # characters of a value that an error message shows
 
 
@@ -86,7 +85,6 @@ def key_text(key: Any) -> str:
     else:  # None, bool, float, dates
         text = str(key)
     return text if len(text) <= SHORT else text[:SHORT - 3] + "..."
-
 
 
 def text_problem(text: str) -> str | None:
