@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,8 @@ import yaml
 
 from gpunet_exporter.mixin import dashboards, generate, thresholds
 from gpunet_exporter.mixin.alerts import ALERT_NAMES
+from gpunet_exporter.mixin.dashboards.common import duration_words
+from gpunet_exporter.probe import run_options
 
 from support.paths import REPO
 
@@ -164,3 +167,46 @@ def test_bad_input_is_one_line(tmp_path: Path, setup: Any, args: list[str],
     assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
     assert lines[0].startswith("gpunet-mixin: ") and message in lines[0]
     assert not (root / "alerts").exists()  # nothing written
+
+
+def texts(t: thresholds.Thresholds) -> tuple[str, str]:
+    """Every panel description, and every query, of the dashboards built with ``t``."""
+    found = panels(dashboards.dashboards(t)).values()
+    return ("\n".join(p.get("description", "") for p in found),
+            "\n".join(q.get("expr", "") for p in found for q in p.get("targets", [])))
+
+
+def test_the_descriptions_name_the_thresholds_in_force() -> None:
+    """A description that names an alert's `for:` duration, or a threshold its query compares
+    with, writes the thresholds in force; the straggler naming share is the probe's own
+    default (run_options), not a number of the dashboards."""
+    t = thresholds.defaults(ALERT_NAMES)
+    described, queries = texts(t)
+    assert "for 10 minutes fires GpunetStragglerRank" in described
+    assert "GpunetBusBandwidthBelowLinkRate after 10 minutes" in described
+    assert "for 5 minutes fires GpunetFleetCrossLeafSlow" in described
+    assert "wait at least probe.straggler_min_ratio (20%)" in described
+    assert run_options.default("straggler_min_ratio") == 0.2
+    assert "< 0.8" in queries and "> 0.5" in queries
+    # The checker can fail: other thresholds move every one of them.
+    moved = dataclasses.replace(
+        t, probe=dataclasses.replace(t.probe, link_ratio=0.65, straggler_wait_ratio=0.35,
+                                     bus_bandwidth_ratio=0.55),
+        durations={"GpunetStragglerRank": "1h30m", "GpunetBusBandwidthBelowLinkRate": "25m",
+                   "GpunetFleetCrossLeafSlow": "2h"})
+    described, queries = texts(moved)
+    assert not re.search(r"\b(10|5) minutes", described)
+    assert described.count("for 1 hour 30 minutes fires GpunetStragglerRank") == 2
+    assert described.count("GpunetBusBandwidthBelowLinkRate after 25 minutes") == 2
+    assert described.count("for 25 minutes fires GpunetBusBandwidthBelowLinkRate") == 2
+    assert "for 2 hours fires GpunetFleetCrossLeafSlow" in described
+    assert "more than 35% of their all-reduce time" in described
+    assert "Below 55%: that node is slower than its peers" in described
+    assert "< 0.8" not in queries and "> 0.5" not in queries
+    assert "< 0.65" in queries and "> 0.35" in queries
+
+
+def test_durations_in_words() -> None:
+    assert [duration_words(d) for d in ("10m", "1h30m", "1m", "90s", "2d", "500ms")] == [
+        "10 minutes", "1 hour 30 minutes", "1 minute", "90 seconds", "2 days",
+        "500 milliseconds"]

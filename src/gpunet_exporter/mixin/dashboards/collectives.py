@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from gpunet_exporter.mixin.alerts.common import number
 from gpunet_exporter.mixin.dashboards.common import (
     GOOD_WHEN_1,
     OK_ORANGE,
     OK_RED,
     PROBE_STATE_MAP,
+    STRAGGLER_MIN_RATIO,
     Json,
     Layout,
     count_or_zero,
     dashboard,
+    for_words,
     idle_without_round,
     instance_variable,
     job_variable,
@@ -39,6 +42,7 @@ from gpunet_exporter.probe.idle import STATES as PROBE_STATES
 
 def collectives(t: Thresholds) -> Json:
     link_pct, wait_pct = percent(t.probe.link_ratio), percent(t.probe.straggler_wait_ratio)
+    link_for = for_words(t, "GpunetBusBandwidthBelowLinkRate")
     lay = Layout()
     probe = ('scope=~"$scope"',)
     sized = ('scope=~"$scope"', 'size=~"$size"')
@@ -70,17 +74,19 @@ def collectives(t: Thresholds) -> Json:
                  "short", thresholds=OK_RED), 6, 4)
     lay.add(stat("Worst straggler wait", "Largest share of their all-reduce time the other "
                  "ranks spend waiting for the rank that arrives last. 0.5: they took twice as "
-                 "long as the collective itself (GpunetStragglerRank fires above); from 20% the "
+                 "long as the collective itself (GpunetStragglerRank fires above); from "
+                 f"{percent(STRAGGLER_MIN_RATIO)} the "
                  "late rank is named in the Straggler ranks table.",
                  [target("max(" + sel("gpunet_probe_straggler_wait_ratio", *probe) + ")")],
                  "percentunit", thresholds=straggler_steps(t)), 6, 4)
     lay.add(stat(f"Below {link_pct} of the link rate", "Node scopes whose all-reduce at the "
                                                        "largest "
                  f"size reaches less than {link_pct} of the bus bandwidth their RDMA links allow "
-                 "(GpunetBusBandwidthBelowLinkRate after 10 minutes). See Bus bandwidth / link "
+                 f"(GpunetBusBandwidthBelowLinkRate after {link_for}). See Bus bandwidth / link "
                  "rate and the RDMA ports table.",
                  [target(count_or_zero(sel("gpunet_probe_bus_bandwidth_link_ratio", *probe)
-                                       + " < 0.8"))], "short", thresholds=OK_RED), 6, 4)
+                                       + f" < {number(t.probe.link_ratio)}"))], "short",
+                 thresholds=OK_RED), 6, 4)
     lay.add(stat("Lowest bus bandwidth / link rate", "Per scope, the lowest share of the "
                  f"link rate reached over the selected nodes. {link_pct} or more is the target; "
                  "red "
@@ -113,13 +119,13 @@ def collectives(t: Thresholds) -> Json:
                                    *sized), sized_legend)], "Bps"), 12, 9)
     lay.add(timeseries(
         "Bus bandwidth relative to the median node", "Each node's bus bandwidth divided by "
-        f"the median over the selected nodes at the same scope and size. Below {link_pct}: that "
-        "node is slower than its peers.",
+        "the median over the selected nodes at the same scope and size. Below "
+        f"{percent(t.probe.bus_bandwidth_ratio)}: that node is slower than its peers.",
         [target(sel("gpunet_probe_allreduce_bus_bandwidth_bytes_per_second", *sized)
                 + " / ignoring (instance, job) group_left () quantile by (scope, size) (0.5, "
                 + sel("gpunet_probe_allreduce_bus_bandwidth_bytes_per_second", *sized) + ")",
                 sized_legend)], "percentunit",
-        thresholds=steps(("red", None), ("orange", 0.8), ("green", 0.9)),
+        thresholds=steps(("red", None), ("orange", t.probe.bus_bandwidth_ratio), ("green", 0.9)),
         show_thresholds=True), 12, 9)
     lay.add(timeseries("Tail latency ratio (p99 / median)", "How much longer the p99 "
                        "all-reduce takes than the median. Near 1 is steady; large values "
@@ -133,7 +139,7 @@ def collectives(t: Thresholds) -> Json:
         "bandwidth the RDMA links allow (lowest port rate per rank sharing it), per node and "
         f"scope. net: the node's GPUs through its own NICs (NIC loopback). {link_pct} or more is "
         "the "
-        "target; below (red line) for 10 minutes fires GpunetBusBandwidthBelowLinkRate: check "
+        f"target; below (red line) for {link_for} fires GpunetBusBandwidthBelowLinkRate: check "
         "GPUDirect RDMA, the GPU-NIC PCIe path, PFC pauses and the ports table below.",
         [target(sel("gpunet_probe_bus_bandwidth_link_ratio", *probe), who)], "percentunit",
         thresholds=link_rate_steps(t), show_thresholds=True), 12, 8)
@@ -143,9 +149,9 @@ def collectives(t: Thresholds) -> Json:
                        "all-reduce time the other ranks spend waiting for the rank that "
                        "arrives last (largest size, median over iterations). 0.5: they took "
                        f"twice as long as the collective itself; above {wait_pct} (red line) for "
-                       "10 "
-                       "minutes fires GpunetStragglerRank. A persistent straggler is one GPU, "
-                       "PCIe link or NIC; the table below names it.",
+                       f"{for_words(t, 'GpunetStragglerRank')} fires GpunetStragglerRank. A "
+                       "persistent straggler is one GPU, PCIe link or NIC; the table below names "
+                       "it.",
                        [target(sel("gpunet_probe_straggler_wait_ratio", *probe), who)],
                        "percentunit", thresholds=straggler_steps(t), show_thresholds=True,
                        max_value=1), 12, 8)

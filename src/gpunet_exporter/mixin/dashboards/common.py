@@ -10,7 +10,9 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from gpunet_exporter.mixin.alerts import ALERTS
 from gpunet_exporter.mixin.thresholds import Thresholds
+from gpunet_exporter.probe import run_options
 from gpunet_exporter.probe.idle import STATES as PROBE_STATES
 
 Json = dict[str, Any]
@@ -97,9 +99,10 @@ PROBE_STATE_MAP = tuple((n, *SHOWN[state]) for n, state in enumerate(PROBE_STATE
 
 
 def straggler_steps(t: Thresholds) -> Json:
-    """Straggler wait ratio: probe.straggler_min_ratio (0.2) names the late rank,
-    GpunetStragglerRank fires above probe.straggler_wait_ratio."""
-    return steps(("green", None), ("orange", 0.2), ("red", t.probe.straggler_wait_ratio))
+    """Straggler wait ratio: from the probe's straggler_min_ratio (STRAGGLER_MIN_RATIO) the late
+    rank is named, GpunetStragglerRank fires above probe.straggler_wait_ratio."""
+    return steps(("green", None), ("orange", STRAGGLER_MIN_RATIO),
+                 ("red", t.probe.straggler_wait_ratio))
 
 
 def link_rate_steps(t: Thresholds) -> Json:
@@ -111,6 +114,29 @@ def link_rate_steps(t: Thresholds) -> Json:
 def percent(ratio: float) -> str:
     """A ratio threshold as a description writes it (0.8: 80%)."""
     return f"{ratio:.0%}"
+
+
+# The share of the others' wait from which the probe names the late rank
+# (gpunet_probe_straggler_info): the default of `gpunet-probe run --straggler-min-ratio`, the
+# probe: key straggler_min_ratio. The dashboards describe a probe run with its defaults.
+STRAGGLER_MIN_RATIO: float = run_options.default("straggler_min_ratio")
+
+_FOR = {a.name: a.for_ for a in ALERTS}  # each alert's own `for:` duration
+_UNIT_WORDS = {"ms": "millisecond", "s": "second", "m": "minute", "h": "hour", "d": "day",
+               "w": "week", "y": "year"}
+
+
+def duration_words(duration: str) -> str:
+    """A Prometheus duration as a description writes it: 10m is "10 minutes", 1h30m "1 hour
+    30 minutes"."""
+    return " ".join(f"{n} {_UNIT_WORDS[unit]}{'' if int(n) == 1 else 's'}"
+                    for n, unit in re.findall(r"(\d+)(ms|s|m|h|d|w|y)", duration))
+
+
+def for_words(t: Thresholds, alert: str) -> str:
+    """How long ``alert``'s condition must hold before it fires, in words: the thresholds
+    file's ``for:`` duration, else the alert's own."""
+    return duration_words(t.for_(alert, _FOR[alert]))
 
 
 def mapping(*entries: tuple[int | str, str, str]) -> list[Json]:
@@ -304,7 +330,8 @@ def straggler_table(t: Thresholds, *matchers: str) -> Json:
 
     return table(
         "Straggler ranks", "The rank the others wait for, on the node that runs it, with its "
-        "local GPU: named while the others wait at least probe.straggler_min_ratio (20%) of "
+        "local GPU: named while the others wait at least probe.straggler_min_ratio "
+        f"({percent(STRAGGLER_MIN_RATIO)}) of "
         "their all-reduce time for it. wait ratio is that share (red above "
         f"{percent(t.probe.straggler_wait_ratio)}: "
         "GpunetStragglerRank), wait the median seconds at the largest size. Empty is healthy. "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpunet_exporter.mixin.alerts.common import ALERTS_FIRING, CLASSES
+from gpunet_exporter.mixin.alerts.common import ALERTS_FIRING, CLASSES, number
 from gpunet_exporter.mixin.dashboards.common import (
     INSTANCE,
     JOB,
@@ -14,6 +14,7 @@ from gpunet_exporter.mixin.dashboards.common import (
     Layout,
     count_or_zero,
     dashboard,
+    for_words,
     idle_without_round,
     increase,
     instance_variable,
@@ -41,6 +42,8 @@ from gpunet_exporter.mixin.thresholds import Thresholds
 
 def fleet(t: Thresholds) -> Json:
     link_pct, wait_pct = percent(t.probe.link_ratio), percent(t.probe.straggler_wait_ratio)
+    link, wait = number(t.probe.link_ratio), number(t.probe.straggler_wait_ratio)
+    link_for = for_words(t, "GpunetBusBandwidthBelowLinkRate")
     lay = Layout()
     lay.row("Now")
     lay.add(stat("Exporters down", "Scrape targets of the selected jobs whose last scrape "
@@ -100,20 +103,22 @@ def fleet(t: Thresholds) -> Json:
     lay.add(stat(f"Nodes below {link_pct} of the link rate", "Nodes whose probe all-reduce through "
                  f"the RDMA ports reaches less than {link_pct} of the bus bandwidth those links "
                  "allow "
-                 "(gpunet_probe_bus_bandwidth_link_ratio < 0.8; GpunetBusBandwidthBelowLinkRate "
-                 "after 10 minutes). Check the nodes in the bottom 10 below: GPUDirect RDMA "
-                 "off, a GPU far from its NIC, PFC pauses or a slow PCIe link.",
+                 f"(gpunet_probe_bus_bandwidth_link_ratio < {link}; "
+                 f"GpunetBusBandwidthBelowLinkRate after {link_for}). Check the nodes in the "
+                 "bottom 10 below: GPUDirect RDMA off, a GPU far from its NIC, PFC pauses or a "
+                 "slow PCIe link.",
                  [target(count_or_zero("min by (instance) ("
                                        + sel("gpunet_probe_bus_bandwidth_link_ratio")
-                                       + ") < 0.8"))], "short", thresholds=OK_RED), 4, 4)
+                                       + f") < {link}"))], "short", thresholds=OK_RED),
+            4, 4)
     lay.add(stat("Nodes with a straggler rank", "Nodes that run a probe rank the others wait "
-                 "for more than half of their all-reduce time (the condition of "
+                 f"for more than {wait_pct} of their all-reduce time (the condition of "
                  "GpunetStragglerRank): that GPU, its PCIe link or its NIC is slow. The "
                  "Straggler ranks table below names rank and GPU.",
                  [target(count_or_zero(
                      "count by (instance) (" + sel("gpunet_probe_straggler_wait_ratio")
                      + " * on (instance, job, scope) group_left (rank, gpu) "
-                     + sel("gpunet_probe_straggler_info") + " > 0.5)"))], "short",
+                     + sel("gpunet_probe_straggler_info") + f" > {wait})"))], "short",
                  thresholds=OK_RED), 4, 4)
     lay.add(stat("Lowest probe bus bandwidth at $size B", "Lowest all-reduce bus bandwidth "
                  "over the selected nodes at the message size chosen above (defaults to the "
@@ -280,7 +285,8 @@ def fleet(t: Thresholds) -> Json:
         "Bus bandwidth / link rate (bottom 10 nodes)", "The ten nodes whose probe all-reduce "
         "at the largest size gets the least of what their RDMA links allow (bus bandwidth "
         "over the lowest port rate per rank sharing it). net: the node's GPUs through its own "
-        f"NICs. Below {link_pct} (red line) for 10 minutes fires GpunetBusBandwidthBelowLinkRate: "
+        f"NICs. Below {link_pct} (red line) for {link_for} fires "
+        "GpunetBusBandwidthBelowLinkRate: "
         "check GPUDirect RDMA, the GPU-NIC path, PFC pauses and the NIC's PCIe link.",
         [target("bottomk(10, min by (instance, scope) ("
                 + sel("gpunet_probe_bus_bandwidth_link_ratio") + "))",
@@ -290,7 +296,8 @@ def fleet(t: Thresholds) -> Json:
         "Straggler wait (top 10 nodes)", "Share of their all-reduce time the other ranks "
         "spend waiting for the rank that arrives last (largest size, median over "
         f"iterations). 0.5 = they took twice as long as the collective itself; above {wait_pct} "
-        "(red line) for 10 minutes fires GpunetStragglerRank. In the inter scope every node "
+        f"(red line) for {for_words(t, 'GpunetStragglerRank')} fires GpunetStragglerRank. In "
+        "the inter scope every node "
         "of the round shows the same wait; the table beside names the late rank's node.",
         [target("topk(10, max by (instance, scope) ("
                 + sel("gpunet_probe_straggler_wait_ratio") + "))",

@@ -25,6 +25,7 @@ from gpunet_exporter.mixin.dashboards.common import (
     Layout,
     count_or_zero,
     dashboard,
+    for_words,
     instance_variable,
     job_variable,
     mapping,
@@ -257,7 +258,8 @@ def pairs(t: Thresholds) -> Json:
                             regex=True)]), 12, 8)
     lay.add(timeseries(
         "Cross-leaf / intra-leaf per leaf", "Per leaf, the cross-leaf median over the "
-        f"intra-leaf median. Below fleet.cross_leaf_ratio ({cross_pct}, red line) for 5 minutes "
+        f"intra-leaf median. Below fleet.cross_leaf_ratio ({cross_pct}, red line) for "
+        f"{for_words(t, 'GpunetFleetCrossLeafSlow')} "
         "fires "
         "GpunetFleetCrossLeafSlow: the spine side of that leaf is the suspect.",
         [target(jsel(LEAF_CROSS_RATIO), "{{leaf}}")], "percentunit",
