@@ -356,10 +356,10 @@ def test_port_down_inhibits_its_symptoms(bundle: Bundle) -> None:
 
 def test_fleet_causes_inhibit_their_pair_alerts(bundle: Bundle) -> None:
     """The pair-plan rules of the shipped example, through Alertmanager's API, with the labels
-    the generated rules give these alerts (alerts/tests/collective.test.yml shows them): leaf-b's
-    GpunetFleetCrossLeafSlow mutes the slow links that cross from or to leaf-b, seen from either
-    end, not the slow link inside leaf-b nor one between two other leaves; a suspect node mutes
-    its own outlier alert, not another node's."""
+    the generated rules give these alerts (alerts/tests/link.test.yml and topology.test.yml show
+    them): leaf-b's GpunetFleetCrossLeafSlow mutes the slow links that cross from or to leaf-b,
+    seen from either end, not the slow link inside leaf-b nor one between two other leaves; a
+    suspect node mutes its own outlier alert, not another node's."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     job = "gpunet-fleet-inhibit"
     link = {"alertname": "GpunetFleetLinkSlow", "class": "link"}

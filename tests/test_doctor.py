@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 
 from gpunet_exporter.health import doctor as doctor_module
+from gpunet_exporter.mixin import alerts as alerts_module
+from gpunet_exporter.mixin.alerts import collective, link, transport
 
 from support import fake_nvml
 from support import sysfs_tree as st
@@ -171,13 +173,63 @@ def test_help_lists_only_the_flags_the_doctor_uses() -> None:
 
 def test_checks_name_real_alerts_and_causes() -> None:
     """Every alert a doctor check reports exists in the rules, with a root cause the report
-    knows; the doctor reads the same threshold keys (a typo would raise KeyError here)."""
+    knows, and is among those its check declares (``@checks``) in the module of its class."""
     names = set(doctor_module.SEVERITY)
-    source = Path(doctor_module.__file__).read_text()
-    used = set(re.findall(r'"(Gpunet[A-Za-z]+)"', source))
-    assert used <= names and len(used) == 50
-    causes = set(re.findall(r'c\.add\("(\w+)"', source))
-    assert causes <= set(doctor_module.CAUSES)
+    checked = alerts_module.checked()
+    assert set(checked) <= names and len(checked) == 50
+    for m in alerts_module.MODULES:
+        source = Path(m.__file__ or "").read_text()
+        reported = set(re.findall(r'c\.add\("\w+", "(Gpunet[A-Za-z]+)"', source))
+        declared = {a for step in getattr(m, "CHECKS", {}).values() for fn in step
+                    for a in getattr(fn, "alerts", ())}
+        assert reported <= declared, (m.__name__, reported - declared)
+        assert set(re.findall(r'c\.add\("(\w+)"', source)) <= set(doctor_module.CAUSES)
+    for a in alerts_module.ALERTS:
+        if a.check is not None:
+            assert a.check.cause in doctor_module.CAUSES and a.check.alert == a.name
+
+
+def test_every_alert_has_a_doctor_check_or_a_reason() -> None:
+    """Each alert is checked by the doctor (a check beside it in its class module, derived or
+    hand-written, run by the doctor) or listed in its module's UNCHECKED with the reason; not
+    both. Each module's checks run, every step of them."""
+    checked, unchecked = alerts_module.checked(), alerts_module.unchecked()
+    for a in alerts_module.ALERTS:
+        assert (a.name in checked) != (a.name in unchecked), a.name
+        assert a.name not in unchecked or len(unchecked[a.name]) > 20, a.name
+        if a.check is not None:  # a simple alert: its declaration is its check
+            assert a.check in checked[a.name], a.name
+    assert set(unchecked) <= set(doctor_module.SEVERITY)
+    every = [fn for m in alerts_module.MODULES for step in getattr(m, "CHECKS", {}).values()
+             for fn in step]
+    assert sorted(map(id, every)) == sorted(map(id, doctor_module.DOCTOR_CHECKS))
+
+
+def test_a_simple_alert_gives_its_promql_and_its_check_from_one_threshold(
+        tmp_path: Path) -> None:
+    """GpunetPortReceiveErrors, declared once: its rule and the doctor's check read the same
+    threshold, so a thresholds override moves both (no copy in the doctor)."""
+    from gpunet_exporter.mixin import thresholds
+    decl = link.RECEIVE_ERRORS
+    t = thresholds.defaults(alerts_module.ALERT_NAMES)
+    assert decl.promql(t) == "rate(gpunet_infiniband_port_receive_errors_total[5m]) > " + (
+        f"{t.infiniband.receive_errors_per_second:g}")
+    p = {"device": "mlx5_0", "port": "1"}
+    before = {"gpunet_infiniband_port_receive_errors_total": [(p, 0.0)]}
+    after = {"gpunet_infiniband_port_receive_errors_total": [(p, 200.0)]}  # 20 per second
+    c = _snapshots(10.0, before, after)
+    decl(c)
+    assert [(f.alert, f.where, f.cause) for f in c.findings] == [
+        ("GpunetPortReceiveErrors", "mlx5_0 port 1", "link")]
+    assert c.findings[0].message == "20 receive errors per second (limit 10)"
+    # Raised above 20 per second by a thresholds file: the rule says so, and the doctor no
+    # longer finds it.
+    (tmp_path / "t.yml").write_text("infiniband:\n  receive_errors_per_second: 30\n")
+    c.t = thresholds.load(str(tmp_path / "t.yml"), alerts_module.ALERT_NAMES)
+    assert decl.promql(c.t).endswith("> 30")
+    c.findings.clear()
+    decl(c)
+    assert c.findings == []
 
 
 def test_probe_flag_runs_one_round_through_the_nics(tmp_path: Path) -> None:
@@ -268,7 +320,7 @@ def test_gpu_job_with_idle_rdma_ports(moved: float, state: float, procs: float,
     covers the same four cases in alerts/tests/transport.test.yml)."""
     c = _snapshots(10.0, _job_readings(0.0, state=state, procs=procs),
                    _job_readings(moved, state=state, procs=procs))
-    doctor_module.check_job_rdma_idle(c)
+    transport.check_job_rdma_idle(c)
     if not found:
         assert c.findings == []
         return
@@ -299,7 +351,7 @@ def test_phy_errors_rising_on_a_roce_interface() -> None:
                  ({"interface": "ib0"}, 200.0)],  # not RoCE: GpunetPortSymbolErrors' job
              "gpunet_pfc_fec_uncorrected_symbol_errors_total": [({"interface": "eth2"}, 15.0)]}
     c = _snapshots(10.0, before, after)
-    doctor_module.check_phy(c)
+    link.check_phy(c)
     assert [(f.alert, f.where, f.cause) for f in c.findings] == [
         ("GpunetInterfacePhyErrors", "eth2", "link")]
     f = c.findings[0]
@@ -307,7 +359,7 @@ def test_phy_errors_rising_on_a_roce_interface() -> None:
     assert f.confirm.startswith("ethtool -S eth2 | grep -E 'rx_pcs_symbol_err_phy'")
     # Nothing rose: silent, as the alert on the healthy node.
     c = _snapshots(10.0, before, before)
-    doctor_module.check_phy(c)
+    link.check_phy(c)
     assert c.findings == []
 
 
@@ -333,7 +385,7 @@ def test_retransmissions_rising_on_a_port() -> None:
             (port("mlx5_0"), 50.0), (port("mlx5_1"), 9.0), (port("mlx5_2"), 20.0)],
     }
     c = _snapshots(10.0, before, after)
-    doctor_module.check_retransmissions(c)
+    transport.check_retransmissions(c)
     got = [(f.alert, f.where, f.message) for f in c.findings]
     assert got == [
         ("GpunetRoceRetransmissions", "mlx5_0 port 1",
@@ -342,7 +394,7 @@ def test_retransmissions_rising_on_a_port() -> None:
     assert all(f.cause == "retransmit" and f.severity == "warning" for f in c.findings)
     assert "hw_counters/out_of_sequence" in c.findings[0].confirm
     c = _snapshots(10.0, before, before)
-    doctor_module.check_retransmissions(c)
+    transport.check_retransmissions(c)
     assert c.findings == []
 def test_roce_mtu_below_minimum_and_not_expected_is_two_findings(
         faulty: tuple[list[str], dict[str, str]]) -> None:
@@ -481,7 +533,7 @@ def test_unusable_state_file_is_one_note(tmp_path: Path, state: str) -> None:
 def test_history_keeps_what_a_count_needs() -> None:
     """Of a run of equal values the first and last observation; of those older than the window
     only the newest; after a counter's fall only what follows it."""
-    compact, since_reset = doctor_module._compact, doctor_module._since_reset
+    compact, since_reset = doctor_module._compact, link.since_reset
     obs = [[0.0, 0.0], [10.0, 0.0], [20.0, 0.0], [30.0, 2.0], [40.0, 2.0], [50.0, 2.0]]
     assert compact(obs, horizon=5) == [[0, 0], [20, 0], [30, 2], [50, 2]]
     assert compact(obs, horizon=25) == [[20, 0], [30, 2], [50, 2]]
@@ -614,7 +666,7 @@ def test_nccl_job_findings_follow_the_alerts(
         readings: dict[str, list[tuple[dict[str, str], float]]], alerts: set[str],
         note: bool) -> None:
     c = _snapshots(5.0, readings, readings)
-    doctor_module.check_nccl_jobs(c)
+    collective.check_nccl_jobs(c)
     assert {f.alert for f in c.findings} == alerts
     assert all(f.cause == "nccl_job" and f.where == "NCCL job on RAS port 28028"
                for f in c.findings)

@@ -1,14 +1,18 @@
 """The collective alerts: probe results, the NCCL jobs running now, the pair plan; and the
 recording rules they read (the fleet median per probe scope and size, the pair plan's per-node,
-per-peer, per-leaf and fleet statistics), whose names the dashboards import. The pair plan's
-alerts stay together here, GpunetFleetLinkSlow labelled ``link`` and GpunetFleetCrossLeafSlow
-``topology`` as the health matrix shows them."""
+per-peer, per-leaf and fleet statistics), whose names the dashboards and the pair plan's alerts
+of other classes (GpunetFleetLinkSlow in ``link``, GpunetFleetCrossLeafSlow in ``topology``)
+import."""
 
 from __future__ import annotations
 
-from gpunet_exporter.mixin.alerts.common import NODE, SCOPE, Alert, Rule
+from collections.abc import Callable
+
+from gpunet_exporter.mixin.alerts.common import NODE, SCOPE, Alert, Rule, simple
 from gpunet_exporter.mixin.alerts.common import number as _g
+from gpunet_exporter.mixin.check import Check, DoctorCheck, Note, Simple, Snapshot, checks
 from gpunet_exporter.mixin.thresholds import Thresholds
+from gpunet_exporter.probe import idle, results
 
 FLEET_MEDIAN_BUSBW = "scope_size:gpunet_probe_allreduce_bus_bandwidth_bytes_per_second:median"
 
@@ -16,7 +20,7 @@ FLEET_MEDIAN_BUSBW = "scope_size:gpunet_probe_allreduce_bus_bandwidth_bytes_per_
 # by the peer's node name. Nothing joins `peer` to `instance` (a scrape address): a node is judged
 # from its own pairs, and a peer from the pairs that name it, on the other nodes' series.
 PAIR_BW = "gpunet_fleet_pair_bus_bandwidth_bytes_per_second"
-_PAIR_OK = "gpunet_fleet_pair_success"
+PAIR_OK = "gpunet_fleet_pair_success"
 NODE_MEDIAN_BW = f"instance:{PAIR_BW}:median"
 FLEET_MEDIAN_BW = f"job:{PAIR_BW}:median"
 FLEET_MAD_BW = f"job:{PAIR_BW}:mad"
@@ -72,21 +76,6 @@ def _probe_stale(t: Thresholds) -> str:
             f"gpunet_probe_last_success_timestamp_seconds{{scope=\"inter\"}} > {stale}")
 
 
-def _fleet_link_slow(t: Thresholds) -> str:
-    """A pair slow or failed while this node has a healthy pair, unless the fleet's view of the
-    peer (the pairs that name it, on every other node) makes the peer the suspect: then
-    GpunetFleetNodeSuspect names it and its pairs are not blamed as links. The alert carries
-    the pair's leaf, peer_leaf and cross_leaf (PAIR_LEAVES) for Alertmanager's inhibition."""
-    f = t.fleet
-    return (f"(\n  (\n    {PAIR_RATIO} < {_g(f.link_slow_ratio)}\n"
-            f"    or on (instance, job, peer)\n    0 * ({_PAIR_OK} == 0)\n  )\n"
-            f"  and on (instance, job) {NODE_PAIRS_HEALTHY} >= 1\n"
-            f"  unless on (job, peer) (\n    {PEER_PAIRS} >= {f.suspect_min_pairs}\n"
-            f"    and on (job, peer) {PEER_PAIRS_HEALTHY} == 0\n  )\n)\n"
-            # The leaves, for Alertmanager: GpunetFleetCrossLeafSlow inhibits cross-leaf pairs.
-            f"* on (instance, job, peer) group_left (leaf, peer_leaf, cross_leaf) {PAIR_LEAVES}")
-
-
 def _fleet_outlier(t: Thresholds) -> str:
     f = t.fleet
     sigma = _g(f.outlier_mad_factor * 1.4826)
@@ -95,6 +84,163 @@ def _fleet_outlier(t: Thresholds) -> str:
             f"and on (instance, job)\n{NODE_MEDIAN_BW}\n"
             f"  < on (job) group_left {_g(f.outlier_ratio)} * {FLEET_MEDIAN_BW}\n"
             f"and on (job) {FLEET_NODES} >= {f.outlier_min_nodes}")
+
+
+@checks("GpunetAllreduceLatencyHigh", "GpunetBusBandwidthLow", "GpunetProbeFailing")
+def check_probe(c: Check) -> None:
+    """The probe's last results: latency and bus bandwidth against the thresholds, a failed
+    round; and the probe's state (GpunetProbeIdleUnknown a problem, a yielded probe a note)."""
+    b, p = c.b, c.t.probe
+    for lbl, v in b.all("gpunet_probe_allreduce_seconds", size=str(p.latency_size_bytes),
+                        stat="median"):
+        if v > p.latency_seconds:
+            c.add("collective", "GpunetAllreduceLatencyHigh", f"{lbl['scope']} probe",
+                  f"{lbl['size']}-byte all-reduce takes {v * 1e3:.3g} ms "
+                  f"(limit {p.latency_seconds * 1e3:g} ms)",
+                  "cat /var/lib/gpunet-exporter/probe/*.json")
+    expected = p.expected_bus_bandwidth_bytes_per_second
+    for lbl, v in b.all("gpunet_probe_allreduce_bus_bandwidth_bytes_per_second",
+                        size=str(p.bandwidth_size_bytes)):
+        want = (getattr(expected, lbl["scope"])
+                if lbl["scope"] in ("intra", "net", "inter") else 0)
+        if want > 0 and v < p.bus_bandwidth_ratio * want:
+            c.add("collective", "GpunetBusBandwidthLow", f"{lbl['scope']} probe",
+                  f"bus bandwidth {v / 1e9:.3g} GB/s, expected {want / 1e9:.3g} GB/s",
+                  "cat /var/lib/gpunet-exporter/probe/*.json")
+    # As the alert: the node's own scopes fail only while the GPUs are idle (state failing);
+    # a cluster-mode scope on its last result.
+    failing = b.get("gpunet_probe_state", state=idle.FAILING) == 1
+    for lbl, v in b.all("gpunet_probe_success"):
+        if v == 0 and (failing or lbl["scope"] not in results.NODE_SCOPES):
+            c.add("collective", "GpunetProbeFailing", f"{lbl['scope']} probe",
+                  "the last probe round failed",
+                  "tail /var/lib/gpunet-exporter/probe/runner.log")
+    if b.get("gpunet_probe_state", state=idle.UNKNOWN) == 1:
+        c.problems.append("probe: the GPUs' processes cannot be read (NVML), so no probe round "
+                          "runs (GpunetProbeIdleUnknown)")
+    if b.get("gpunet_probe_state", state=idle.YIELDED) == 1:
+        c.notes.append(Note("probe", "not run: a job's processes are on the GPUs (the probe "
+                            "runs only on idle GPUs)"))
+
+
+# An alert of a simple shape: the PromQL and the doctor's check from one declaration.
+BELOW_LINK_RATE = Simple(
+    "GpunetBusBandwidthBelowLinkRate", "gpunet_probe_bus_bandwidth_link_ratio", "<",
+    "probe.link_ratio", "collective", lambda lbl: f"{lbl['scope']} probe",
+    lambda c, lbl, v, limit: (f"the all-reduce reaches {v:.0%} of what its RDMA links allow "
+                              f"(limit {limit:.0%})"),
+    lambda lbl: "cat /var/lib/gpunet-exporter/probe/net.json  # hcas, link_bytes_per_second")
+
+
+@checks("GpunetStragglerRank")
+def check_straggler(c: Check) -> None:
+    b, p = c.b, c.t.probe
+    for lbl, _ in b.all("gpunet_probe_straggler_info"):
+        v = b.get("gpunet_probe_straggler_wait_ratio", scope=lbl["scope"]) or 0.0
+        if v > p.straggler_wait_ratio:
+            c.add("collective", "GpunetStragglerRank", f"{lbl['scope']} probe",
+                  f"rank {lbl['rank']} (GPU {lbl['gpu']}) arrives late: the other ranks spend "
+                  f"{v:.0%} of their all-reduce time waiting for it",
+                  "cat /var/lib/gpunet-exporter/probe/*.json  # straggler")
+
+
+def _plural(n: float, one: str, many: str = "") -> str:
+    return f"{n:.0f} {one if n == 1 else (many or one + 's')}"
+
+
+def _verb(n: float, one: str, many: str) -> str:
+    return one if n == 1 else many
+
+
+@checks("GpunetNcclRasUnreachable", "GpunetNcclRankDead", "GpunetNcclRankUnreachable",
+        "GpunetNcclRankStalled")
+def check_nccl_jobs(c: Check) -> None:
+    """The NCCL jobs on this node, as NCCL's RAS service reports them (the nccl collector; the
+    doctor asks for a second report just before its second reading, so that the collective
+    counts are compared): the four GpunetNccl* alerts as findings, and each job that answered
+    described in a note."""
+    b = c.b
+    for lbl, listening in b.all("gpunet_nccl_ras_listeners"):
+        port = lbl["port"]
+        where = f"NCCL job on RAS port {port}"
+        confirm = f"ncclras -p {port}  # NCCL's RAS client (-v: per rank, -f json)"
+        ok = b.get("gpunet_nccl_ras_query_success", port=port)
+        if listening > 0 and ok == 0:
+            silent = b.get("gpunet_nccl_ras_unanswered_connections_total", port=port) or 0
+            why = (f" ({_plural(silent, 'connection')} accepted and never answered: a stopped "
+                   "or hung process)") if silent else ""
+            c.add("nccl_job", "GpunetNcclRasUnreachable", where,
+                  f"{_plural(listening, 'NCCL process', 'NCCL processes')} "
+                  f"{_verb(listening, 'listens', 'listen')} on the port but none gave a "
+                  f"report{why}; the job's health is unknown",
+                  f"ss -ltnp 'sport = :{port}'  # who listens; then ps -o pid,stat,cmd -p PID "
+                  f"(stat T: stopped); {confirm}")
+        if ok != 1:
+            continue
+        get = _reader(b, port)
+        dead = get("gpunet_nccl_job_processes", state="dead")
+        errored = get("gpunet_nccl_ranks_errored")
+        if dead > 0:
+            c.add("nccl_job", "GpunetNcclRankDead", where,
+                  f"{_plural(dead, 'process', 'processes')} of the job "
+                  f"{_verb(dead, 'is', 'are')} considered dead by RAS"
+                  + (f"; {_plural(errored, 'other rank')} {_verb(errored, 'holds', 'hold')}"
+                     " an error" if errored else "")
+                  + f": the job waits for {_verb(dead, 'it', 'them')} or is about to fail",
+                  confirm)
+        unreachable = get("gpunet_nccl_missing_ranks", reason="unreachable")
+        if unreachable > 0:
+            c.add("nccl_job", "GpunetNcclRankUnreachable", where,
+                  f"{_plural(unreachable, 'rank')} {_verb(unreachable, 'does', 'do')} not answer "
+                  "RAS: their process is stopped, hung or cut off", confirm)
+        stalled = get("gpunet_nccl_stalled_ranks")
+        if stalled > 0:
+            skew = max((v for _, v in b.all("gpunet_nccl_collective_skew_operations",
+                                            port=port)), default=0.0)
+            c.add("nccl_job", "GpunetNcclRankStalled", where,
+                  f"{_plural(stalled, 'rank')} {_verb(stalled, 'launches', 'launch')} no more "
+                  f"collectives, up to {_plural(skew, 'operation')} behind the other ranks of "
+                  "the communicator, which wait for them", confirm)
+        c.notes.append(Note(where, _job_summary(b, port)))
+
+
+def _reader(b: Snapshot, port: str) -> Callable[..., float]:
+    """The value of one of the port's series (0 when absent)."""
+    def get(name: str, **match: str) -> float:
+        return b.get(name, port=port, **match) or 0.0
+    return get
+
+
+def _job_summary(b: Snapshot, port: str) -> str:
+    """One job in operators' words: who runs it, how its communicators stand, what is wrong."""
+    get = _reader(b, port)
+
+    version = next((lbl.get("version", "") for lbl, _ in b.all("gpunet_nccl_ras_info",
+                                                               port=port)), "")
+    procs = {state: get("gpunet_nccl_job_processes", state=state)
+             for state in ("answering", "unresponsive", "dead")}
+    comms = {lbl["status"]: v for lbl, v in b.all("gpunet_nccl_communicators", port=port) if v}
+    expected = get("gpunet_nccl_communicator_ranks", state="expected")
+    seen = get("gpunet_nccl_communicator_ranks", state="seen")
+    parts = [f"NCCL {version}: " if version else "",
+             _plural(sum(procs.values()), "process", "processes"),
+             f" on {_plural(get('gpunet_nccl_job_nodes'), 'node')}"
+             f" with {_plural(get('gpunet_nccl_job_gpus'), 'GPU')}; "]
+    parts.append(", ".join(f"{_plural(n, 'communicator')} {status}"
+                           for status, n in sorted(comms.items())) or "no communicator")
+    parts.append(f"; {seen:.0f} of {expected:.0f} ranks answered")
+    trouble = [_plural(n, f"process {state}", f"processes {state}")
+               for state, n in procs.items() if state != "answering" and n]
+    if errored := get("gpunet_nccl_ranks_errored"):
+        trouble.append(_plural(errored, "rank with an error", "ranks with an error"))
+    if stalled := get("gpunet_nccl_stalled_ranks"):
+        trouble.append(_plural(stalled, "rank stuck", "ranks stuck"))
+    if idle := get("gpunet_nccl_communicators_without_progress"):
+        trouble.append(_plural(idle, "communicator") + " without progress since the "
+                       "previous report (idle, or hung as a whole)")
+    if trouble:
+        parts.append("; " + ", ".join(trouble))
+    return "".join(parts)
 
 
 ALERTS: tuple[Alert, ...] = (
@@ -109,12 +255,10 @@ ALERTS: tuple[Alert, ...] = (
           "All-reduce bus bandwidth below the expected",
           f"The {{{{ $labels.size }}}}-byte all-reduce reaches {{{{ $value | humanize }}}}B/s "
           f"bus bandwidth {SCOPE}, below the expected."),
-    Alert("GpunetBusBandwidthBelowLinkRate", "collective", "warning", "10m",
-          lambda t: ("gpunet_probe_bus_bandwidth_link_ratio < "
-                     f"{_g(t.probe.link_ratio)}"),
-          "All-reduce through the NICs well below the link rate",
-          f"The probe's all-reduce {SCOPE} reaches {{{{ $value | humanizePercentage }}}} of "
-          "what its RDMA links allow (gpunet_probe_link_bandwidth_bytes_per_second)."),
+    simple("GpunetBusBandwidthBelowLinkRate", "collective", "warning", "10m", BELOW_LINK_RATE,
+           "All-reduce through the NICs well below the link rate",
+           f"The probe's all-reduce {SCOPE} reaches {{{{ $value | humanizePercentage }}}} of "
+           "what its RDMA links allow (gpunet_probe_link_bandwidth_bytes_per_second)."),
     Alert("GpunetStragglerRank", "collective", "warning", "10m",
           lambda t: ("gpunet_probe_straggler_wait_ratio\n  * on (instance, scope) group_left "
                      "(rank, gpu) gpunet_probe_straggler_info\n  > "
@@ -182,22 +326,6 @@ ALERTS: tuple[Alert, ...] = (
           "The median bus bandwidth of the pairs of {{ $labels.instance }} is {{ $value | "
           "humanize }}B/s, below the fleet's median node by more than the robust-sigma "
           f"threshold (1.4826 x MAD, {FLEET_MAD_BW}) and the ratio threshold."),
-    Alert("GpunetFleetLinkSlow", "link", "warning", "5m", _fleet_link_slow,
-          "Pair slow between two otherwise healthy nodes",
-          "The pair {{ $labels.instance }} to {{ $labels.peer }} reaches {{ $value | "
-          "humanizePercentage }} of the fleet's median node bandwidth (0% when it failed), "
-          "while both ends have healthy pairs: the link between them (cable, ports, switch "
-          "path) is the suspect."),
-    Alert("GpunetFleetCrossLeafSlow", "topology", "warning", "5m",
-          # peer_leaf repeats leaf: Alertmanager's `equal` compares labels of one name, and a
-          # cross-leaf GpunetFleetLinkSlow names this leaf as its leaf or as its peer_leaf.
-          lambda t: (f'label_replace(\n  {LEAF_CROSS_RATIO} < '
-                     f'{_g(t.fleet.cross_leaf_ratio)},\n'
-                     '  "peer_leaf", "$1", "leaf", "(.*)"\n)'),
-          "Cross-leaf pairs much slower than intra-leaf pairs",
-          "The cross-leaf pairs of leaf {{ $labels.leaf }} reach {{ $value | "
-          "humanizePercentage }} of the bandwidth of its intra-leaf pairs (medians): the spine "
-          "side (the leaf's uplinks, the spines, routing) is the suspect."),
     Alert("GpunetFleetProbeStale", "collective", "warning", "0m",
           lambda t: ("time() - gpunet_fleet_round_timestamp_seconds > "
                      f"{_g(t.fleet.stale_seconds)}"),
@@ -220,7 +348,7 @@ def _fleet_recording(t: Thresholds) -> list[Rule]:
     """The pair plan's recording rules: per-node and fleet statistics of the pair bandwidth
     (successful pairs only), each pair's health, and the per-leaf intra and cross medians."""
     f = t.fleet
-    ran = f"{PAIR_BW} and on (instance, job, peer) {_PAIR_OK} == 1"
+    ran = f"{PAIR_BW} and on (instance, job, peer) {PAIR_OK} == 1"
     # Pairs whose peer is on this node's leaf: pair_info with peer_leaf copied into leaf, so it
     # matches the node's own leaf label (PromQL cannot compare two labels directly).
     with_leaf = (f"(\n    {ran}\n  )\n"
@@ -237,10 +365,10 @@ def _fleet_recording(t: Thresholds) -> list[Rule]:
          "expr": f"(\n  {ran}\n)\n/ on (job) group_left {FLEET_MEDIAN_BW}"},
         {"record": PAIR_HEALTHY,
          "expr": (f"{PAIR_RATIO} >= bool {_g(f.link_slow_ratio)}\n"
-                  f"or on (instance, job, peer)\n{_PAIR_OK} == bool 1")},
-        {"record": NODE_PAIRS, "expr": f"count by (instance, job) ({_PAIR_OK})"},
+                  f"or on (instance, job, peer)\n{PAIR_OK} == bool 1")},
+        {"record": NODE_PAIRS, "expr": f"count by (instance, job) ({PAIR_OK})"},
         {"record": NODE_PAIRS_HEALTHY, "expr": f"sum by (instance, job) ({PAIR_HEALTHY})"},
-        {"record": PEER_PAIRS, "expr": f"count by (job, peer) ({_PAIR_OK})"},
+        {"record": PEER_PAIRS, "expr": f"count by (job, peer) ({PAIR_OK})"},
         {"record": PEER_PAIRS_HEALTHY, "expr": f"sum by (job, peer) ({PAIR_HEALTHY})"},
         {"record": PAIR_LEAVES, "expr": _pair_leaves()},
         {"record": LEAF_INTRA_BW,
@@ -272,3 +400,16 @@ def _pair_leaves() -> str:
             f'label_replace(\n  label_replace(\n    {both("    ")},\n'
             '    "cross_leaf", "true", "peer_leaf", ".+"\n  ),\n'
             '  "cross_leaf", "", "leaf", ""\n)')
+
+# The doctor's checks, in steps (mixin.alerts.DOCTOR_ORDER).
+CHECKS: dict[str, tuple[DoctorCheck, ...]] = {
+    "collectives": (check_probe, BELOW_LINK_RATE, check_straggler), "nccl_jobs": (check_nccl_jobs,)}
+# Alerts the doctor cannot check, and why.
+UNCHECKED: dict[str, str] = {
+    "GpunetProbeTimeVariance": "a variation over hours of probe rounds; the doctor sees one",
+    "GpunetProbeStale": "the time since the last probe round; the doctor asks for a round",
+    "GpunetProbeIdleUnknown": "reported as a problem (could not check), not a finding",
+    "GpunetFleetNodeSuspect": "the pair plan's fleet statistics: no node sees them alone",
+    "GpunetFleetBandwidthOutlier": "the pair plan's fleet statistics: no node sees them alone",
+    "GpunetFleetProbeStale": "the pair plan's rounds, run by the fleet, not by the doctor",
+}

@@ -8,7 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gpunet_exporter.mixin.check import Simple, number
 from gpunet_exporter.mixin.thresholds import Thresholds
+
+__all__ = ["ALERTS_FIRING", "CLASSES", "SEVERITIES", "Alert", "Rule", "number", "simple"]
 
 # The problem classes, one module each in this package, in the order the rule file lists their
 # alerts and the fleet dashboard's health matrix shows them.
@@ -34,14 +37,18 @@ class Alert:
     expr: Callable[[Thresholds], str]
     summary: str
     description: str
+    # The doctor's check when the alert has a simple shape (expr is then derived from it).
+    check: Simple | None = None
 
     def __post_init__(self) -> None:
         assert self.cls in CLASSES and self.severity in SEVERITIES, self.name
 
 
-def number(v: float) -> str:
-    """A number as PromQL and humans read it (no exponent for ordinary sizes)."""
-    return f"{v:.15g}" if abs(v) < 1e15 else repr(float(v))
+def simple(name: str, cls: str, severity: str, for_: str, check: Simple, summary: str,
+           description: str) -> Alert:
+    """An alert of a simple shape: its PromQL and the doctor's check both from ``check``."""
+    assert check.alert == name, name
+    return Alert(name, cls, severity, for_, check.promql, summary, description, check)
 
 
 # Where an alert is, as its description names it.

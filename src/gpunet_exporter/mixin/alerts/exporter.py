@@ -15,3 +15,9 @@ ALERTS: tuple[Alert, ...] = (
           f"Prometheus cannot scrape gpunet-exporter {NODE}: no network or GPU health data "
           "from this node."),
 )
+# Alerts the doctor cannot check, and why.
+UNCHECKED: dict[str, str] = {
+    "GpunetCollectorFailing": "the doctor runs the collectors itself: a failed one is a "
+                              "problem of its report (exit code 2), not a finding",
+    "GpunetExporterDown": "the exporter service's scrape; the doctor serves nothing",
+}

@@ -128,3 +128,6 @@ ALERTS: tuple[Alert, ...] = (
           "The last successful fabric sweep on {{ $labels.instance }} ended {{ $value | "
           "humanizeDuration }} ago: the fabric alerts judge old values."),
 )
+# Alerts the doctor cannot check, and why.
+UNCHECKED: dict[str, str] = {a.name: "the fabric's switches, read by the subnet manager's "
+                             "node, not by this node" for a in ALERTS}

@@ -1,18 +1,114 @@
-"""The transport alerts: what NCCL really uses."""
+"""The transport alerts: what NCCL really uses; and the doctor's checks of them."""
 
 from __future__ import annotations
 
-from gpunet_exporter.mixin.alerts.common import NODE, PORT, SCOPE, Alert
+from gpunet_exporter.mixin.alerts.common import NODE, PORT, SCOPE, Alert, simple
 from gpunet_exporter.mixin.alerts.common import number as _g
+from gpunet_exporter.mixin.check import Check, DoctorCheck, Note, Simple, checks, port
+from gpunet_exporter.nccl.env import NCCL_FAULT_CLASSES, NCCL_SETTING_NOTES
 
 _ACTIVE_RDMA_PORT = "count by (instance) (gpunet_infiniband_port_state_id == 4) > 0"
 
 
+# Alerts of a simple shape: the PromQL and the doctor's check from one declaration.
+SOCKET_FALLBACK = Simple(
+    "GpunetNcclSocketFallback", "gpunet_probe_socket_fallback", "==", 1, "nccl_tcp",
+    lambda lbl: f"{lbl['scope']} probe",
+    lambda c, lbl, v, limit: "NCCL runs over TCP sockets although RDMA should carry it",
+    lambda lbl: "gpunet-probe explain-log <the job's NCCL_DEBUG=INFO log>")
+ENV_DISABLES_FAST_PATH = Simple(
+    "GpunetNcclEnvDisablesFastPath", "gpunet_topology_nccl_env_findings", ">", 0, "nccl_tcp",
+    lambda lbl: lbl["variable"],
+    lambda c, lbl, v, limit: f"{v:.0f} GPU processes set {lbl['variable']} ({lbl['issue']})",
+    lambda lbl: "tr '\\0' '\\n' < /proc/PID/environ | grep ^NCCL_  # PIDs: nvidia-smi")
+
+
+def note_nccl_settings(c: Check) -> None:
+    """NCCL settings a job makes on purpose (no alert): notes."""
+    for lbl, v in c.b.all("gpunet_topology_nccl_env_settings"):
+        if v > 0 and (lbl["variable"], lbl["value_class"]) not in NCCL_FAULT_CLASSES:
+            note = NCCL_SETTING_NOTES.get((lbl["variable"], lbl["value_class"]))
+            c.notes.append(Note(lbl["variable"], f"{v:.0f} GPU processes set it "
+                                f"({lbl['value_class']})" + (f": {note}" if note else "")))
+
+
+@checks("GpunetGdrNotReady", "GpunetGdrInactive")
+def check_gdr(c: Check) -> None:
+    """GPUDirect RDMA, judged only while an RDMA port is ACTIVE (as the alerts' join)."""
+    b = c.b
+    if not c.active_rdma_port():
+        return
+    if b.get("gpunet_topology_gdr_ready") == 0:
+        c.add("gdr_off", "GpunetGdrNotReady", "node",
+              "no peer-memory module (nvidia_peermem) loaded and no DMA-BUF",
+              "lsmod | grep -E 'nvidia_peermem|nv_peer_mem'; cat /proc/driver/nvidia/version")
+    for lbl, v in b.all("gpunet_probe_gdr_active"):
+        if v == 0:
+            c.add("gdr_off", "GpunetGdrInactive", f"{lbl['scope']} probe",
+                  "NCCL's network channels do not use GPUDirect RDMA while RDMA ports are up: "
+                  "data is staged through host memory",
+                  "NCCL_DEBUG=INFO: look for /GDRDMA on the NET/IB channel lines")
+
+
+@checks("GpunetGpuJobRdmaIdle")
+def check_job_rdma_idle(c: Check) -> None:
+    """GpunetGpuJobRdmaIdle: GPUs with compute processes starved (the mean of the two readings
+    below gpu.busy_utilization_ratio) while the RDMA ports, all together, move less than
+    infiniband.rdma_idle_bytes_per_second between the readings."""
+    if not c.active_rdma_port():
+        return
+    rates = [r for name in ("gpunet_infiniband_port_transmitted_bytes_total",
+                            "gpunet_infiniband_port_received_bytes_total")
+             for _, r in c.rate(name)]
+    idle = c.t.infiniband.rdma_idle_bytes_per_second
+    if not rates or sum(rates) >= idle:
+        return
+    lo = c.t.gpu.busy_utilization_ratio
+    starved = [gpu for gpu, util in c.working_gpus().items() if util < lo]
+    if starved:
+        c.add("nccl_tcp", "GpunetGpuJobRdmaIdle", "node",
+              f"{len(starved)} GPUs with compute processes (GPU {', '.join(starved)}) are busy "
+              f"less than {lo:.0%} while the RDMA ports move {sum(rates):.3g} B/s (idle below "
+              f"{idle:.3g}): the job's traffic is not on RDMA, or it does not use the network "
+              f"(read over the check's {c.dt:.3g} s; the alert averages 10 minutes)",
+              "NCCL_DEBUG=INFO in the job, then: gpunet-probe explain-log <its log>; "
+              "tr '\\0' '\\n' < /proc/PID/environ | grep ^NCCL_  # PIDs: nvidia-smi")
+
+
+# hw_counters behind GpunetRoceRetransmissions: (metric, file, thresholds key, words).
+RETRANSMISSIONS = (
+    ("out_of_sequence_packets", "out_of_sequence", "sequence_errors_per_second",
+     "out-of-sequence packets"),
+    ("packet_sequence_error_naks", "packet_seq_err", "sequence_errors_per_second",
+     "sequence-error NAKs"),
+    ("implied_nak_sequence_errors", "implied_nak_seq_err", "sequence_errors_per_second",
+     "implied NAK sequence errors"),
+    ("local_ack_timeouts", "local_ack_timeout_err", "ack_timeouts_per_second", "ACK timeouts"),
+)
+
+
+@checks("GpunetRoceRetransmissions")
+def check_retransmissions(c: Check) -> None:
+    """GpunetRoceRetransmissions: one finding per port whose sequence errors or ACK timeouts
+    rise faster than their thresholds (the alert's ``or`` of the four rates)."""
+    t = c.t.infiniband
+    seen: set[tuple[str, str]] = set()
+    for metric, file, key, what in RETRANSMISSIONS:
+        for lbl, r in c.rate(f"gpunet_infiniband_port_hw_{metric}_total"):
+            where = (lbl.get("device", ""), lbl.get("port", ""))
+            if where not in seen and r > getattr(t, key):
+                seen.add(where)
+                c.add("retransmit", "GpunetRoceRetransmissions", port(lbl),
+                      f"{r:.4g} {what} per second (limit {getattr(t, key):g})",
+                      f"cat /sys/class/infiniband/{lbl['device']}/ports/{lbl['port']}/"
+                      f"hw_counters/{file}  # twice; rdma statistic show link "
+                      f"{lbl['device']}/{lbl['port']}")
+
+
 ALERTS: tuple[Alert, ...] = (
-    Alert("GpunetNcclSocketFallback", "transport", "critical", "0m",
-          lambda t: "gpunet_probe_socket_fallback == 1",
-          "NCCL fell back to TCP sockets",
-          f"NCCL runs over TCP sockets {SCOPE} although RDMA should carry it."),
+    simple("GpunetNcclSocketFallback", "transport", "critical", "0m", SOCKET_FALLBACK,
+           "NCCL fell back to TCP sockets",
+           f"NCCL runs over TCP sockets {SCOPE} although RDMA should carry it."),
     Alert("GpunetGdrInactive", "transport", "critical", "0m",
           lambda t: f"gpunet_probe_gdr_active == 0\n  and on (instance) {_ACTIVE_RDMA_PORT}",
           "NCCL network traffic without GPUDirect RDMA",
@@ -39,11 +135,11 @@ ALERTS: tuple[Alert, ...] = (
           "ports carry almost nothing: the job's traffic is not on RDMA (NCCL on sockets, as "
           "in a container without the InfiniBand libraries) or the job does not use the "
           "network."),
-    Alert("GpunetNcclEnvDisablesFastPath", "transport", "warning", "10m",
-          lambda t: "gpunet_topology_nccl_env_findings > 0",
-          "GPU processes run NCCL with a fast path turned off",
-          f"{{{{ $value }}}} GPU processes {NODE} set {{{{ $labels.variable }}}} "
-          "({{ $labels.issue }})."),
+    simple("GpunetNcclEnvDisablesFastPath", "transport", "warning", "10m",
+           ENV_DISABLES_FAST_PATH,
+           "GPU processes run NCCL with a fast path turned off",
+           f"{{{{ $value }}}} GPU processes {NODE} set {{{{ $labels.variable }}}} "
+           "({{ $labels.issue }})."),
     Alert("GpunetRoceRetransmissions", "transport", "warning", "10m",
           lambda t: ("\nor\n".join(
               f"rate(gpunet_infiniband_port_hw_{m}_total[5m]) > "
@@ -56,3 +152,9 @@ ALERTS: tuple[Alert, ...] = (
           f"RDMA port {PORT} sees {{{{ $value | humanize }}}} sequence errors or ACK timeouts "
           "per second (hw_counters): packets are lost and retransmitted."),
 )
+
+# The doctor's checks, in steps (mixin.alerts.DOCTOR_ORDER).
+CHECKS: dict[str, tuple[DoctorCheck, ...]] = {
+    "transport": (SOCKET_FALLBACK, ENV_DISABLES_FAST_PATH, note_nccl_settings, check_gdr),
+    "job_rdma_idle": (check_job_rdma_idle,),
+    "retransmissions": (check_retransmissions,)}
