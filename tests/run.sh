@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: Debian packages (when root), a virtualenv with the
-# exporter and its test dependencies, lint, types, then pytest. Extra arguments go to pytest.
+# exporter and its test dependencies, lint, types, then pytest, its tests spread over
+# pytest-xdist workers (GPUNET_TEST_WORKERS, default 6: most system tests wait on processes).
+# Extra arguments go to pytest (`-n 0`: one process, in order).
+#
+# `bash tests/run.sh --unit [pytest arguments]`: the unit tier only (tests/support/tiers.py):
+# no Debian package installed or needed, the same virtualenv, lint and types, then
+# `pytest -m unit` (a `-m EXPR` given is joined to it: `-m 'unit and (EXPR)'`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+unit=
+if [ "${1:-}" = --unit ]; then unit=1; shift; fi
 
 need_apt=()
 command -v prometheus >/dev/null || need_apt+=(prometheus)
@@ -29,7 +38,9 @@ command -v mmdebstrap >/dev/null || need_apt+=(mmdebstrap)
 command -v buildah >/dev/null || need_apt+=(buildah)
 command -v podman >/dev/null || need_apt+=(podman)
 command -v runc >/dev/null || need_apt+=(runc)
-if ((${#need_apt[@]})); then
+if [ -n "$unit" ]; then
+  :  # the unit tier needs none of them
+elif ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "run.sh: installing Debian packages: ${need_apt[*]}"
     apt-get update -qq
@@ -51,4 +62,18 @@ export PATH="$PWD/$venv/bin:$PATH"
 echo "run.sh: ruff"; ruff check src tests bench grafana examples kubernetes \
   slurm/gpunet-healthcheck
 echo "run.sh: mypy"; mypy
-echo "run.sh: pytest"; exec python -m pytest "$@"
+if [ -z "$unit" ]; then
+  echo "run.sh: pytest"
+  exec python -m pytest -n "${GPUNET_TEST_WORKERS:-6}" --dist loadgroup "$@"
+fi
+# The unit tier: `-m unit`, or `-m 'unit and (EXPR)'` for a `-m EXPR` (or `-mEXPR`) given.
+args=() marks=unit
+while (($#)); do
+  case "$1" in
+    -m) marks="unit and ($2)"; shift 2 ;;
+    -m?*) marks="unit and (${1#-m})"; shift ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+echo "run.sh: pytest -m '$marks'"
+exec python -m pytest -n "${GPUNET_TEST_WORKERS:-2}" -m "$marks" ${args[@]+"${args[@]}"}
