@@ -23,7 +23,6 @@ def pytest_configure(config: pytest.Config) -> None:
     tiers.configure(config)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tiers.mark(items)
 
@@ -48,6 +47,11 @@ def pytest_runtest_makereport(item: pytest.Item) -> Iterator[pytest.TestReport]:
     rep: pytest.TestReport = yield
     tiers.report(item, rep)
     return rep
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    return tiers.scheduler(config, log)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

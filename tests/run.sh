@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: Debian packages (when root), a virtualenv with the
 # exporter and its test dependencies, lint, types, then pytest, its tests spread over
-# pytest-xdist workers (GPUNET_TEST_WORKERS, default 6: most system tests wait on processes).
+# pytest-xdist workers (GPUNET_TEST_WORKERS, default 6: most system tests wait on processes;
+# tests/support/tiers.py keeps the tests of a module's shared fixture on one worker).
 # Extra arguments go to pytest (`-n 0`: one process, in order).
 #
 # `bash tests/run.sh --unit [pytest arguments]`: the unit tier only (tests/support/tiers.py):
@@ -62,9 +63,21 @@ export PATH="$PWD/$venv/bin:$PATH"
 echo "run.sh: ruff"; ruff check src tests bench grafana examples kubernetes \
   slurm/gpunet-healthcheck
 echo "run.sh: mypy"; mypy
+# The tests' temporary files (pytest's --basetemp) in memory where /dev/shm is a tmpfs with room
+# (GPUNET_TEST_TMP names another folder; empty: pytest's default under /tmp): many tests build
+# and remove sysfs trees of thousands of small files, ten times faster there than on a busy disk.
+tmp_root="${GPUNET_TEST_TMP-/dev/shm}"
+basetemp=()
+if [ -n "$tmp_root" ] && [ -d "$tmp_root" ] && [ -w "$tmp_root" ] \
+    && (($(df -Pk "$tmp_root" | awk 'NR == 2 {print $4}') > 8 * 1024 * 1024)); then
+  base="$(mktemp -d "$tmp_root/gpunet-tests.XXXXXX")"
+  trap 'rm -rf "$base"' EXIT
+  basetemp=(--basetemp "$base/t")
+fi
 if [ -z "$unit" ]; then
   echo "run.sh: pytest"
-  exec python -m pytest -n "${GPUNET_TEST_WORKERS:-6}" --dist loadgroup "$@"
+  python -m pytest -n "${GPUNET_TEST_WORKERS:-6}" "${basetemp[@]}" "$@" \
+    && exit 0 || exit $?
 fi
 # The unit tier: `-m unit`, or `-m 'unit and (EXPR)'` for a `-m EXPR` (or `-mEXPR`) given.
 args=() marks=unit
@@ -76,4 +89,5 @@ while (($#)); do
   esac
 done
 echo "run.sh: pytest -m '$marks'"
-exec python -m pytest -n "${GPUNET_TEST_WORKERS:-2}" -m "$marks" ${args[@]+"${args[@]}"}
+python -m pytest -n "${GPUNET_TEST_WORKERS:-2}" -m "$marks" "${basetemp[@]}" \
+  ${args[@]+"${args[@]}"} && exit 0 || exit $?

@@ -127,3 +127,38 @@ def test_pytest_fails_a_unit_test_that_starts_a_process(tmp_path: Path) -> None:
     assert r.returncode == 1, r.stdout + r.stderr
     assert "1 failed, 1 passed" in r.stdout, r.stdout
     assert "test_starts_true is a unit test but started a process (true)" in r.stdout, r.stdout
+
+
+def _shared_fixture_modules() -> set[str]:
+    """Test modules defining a fixture of module, package or session scope."""
+    out = set()
+    for path in TESTS.glob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef) and any(
+                    "fixture" in ast.unparse(d)
+                    and re.search(r"scope=['\"](module|package|session)['\"]", ast.unparse(d))
+                    for d in node.decorator_list):
+                out.add(path.stem)
+    return out
+
+
+def test_modules_with_shared_fixtures_run_on_one_worker() -> None:
+    """Every module that builds something once for its tests is one unit of work for
+    pytest-xdist (two workers would each build it: an image twice, two Slurm clusters)."""
+    shared = _shared_fixture_modules()
+    assert {"test_image", "test_fleet_slurm"} <= shared  # the scan still finds them
+    assert shared <= tiers.GROUPED_MODULES, shared - tiers.GROUPED_MODULES
+    modules = {p.stem for p in TESTS.glob("test_*.py")}
+    assert modules >= tiers.GROUPED_MODULES and set(tiers.FIRST) <= modules
+
+
+def test_the_scheduler_keeps_groups_and_puts_long_modules_first() -> None:
+    assert tiers.scope("tests/test_image.py::test_a") == "tests/test_image.py"
+    assert tiers.scope("tests/test_image.py::test_b[x]") == "tests/test_image.py"
+    assert tiers.scope("tests/test_alerts.py::test_a") == "tests/test_alerts.py::test_a"
+    nodeids = ["tests/test_settings.py::test_a", "tests/test_alerts.py::test_b",
+               "tests/test_parsers.py::test_c", "tests/test_image.py::test_d"]
+    assert tiers.order(nodeids) == ["tests/test_image.py::test_d",
+                                    "tests/test_alerts.py::test_b",
+                                    "tests/test_settings.py::test_a",
+                                    "tests/test_parsers.py::test_c"]

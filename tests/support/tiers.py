@@ -227,36 +227,68 @@ def classify(item: pytest.Item) -> str:
     return "unit"
 
 
-def shared_fixtures(item: pytest.Item) -> list[str]:
-    """The fixtures of a wider scope than the test (module, package, session) that ``item``
-    uses and the suite defines (in tests/, not pytest's own): things built once for many
-    tests, such as a container image, a Slurm cluster or a fleet of namespaces."""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return []
-    tests = str(Path(__file__).resolve().parents[1])
-    out = []
-    for name, defs in info.name2fixturedefs.items():
-        for fixturedef in defs:
-            where = getattr(fixturedef, "baseid", "")
-            func = getattr(fixturedef, "func", None)
-            source = getattr(getattr(func, "__code__", None), "co_filename", "")
-            if fixturedef.scope in ("module", "package", "session") and (
-                    source.startswith(tests) or where.startswith("tests")):
-                out.append(name)
-    return out
-
-
 def mark(items: Iterable[pytest.Item]) -> None:
-    """Each test's tier; and, for pytest-xdist's ``--dist loadgroup``, tests sharing a fixture
-    built once per module or session go to one worker (an ``xdist_group`` named after the
-    module), so that no two workers build the same image, cluster or fleet."""
+    """Each test's tier."""
     for item in items:
         tier = classify(item)
         if item.get_closest_marker(tier) is None:
             item.add_marker(tier)
-        if item.get_closest_marker("xdist_group") is None and shared_fixtures(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+# ---- spreading the tests over pytest-xdist workers ----------------------------------------------
+
+# Modules with a fixture built once per module or session (an image, a Slurm cluster, a fleet of
+# namespaces, a Prometheus with its exporters): their tests run on one worker, so that no two
+# workers build the same thing (tests/test_tiers.py checks the list against the modules).
+GROUPED_MODULES: frozenset[str] = frozenset({
+    "test_alerts_e2e", "test_demo", "test_doctor", "test_fleet_netns", "test_fleet_rules_netns",
+    "test_fleet_slurm", "test_fuzz", "test_golden", "test_grafana_fabric", "test_grafana_pairs",
+    "test_image", "test_kubernetes_exporter", "test_slurm_healthcheck", "test_web_config",
+})
+
+# Modules whose tests (or group) take longest, longest first (durations of 2026-11-27): they are
+# handed out first, so that the run does not end waiting on one of them started last.
+FIRST: tuple[str, ...] = (
+    "test_image", "test_alerts", "test_load", "test_fleet_rules_netns", "test_slurm_healthcheck",
+    "test_fleet_launcher_netns", "test_fleet_slurm", "test_fleet_netns", "test_doctor",
+    "test_probe", "test_probe_idle", "test_fleet_launcher",
+)
+
+
+def _module(nodeid: str) -> str:
+    return Path(nodeid.split("::")[0]).stem
+
+
+def scope(nodeid: str) -> str:
+    """The unit of work ``nodeid`` belongs to: its module's, or its own."""
+    return nodeid.split("::")[0] if _module(nodeid) in GROUPED_MODULES else nodeid
+
+
+def order(nodeids: list[str]) -> list[str]:
+    """Tests of :data:`FIRST` first, in its order; the others as collected."""
+    rank = {m: i for i, m in enumerate(FIRST)}
+    return sorted(nodeids, key=lambda n: rank.get(_module(n), len(FIRST)))
+
+
+def scheduler(config: pytest.Config, log: Any) -> Any:
+    """The scheduler tests/conftest.py gives pytest-xdist. Its ``--dist loadgroup`` rewrites a
+    test's node id, which pytest 9 no longer allows (the groups were silently lost). Here every
+    test is a unit of work of its own, except that a module of :data:`GROUPED_MODULES` is one
+    unit; the tests of :data:`FIRST` go first, the rest in the order of collection."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return scope(nodeid)
+
+        def schedule(self) -> None:
+            if self.collection is None and self.collection_is_completed:
+                self.config.option.loadscopereorder = False  # this order, not by size
+                for nodeids in self.registered_collections.values():
+                    nodeids[:] = order(nodeids)
+            super().schedule()
+
+    return Scheduling(config, log)
 
 
 # The test running now, when it is a unit test (or every test, when auditing), and what it did.
