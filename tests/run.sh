@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: Debian packages (when root), a virtualenv with the
 # exporter and its test dependencies, lint, types, then pytest, its tests spread over
-# pytest-xdist workers (GPUNET_TEST_WORKERS, default 6: most system tests wait on processes;
+# pytest-xdist workers (GPUNET_TEST_WORKERS, default 4: most system tests wait on processes;
 # tests/support/tiers.py keeps the tests of a module's shared fixture on one worker).
 # Extra arguments go to pytest (`-n 0`: one process, in order).
 #
@@ -60,23 +60,27 @@ venv=.venv
 "$venv/bin/pip" install -q ".[test,probe]"  # probe: torch==2.13.0, CPU build, gloo tests
 export PATH="$PWD/$venv/bin:$PATH"
 
-echo "run.sh: ruff"; ruff check src tests bench grafana examples kubernetes \
+echo "run.sh: ruff"; python -m ruff check src tests bench grafana examples kubernetes \
   slurm/gpunet-healthcheck
-echo "run.sh: mypy"; mypy
+echo "run.sh: mypy"; python -m mypy
 # The tests' temporary files (pytest's --basetemp) in memory where /dev/shm is a tmpfs with room
-# (GPUNET_TEST_TMP names another folder; empty: pytest's default under /tmp): many tests build
-# and remove sysfs trees of thousands of small files, ten times faster there than on a busy disk.
+# and 8 GiB of memory are available (the container image's store takes 2.4 GB; GPUNET_TEST_TMP
+# names another folder, empty: pytest's default under /tmp): many tests build and remove sysfs
+# trees of thousands of small files, ten times faster there than on a busy disk.
 tmp_root="${GPUNET_TEST_TMP-/dev/shm}"
+gib=$((1024 * 1024))  # in KiB
 basetemp=()
 if [ -n "$tmp_root" ] && [ -d "$tmp_root" ] && [ -w "$tmp_root" ] \
-    && (($(df -Pk "$tmp_root" | awk 'NR == 2 {print $4}') > 8 * 1024 * 1024)); then
+    && (($(df -Pk "$tmp_root" | awk 'NR == 2 {print $4}') > 8 * gib)) \
+    && { [ "$(stat -f -c %T "$tmp_root")" != tmpfs ] \
+         || (($(awk '/^MemAvailable:/ {print $2}' /proc/meminfo) > 8 * gib)); }; then
   base="$(mktemp -d "$tmp_root/gpunet-tests.XXXXXX")"
   trap 'rm -rf "$base"' EXIT
   basetemp=(--basetemp "$base/t")
 fi
 if [ -z "$unit" ]; then
   echo "run.sh: pytest"
-  python -m pytest -n "${GPUNET_TEST_WORKERS:-6}" "${basetemp[@]}" "$@" \
+  python -m pytest -n "${GPUNET_TEST_WORKERS:-4}" "${basetemp[@]}" "$@" \
     && exit 0 || exit $?
 fi
 # The unit tier: `-m unit`, or `-m 'unit and (EXPR)'` for a `-m EXPR` (or `-mEXPR`) given.
