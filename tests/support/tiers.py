@@ -281,12 +281,18 @@ def scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             return scope(nodeid)
 
-        def schedule(self) -> None:
-            if self.collection is None and self.collection_is_completed:
-                self.config.option.loadscopereorder = False  # this order, not by size
-                for nodeids in self.registered_collections.values():
-                    nodeids[:] = order(nodeids)
-            super().schedule()
+        ordered = False
+
+        def _assign_work_unit(self, node: Any) -> None:
+            # The queue of units, not the workers' collections (the workers are sent indexes
+            # into those, as collected): reordered once, before the first unit goes out.
+            if not self.ordered:
+                self.ordered = True
+                units = dict(self.workqueue)
+                self.workqueue.clear()
+                for first in order(list(units)):
+                    self.workqueue[first] = units[first]
+            super()._assign_work_unit(node)
 
     return Scheduling(config, log)
 
