@@ -74,9 +74,10 @@ if [ -n "$tmp_root" ] && [ -d "$tmp_root" ] && [ -w "$tmp_root" ] \
     && (($(df -Pk "$tmp_root" | awk 'NR == 2 {print $4}') > 8 * gib)) \
     && { [ "$(stat -f -c %T "$tmp_root")" != tmpfs ] \
          || (($(awk '/^MemAvailable:/ {print $2}' /proc/meminfo) > 8 * gib)); }; then
-  base="$(mktemp -d "$tmp_root/gpunet-tests.XXXXXX")"
+  # Short: podman refuses a --runroot (tests/test_image.py's, under it) past 50 characters.
+  base="$(mktemp -d "$tmp_root/gpunet.XXXXXX")"
   trap 'rm -rf "$base"' EXIT
-  basetemp=(--basetemp "$base/t")
+  basetemp=(--basetemp "$base")
 fi
 if [ -z "$unit" ]; then
   echo "run.sh: pytest"
