@@ -13,7 +13,49 @@ import pytest
 # tests/ on sys.path, for `support` (pytest puts it there too; this does not depend on how).
 sys.path.insert(0, str(Path(__file__).parent))
 
+from support import tiers
 from support.exporter import Exporter
+
+
+# The two tiers (tests/support/tiers.py): every test is marked unit or system, and a unit test
+# that starts a process fails.
+def pytest_configure(config: pytest.Config) -> None:
+    tiers.configure(config)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tiers.mark(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[object]:
+    tiers.enter(item)
+    try:
+        return (yield)
+    finally:
+        tiers.leave()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any]) -> Iterator[object]:
+    with tiers.fixture(fixturedef, "setup"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item) -> Iterator[pytest.TestReport]:
+    rep: pytest.TestReport = yield
+    tiers.report(item, rep)
+    return rep
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    return tiers.scheduler(config, log)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    tiers.finish(config)
 
 
 @pytest.fixture

@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: Debian packages (when root), a virtualenv with the
-# exporter and its test dependencies, lint, types, then pytest. Extra arguments go to pytest.
+# exporter and its test dependencies, lint, types, then pytest, its tests spread over
+# pytest-xdist workers (GPUNET_TEST_WORKERS, default 4: most system tests wait on processes;
+# tests/support/tiers.py keeps the tests of a module's shared fixture on one worker).
+# Extra arguments go to pytest (`-n 0`: one process, in order).
+#
+# `bash tests/run.sh --unit [pytest arguments]`: the unit tier only (tests/support/tiers.py):
+# no Debian package installed or needed, the same virtualenv, lint and types, then
+# `pytest -m unit` (a `-m EXPR` given is joined to it: `-m 'unit and (EXPR)'`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+unit=
+if [ "${1:-}" = --unit ]; then unit=1; shift; fi
 
 need_apt=()
 command -v prometheus >/dev/null || need_apt+=(prometheus)
@@ -29,7 +39,9 @@ command -v mmdebstrap >/dev/null || need_apt+=(mmdebstrap)
 command -v buildah >/dev/null || need_apt+=(buildah)
 command -v podman >/dev/null || need_apt+=(podman)
 command -v runc >/dev/null || need_apt+=(runc)
-if ((${#need_apt[@]})); then
+if [ -n "$unit" ]; then
+  :  # the unit tier needs none of them
+elif ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "run.sh: installing Debian packages: ${need_apt[*]}"
     apt-get update -qq
@@ -48,7 +60,39 @@ venv=.venv
 "$venv/bin/pip" install -q ".[test,probe]"  # probe: torch==2.13.0, CPU build, gloo tests
 export PATH="$PWD/$venv/bin:$PATH"
 
-echo "run.sh: ruff"; ruff check src tests bench grafana examples kubernetes \
+echo "run.sh: ruff"; python -m ruff check src tests bench grafana examples kubernetes \
   slurm/gpunet-healthcheck
-echo "run.sh: mypy"; mypy
-echo "run.sh: pytest"; exec python -m pytest "$@"
+echo "run.sh: mypy"; python -m mypy
+# The tests' temporary files (pytest's --basetemp) in memory where /dev/shm is a tmpfs with room
+# and 8 GiB of memory are available (the container image's store takes 2.4 GB; GPUNET_TEST_TMP
+# names another folder, empty: pytest's default under /tmp): many tests build and remove sysfs
+# trees of thousands of small files, ten times faster there than on a busy disk.
+tmp_root="${GPUNET_TEST_TMP-/dev/shm}"
+gib=$((1024 * 1024))  # in KiB
+basetemp=()
+if [ -n "$tmp_root" ] && [ -d "$tmp_root" ] && [ -w "$tmp_root" ] \
+    && (($(df -Pk "$tmp_root" | awk 'NR == 2 {print $4}') > 8 * gib)) \
+    && { [ "$(stat -f -c %T "$tmp_root")" != tmpfs ] \
+         || (($(awk '/^MemAvailable:/ {print $2}' /proc/meminfo) > 8 * gib)); }; then
+  # Short: podman refuses a --runroot (tests/test_image.py's, under it) past 50 characters.
+  base="$(mktemp -d "$tmp_root/gpunet.XXXXXX")"
+  trap 'rm -rf "$base"' EXIT
+  basetemp=(--basetemp "$base")
+fi
+if [ -z "$unit" ]; then
+  echo "run.sh: pytest"
+  python -m pytest -n "${GPUNET_TEST_WORKERS:-4}" "${basetemp[@]}" "$@" \
+    && exit 0 || exit $?
+fi
+# The unit tier: `-m unit`, or `-m 'unit and (EXPR)'` for a `-m EXPR` (or `-mEXPR`) given.
+args=() marks=unit
+while (($#)); do
+  case "$1" in
+    -m) marks="unit and ($2)"; shift 2 ;;
+    -m?*) marks="unit and (${1#-m})"; shift ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+echo "run.sh: pytest -m '$marks'"
+python -m pytest -n "${GPUNET_TEST_WORKERS:-2}" -m "$marks" "${basetemp[@]}" \
+  ${args[@]+"${args[@]}"} && exit 0 || exit $?

@@ -113,13 +113,14 @@ def test_data_files_are_in_fixtures() -> None:
 
 
 def test_conftest_holds_only_fixtures() -> None:
-    """tests/conftest.py defines pytest fixtures and nothing else; helpers are in tests/support."""
+    """tests/conftest.py defines pytest fixtures and pytest's hooks (pytest_*, which hand over
+    to tests/support: the tiers) and nothing else; helpers are in tests/support."""
     tree = ast.parse((TESTS / "conftest.py").read_text(encoding="utf-8"))
     others = []
     for node in tree.body:
         if isinstance(node, ast.FunctionDef):
             fixture = any("fixture" in ast.unparse(d) for d in node.decorator_list)
-            if not fixture:
+            if not fixture and not node.name.startswith("pytest_"):
                 others.append(f"function {node.name}")
         elif isinstance(node, (ast.ClassDef, ast.AsyncFunctionDef)):
             others.append(f"{type(node).__name__} {node.name}")

@@ -366,7 +366,12 @@ def udev_test(tmp_path: Path, rules: str, group_gid: int) -> tuple[dict[str, str
     umad0 and issm0, with ``rules`` installed in /etc/udev/rules.d, the distribution's own rules
     beside it, and a group gpunet-fabric: all in a private mount namespace (tmpfs over
     /etc/udev/rules.d, /run, /sys/devices/virtual and /dev; /etc/group bound over), so the
-    host is left alone. Returns each node's "mode uid gid" after udev, and udev's log."""
+    host is left alone. Returns each node's "mode uid gid" after udev, and udev's log.
+    A ``tmp_path`` under one of those (tests/run.sh puts pytest's files on /dev/shm) would be
+    hidden from the script: a folder under /var/tmp is used instead."""
+    if any(tmp_path.resolve().is_relative_to(top) for top in ("/dev", "/run", "/sys", "/etc")):
+        with tempfile.TemporaryDirectory(dir="/var/tmp") as elsewhere:
+            return udev_test(Path(elsewhere), rules, group_gid)
     (tmp_path / "92-gpunet-umad.rules").write_text(rules, encoding="utf-8")
     group = Path("/etc/group").read_text(encoding="utf-8")
     (tmp_path / "group").write_text(f"{group.rstrip()}\ngpunet-fabric:x:{group_gid}:\n",
