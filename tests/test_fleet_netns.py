@@ -52,7 +52,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     netns.require()
     with netns.fleet(4, "gpunet-test") as f:
         s = Setup(f, tmp_path_factory.mktemp("fleet"), {})
-        s.baseline.update(ring(s, "unshaped"))
+        # Each pair's best of two rings: the suite's other workers share the CPUs that move
+        # these bytes, and one pair measured during a burst of theirs is not the fleet's speed.
+        first, second = ring(s, "unshaped"), ring(s, "unshaped-again")
+        s.baseline.update({p: max(first[p], second[p]) for p in RING})
         yield s
 
 
