@@ -79,20 +79,35 @@ if [ -n "$tmp_root" ] && [ -d "$tmp_root" ] && [ -w "$tmp_root" ] \
   trap 'rm -rf "$base"' EXIT
   basetemp=(--basetemp "$base")
 fi
-if [ -z "$unit" ]; then
-  echo "run.sh: pytest"
-  python -m pytest -n "${GPUNET_TEST_WORKERS:-4}" "${basetemp[@]}" "$@" \
-    && exit 0 || exit $?
-fi
-# The unit tier: `-m unit`, or `-m 'unit and (EXPR)'` for a `-m EXPR` (or `-mEXPR`) given.
-args=() marks=unit
+# `-m EXPR` (or `-mEXPR`) given: combined with the tier's or the phase's own marker below.
+args=() user=""
 while (($#)); do
   case "$1" in
-    -m) marks="unit and ($2)"; shift 2 ;;
-    -m?*) marks="unit and (${1#-m})"; shift ;;
+    -m) user="$2"; shift 2 ;;
+    -m?*) user="${1#-m}"; shift ;;
     *) args+=("$1"); shift ;;
   esac
 done
+with() { echo "$1${user:+ and ($user)}"; }
+if [ -z "$unit" ]; then
+  # Two parts: everything but the quiet tests on the workers, then the quiet ones (bandwidth
+  # and timing measurements, tests/support/tiers.py QUIET_MODULES) alone, one at a time.
+  # Exit code 5 (no test selected: a file argument without quiet tests) is no failure.
+  echo "run.sh: pytest -m '$(with "not quiet")'"
+  rc=0
+  python -m pytest -n "${GPUNET_TEST_WORKERS:-4}" -m "$(with "not quiet")" "${basetemp[@]}" \
+    ${args[@]+"${args[@]}"} || rc=$?
+  ((rc == 5)) && rc=0
+  echo "run.sh: pytest -m '$(with quiet)' (alone)"
+  qrc=0
+  python -m pytest -n 0 -m "$(with quiet)" "${basetemp[@]}" ${args[@]+"${args[@]}"} \
+    || qrc=$?
+  ((qrc == 5)) && qrc=0
+  ((rc)) && exit "$rc"
+  exit "$qrc"
+fi
+# The unit tier: `-m unit`, or `-m 'unit and (EXPR)'` for a `-m EXPR` given.
+marks="$(with unit)"
 echo "run.sh: pytest -m '$marks'"
 python -m pytest -n "${GPUNET_TEST_WORKERS:-2}" -m "$marks" "${basetemp[@]}" \
   ${args[@]+"${args[@]}"} && exit 0 || exit $?

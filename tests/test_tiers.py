@@ -150,6 +150,13 @@ def test_modules_with_shared_fixtures_run_on_one_worker() -> None:
     assert shared <= tiers.GROUPED_MODULES, shared - tiers.GROUPED_MODULES
     modules = {p.stem for p in TESTS.glob("test_*.py")}
     assert modules >= tiers.GROUPED_MODULES and set(tiers.FIRST) <= modules
+    assert modules >= tiers.QUIET_MODULES
+
+
+def test_the_quiet_modules_are_system_modules() -> None:
+    """tests/run.sh runs the quiet tests alone after the parallel part, and the unit tier
+    (``--unit``) has no such second part: so no quiet module may hold a unit test."""
+    assert tiers.QUIET_MODULES <= tiers.SYSTEM_MODULES, tiers.QUIET_MODULES - tiers.SYSTEM_MODULES
 
 
 def test_the_scheduler_keeps_groups_and_puts_long_modules_first() -> None:

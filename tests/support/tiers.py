@@ -232,12 +232,23 @@ def classify(item: pytest.Item) -> str:
     return "unit"
 
 
+# System modules that measure bandwidth or wait on timing between processes sharing the CPUs:
+# next to three busy xdist workers on 2 cores their numbers are the neighbours' (a ring of
+# namespace pairs measured 46 to 490 MB/s unshaped in one such run). They are marked ``quiet``,
+# and tests/run.sh runs them after the parallel part, one at a time.
+QUIET_MODULES: frozenset[str] = frozenset({
+    "test_fleet_netns", "test_fleet_rules_netns", "test_fabric_alerts", "test_hostile_http",
+})
+
+
 def mark(items: Iterable[pytest.Item]) -> None:
-    """Each test's tier."""
+    """Each test's tier, and ``quiet`` for the tests of :data:`QUIET_MODULES`."""
     for item in items:
         tier = classify(item)
         if item.get_closest_marker(tier) is None:
             item.add_marker(tier)
+        if _module(item.nodeid) in QUIET_MODULES and item.get_closest_marker("quiet") is None:
+            item.add_marker("quiet")
 
 
 # ---- spreading the tests over pytest-xdist workers ----------------------------------------------
