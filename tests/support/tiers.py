@@ -60,6 +60,7 @@ SYSTEM_TESTS: dict[str, frozenset[str]] = {
         "test_check_reads_only_a_regular_file",
         "test_configured_expected_bandwidth_fires_below_80_percent",
         "test_every_alert_test_can_fail",
+        "test_failed_expectations_reads_promtool_s_report",
         "test_missing_thresholds_file",
         "test_output_file",
         "test_promtool_check_rules",
