@@ -345,7 +345,9 @@ def test_a_run_ends_before_the_next_and_stale_is_three_periods() -> None:
     # start; a run that cannot gather N nodes fails within the period.
     assert int(conf["join_timeout"]) < job["activeDeadlineSeconds"] < period
     assert int(conf["read_timeout"]) <= int(conf["join_timeout"])
-    # GpunetFleetProbeStale fires after three missed periods.
+    # The period the thresholds and dashboards describe; GpunetFleetProbeStale fires after
+    # three missed periods.
+    assert period == thresholds.PLAN_PERIOD_SECONDS
     assert thresholds.defaults().fleet.stale_seconds == 3 * period
 
 

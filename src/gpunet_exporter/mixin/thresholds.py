@@ -30,12 +30,18 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from gpunet_exporter.collectors.fabric import FabricSettings
 from gpunet_exporter.config import Settings, make_settings, parse_settings, setting, settings_items
 from gpunet_exporter.errors import ConfigError, short
 from gpunet_exporter.files import read_yaml
 
 # Prometheus duration syntax, as `for:` and range selectors take it (one or more unit groups).
 _DURATION = re.compile(r"^(?:\d+(?:ms|s|m|h|d|w|y))+$")
+
+# The period of the fleet's pair plans in the shipped schedules (kubernetes/fleet-probe.yaml's
+# CronJob, slurm/gpunet-fleet.sbatch's example; tests/test_kubernetes.py holds them to it).
+PLAN_PERIOD_SECONDS = 3600
+_SWEEP_SECONDS = FabricSettings().interval_seconds  # the fabric collector's default
 
 CRITICAL_XIDS = (48, 56, 57, 58, 62, 63, 64, 65, 68, 69, 73, 74, 79, 80, 81, 92, 119, 120)
 
@@ -190,7 +196,7 @@ class Fleet(Settings):
         "pairs, under which the spine side alerts", 0.6, minimum=0, maximum=1)
     stale_seconds: float = setting(
         "age of a node's last pair round that counts as stale (3 rounds at the documented "
-        "1 h pair-plan period)", 10800, minimum=1)
+        f"{PLAN_PERIOD_SECONDS // 3600} h pair-plan period)", 3 * PLAN_PERIOD_SECONDS, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -205,7 +211,7 @@ class Fabric(Settings):
         0.2, minimum=0)
     stale_seconds: float = setting(
         "age of the last successful fabric sweep that counts as stale (15 sweeps at the "
-        "default 60 s fabric.interval_seconds)", 900, minimum=1)
+        f"default {_SWEEP_SECONDS} s fabric.interval_seconds)", 15 * _SWEEP_SECONDS, minimum=1)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from gpunet_exporter.mixin.dashboards.common import (
     GOOD_WHEN_1,
     OK_ORANGE,
     OK_RED,
+    PROBE_INTERVAL,
     PROBE_STATE_MAP,
     STRAGGLER_MIN_RATIO,
     Json,
@@ -60,7 +61,7 @@ def collectives(t: Thresholds) -> Json:
                  "complete round and the start of the idle time; 0 when none waits. Minutes: "
                  "the probe is failing or stuck, and the panels below show stale values.",
                  [target(idle_without_round(*probe))], "s",
-                 thresholds=stale_steps(t.probe.stale_seconds)), 6, 4)
+                 thresholds=stale_steps(t.probe.stale_seconds, PROBE_INTERVAL)), 6, 4)
     lay.add(stat("Socket fallback", "Node scopes where NCCL used TCP sockets although an "
                  "RDMA port is ACTIVE (or the network for intra-node traffic). The net scope "
                  "checks every node's own NICs. Far slower; check NCCL_IB_* settings and the "
@@ -243,10 +244,12 @@ def collectives(t: Thresholds) -> Json:
                            [target(sel("gpunet_probe_success", *probe), who)],
                            mappings=mapping((1, "ok", "green"), (0, "FAILED", "red"))), 12, 7)
     lay.add(timeseries("Time since last successful round", "Age of the newest successful "
-                       "round. Rounds run every probe.interval_seconds (60 s by default).",
+                       "round. Rounds run every probe.interval_seconds "
+                       f"({number(PROBE_INTERVAL)} s by default).",
                        [target("time() - " + sel("gpunet_probe_last_success_timestamp_seconds",
                                                  *probe), who)], "s",
-                       thresholds=stale_steps(t.probe.stale_seconds), show_thresholds=True), 12, 7)
+                       thresholds=stale_steps(t.probe.stale_seconds, PROBE_INTERVAL),
+                       show_thresholds=True), 12, 7)
     lay.add(timeseries("Probe failures per minute by reason", "Rounds per minute that gave "
                        "no or partial results: timeout, crash, nccl_error, init_error, "
                        "bad_result; skipped_busy is sizes skipped because the GPUs ran other "

@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from gpunet_exporter.collectors.fabric import FabricSettings
 from gpunet_exporter.mixin.alerts import ALERTS
 from gpunet_exporter.mixin.thresholds import Thresholds
 from gpunet_exporter.probe import run_options
@@ -87,10 +88,31 @@ OK_ORANGE = steps(("green", None), ("orange", 1))
 NEUTRAL = steps(("blue", None))
 
 
-def stale_steps(seconds: float) -> Json:
-    """Age of the last good result: yellow from 3 minutes (3 rounds or sweeps at the default
-    60 s), red where the stale alert fires (``seconds``: its threshold)."""
-    return steps(("green", None), ("yellow", 180), ("red", seconds))
+# What the dashboards' descriptions call "by default": a probe round every PROBE_INTERVAL
+# seconds (`gpunet-probe run --interval`, the probe: key interval_seconds), a fabric sweep every
+# SWEEP_INTERVAL (the fabric: key interval_seconds).
+PROBE_INTERVAL: float = run_options.default("interval_seconds")
+SWEEP_INTERVAL: float = FabricSettings().interval_seconds
+
+
+def stale_steps(seconds: float, interval: float) -> Json:
+    """Age of the last good result: yellow from 3 rounds or sweeps at the default ``interval``,
+    red where the stale alert fires (``seconds``: its threshold)."""
+    return steps(("green", None), ("yellow", whole(3 * interval)), ("red", seconds))
+
+
+def whole(v: float) -> float:
+    """``v`` as an int where it is one (a dashboard's JSON writes 180, not 180.0)."""
+    return int(v) if float(v).is_integer() else v
+
+
+# Time paused by PFC: orange where GpunetPauseDurationHigh fires (pfc.pause_ratio), red from
+# half the time (near a pause storm).
+PAUSE_STORM_RATIO = 0.5
+
+
+def pause_steps(t: Thresholds) -> Json:
+    return steps(("green", None), ("orange", t.pfc.pause_ratio), ("red", PAUSE_STORM_RATIO))
 
 
 # gpunet_probe_state's values (gpunet_exporter.probe.idle.STATES), each drawn as its position

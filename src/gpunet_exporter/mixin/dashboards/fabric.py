@@ -8,6 +8,7 @@ from gpunet_exporter.mixin.dashboards.common import (
     GOOD_WHEN_1,
     OK_RED,
     PHYS_STATE,
+    SWEEP_INTERVAL,
     Json,
     Layout,
     count_or_zero,
@@ -140,11 +141,12 @@ def fabric(t: Thresholds) -> Json:
                  thresholds=OK_RED, decimals=0), 4, 4)
     lay.add(stat("Sweep age", "Time since the last sweep that discovered the fabric "
                  "(gpunet_fabric_sweep_last_success_timestamp_seconds). Sweeps run every "
-                 "fabric.interval_seconds (60 s by default): minutes old means the sweeps fail "
+                 f"fabric.interval_seconds ({number(SWEEP_INTERVAL)} s by default): minutes "
+                 "old means the sweeps fail "
                  "and every panel shows the last good one.",
                  [target("time() - " + sel("gpunet_fabric_sweep_last_success_timestamp_"
                                            "seconds"))], "s",
-                 thresholds=stale_steps(t.fabric.stale_seconds)), 4, 4)
+                 thresholds=stale_steps(t.fabric.stale_seconds, SWEEP_INTERVAL)), 4, 4)
     lay.add(stat("Sweep success", "Whether the latest sweep discovered the fabric "
                  "(gpunet_fabric_sweep_success). NO: ibnetdiscover or iblinkinfo failed; the "
                  "Sweep row says which step, the exporter's log why.",

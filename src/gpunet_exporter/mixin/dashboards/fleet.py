@@ -10,6 +10,7 @@ from gpunet_exporter.mixin.dashboards.common import (
     OK_ORANGE,
     OK_RED,
     PORT_STATE,
+    PROBE_INTERVAL,
     Json,
     Layout,
     count_or_zero,
@@ -22,6 +23,7 @@ from gpunet_exporter.mixin.dashboards.common import (
     link_rate_steps,
     mapping,
     override,
+    pause_steps,
     percent,
     query_variable,
     rate,
@@ -29,7 +31,6 @@ from gpunet_exporter.mixin.dashboards.common import (
     stale_steps,
     stat,
     state_timeline,
-    steps,
     straggler_steps,
     straggler_table,
     sum_or_zero,
@@ -137,10 +138,11 @@ def fleet(t: Thresholds) -> Json:
     lay.add(stat("Idle GPUs without a probe round", "The probe runs only on idle GPUs "
                  "(docs/probe.md). Over the nodes whose GPUs are idle, the longest time since "
                  "the later of the node's last complete round and the start of its idle time; "
-                 "0 when none waits. Rounds run every minute by default: minutes means the "
+                 "0 when none waits. Rounds run every "
+                 f"{number(PROBE_INTERVAL)} s by default: minutes means the "
                  "probe is failing or stuck (GpunetProbeStale). Nodes busy with jobs never "
                  "count.", [target(idle_without_round())], "s",
-                 thresholds=stale_steps(t.probe.stale_seconds)), 8, 4)
+                 thresholds=stale_steps(t.probe.stale_seconds, PROBE_INTERVAL)), 8, 4)
 
     lay.row("Health matrix")
     cells = override("instance\\class", ("displayName", "node"), ("links", NODE_LINK),
@@ -223,7 +225,7 @@ def fleet(t: Thresholds) -> Json:
         "storm.",
         [target("topk(10, max by (instance) (" + rate("gpunet_pfc_pause_duration_seconds_"
                                                       "total") + "))", "{{instance}}")],
-        "percentunit", thresholds=steps(("green", None), ("orange", 0.1), ("red", 0.5)),
+        "percentunit", thresholds=pause_steps(t),
         show_thresholds=True), 12, 8)
     lay.add(timeseries(
         "Discards by node (top 10)", "Packets dropped on per-priority queues (must stay at "

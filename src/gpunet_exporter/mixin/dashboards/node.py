@@ -27,12 +27,12 @@ from gpunet_exporter.mixin.dashboards.common import (
     nccl_job_panels,
     nccl_jobs_table,
     override,
+    pause_steps,
     port_legend,
     rate,
     sel,
     stat,
     state_timeline,
-    steps,
     table,
     target,
     timeseries,
@@ -211,7 +211,7 @@ def node(t: Thresholds) -> Json:
                        "costs bandwidth; near 100% is a pause storm.",
                        [target(rate("gpunet_pfc_pause_duration_seconds_total"),
                                prio + " {{direction}}")], "percentunit",
-                       thresholds=steps(("green", None), ("orange", 0.1), ("red", 0.5)),
+                       thresholds=pause_steps(t),
                        show_thresholds=True), 12, 8)
     lay.add(timeseries("Discards and pause storms", "Packets per second dropped per priority "
                        "(must be 0 on the lossless priority) and by the port for lack of "

@@ -40,7 +40,7 @@ from gpunet_exporter.mixin.dashboards.common import (
     target,
     timeseries,
 )
-from gpunet_exporter.mixin.thresholds import Thresholds
+from gpunet_exporter.mixin.thresholds import PLAN_PERIOD_SECONDS, Thresholds
 
 FAILED_PAIR = mapping((-1, "FAILED", "red"))
 
@@ -69,8 +69,10 @@ def pairs(t: Thresholds) -> Json:
     slow_pct, cross_pct = percent(f.link_slow_ratio), percent(f.cross_leaf_ratio)
     # A pair's share of the fleet median: red below fleet.link_slow_ratio (GpunetFleetLinkSlow),
     # green from 0.8; a round's age: red past fleet.stale_seconds (GpunetFleetProbeStale).
+    hours = number(PLAN_PERIOD_SECONDS / 3600)
     pair_ratio_steps = steps(("red", None), ("orange", f.link_slow_ratio), ("green", 0.8))
-    round_age_steps = steps(("green", None), ("yellow", 7200), ("red", f.stale_seconds))
+    round_age_steps = steps(("green", None), ("yellow", 2 * PLAN_PERIOD_SECONDS),
+                            ("red", f.stale_seconds))
     lay = Layout()
     node_alerts = "GpunetFleet(NodeSuspect|BandwidthOutlier)"
     with_info = (" * on (instance, job, peer) group_left (peer_leaf, transport, gdr) "
@@ -119,7 +121,7 @@ def pairs(t: Thresholds) -> Json:
                  [target(f"{jsel(FLEET_MAD_BW)} / {jsel(FLEET_MEDIAN_BW)}", "{{job}}")],
                  "percentunit", thresholds=steps(("green", None), ("orange", 0.1))), 8, 4)
     lay.add(stat("Oldest pair round", "Longest time since a selected node's last pair round. "
-                 "The documented period is 1 h; past fleet.stale_seconds "
+                 f"The documented period is {hours} h; past fleet.stale_seconds "
                  f"({number(f.stale_seconds / 3600)} h) "
                  "GpunetFleetProbeStale fires and the other fleet alerts judge old results.",
                  [target("max(time() - " + sel("gpunet_fleet_round_timestamp_seconds") + ")")],
@@ -269,10 +271,9 @@ def pairs(t: Thresholds) -> Json:
     lay.row("Rounds")
     lay.add(timeseries(
         "Time since the last pair round", "Per node, time() minus the time of its last pair "
-        "round (gpunet_fleet_round_timestamp_seconds). It saws up to the plan's period (1 h "
-        f"documented) and drops at each round; past {number(f.stale_seconds / 3600)} h (red "
-        "line) GpunetFleetProbeStale "
-        "fires.",
+        "round (gpunet_fleet_round_timestamp_seconds). It saws up to the plan's period "
+        f"({hours} h documented) and drops at each round; past "
+        f"{number(f.stale_seconds / 3600)} h (red line) GpunetFleetProbeStale fires.",
         [target("time() - " + sel("gpunet_fleet_round_timestamp_seconds"), "{{instance}}")],
         "s", thresholds=round_age_steps, show_thresholds=True), 12, 8)
     lay.add(state_timeline(
