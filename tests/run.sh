@@ -59,6 +59,9 @@ venv=.venv
 "$venv/bin/pip" install -q --upgrade pip >/dev/null
 "$venv/bin/pip" install -q ".[test,probe]"  # probe: torch==2.13.0, CPU build, gloo tests
 export PATH="$PWD/$venv/bin:$PATH"
+# pytest keeps its rewriting of the test modules' asserts as bytecode (__pycache__/, ignored by
+# git); with PYTHONDONTWRITEBYTECODE set, every worker and phase would redo it: 6 s of CPU each.
+unset PYTHONDONTWRITEBYTECODE
 
 echo "run.sh: ruff"; python -m ruff check src tests bench grafana examples kubernetes \
   slurm/gpunet-healthcheck

@@ -30,7 +30,6 @@ import kubernetes_validate
 import pydantic
 import pytest
 import yaml
-from cloudcoil.models.prometheus_operator import v1 as monitoring
 
 from gpunet_exporter.collectors.probe import ProbeSettings
 from gpunet_exporter.config import load_file, settings_items
@@ -159,13 +158,19 @@ def unknown_fields(given: Any, parsed: Any, where: str = "") -> Iterator[str]:
             yield from unknown_fields(a, b, f"{where}[{i}]")
 
 
-MODELS: dict[str, type[pydantic.BaseModel]] = {
-    "ServiceMonitor": monitoring.ServiceMonitor, "PrometheusRule": monitoring.PrometheusRule}
+@cache
+def models() -> dict[str, type[pydantic.BaseModel]]:
+    """The CRDs' models, imported at first use: cloudcoil's take 3 s to import, which every
+    pytest worker would otherwise pay while collecting, whichever tests it runs."""
+    from cloudcoil.models.prometheus_operator import v1 as monitoring
+
+    return {"ServiceMonitor": monitoring.ServiceMonitor,
+            "PrometheusRule": monitoring.PrometheusRule}
 
 
 def validate_monitoring(doc: dict[str, Any]) -> None:
     """The prometheus-operator CRD's schema (through cloudcoil's models), unknown fields too."""
-    model = MODELS[doc["kind"]].model_validate(doc)
+    model = models()[doc["kind"]].model_validate(doc)
     dumped = model.model_dump(mode="json", by_alias=True, exclude_unset=True)
     extra = list(unknown_fields(doc, dumped))
     assert not extra, f"{doc['kind']}: fields the CRD does not know: {extra}"
