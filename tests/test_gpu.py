@@ -249,6 +249,26 @@ def test_real_nvidia_ml_py_without_a_driver(sysfs: Path) -> None:
     assert "NVML Shared Library Not Found" in nvml.session("pynvml").error
 
 
+def test_a_failing_nvml_logs_once_not_every_retry(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Without the library, every retry fails alike: one INFO line, the retries at DEBUG (a
+    CPU node logged one line per retry, some 8,600 a day); another failure is said again."""
+    monkeypatch.setattr(nvml, "RETRY_SECONDS", 0.0)
+    nvml.forget("pynvml")
+    session = nvml.session("pynvml")
+    with caplog.at_level(logging.DEBUG, logger="gpunet.nvml"):
+        for _ in range(5):
+            assert session.gpus() is None
+    said = [r for r in caplog.records if r.name == "gpunet.nvml"]
+    assert [r.levelno for r in said] == [logging.INFO] + [logging.DEBUG] * 4, said
+    assert "NVML Shared Library Not Found" in said[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="gpunet.nvml"):
+        nvml.forget("no_such_nvml_module")
+        assert nvml.session("no_such_nvml_module").gpus() is None
+    assert [r.levelno for r in caplog.records if r.name == "gpunet.nvml"] == [logging.INFO]
+
+
 def test_missing_backend_module_no_data(sysfs: Path) -> None:
     s, _ = collect(GpuCollector, sysfs, nvml_module="no_such_nvml_module")
     assert s == {}

@@ -89,6 +89,7 @@ class Session:
         self._gpus: list[Gpu] | None = None
         self._ever_up = False
         self._next_try = 0.0
+        self._said = ""  # the failure last logged: a retry that fails alike logs at DEBUG
         self._lock = threading.RLock()
         self._before_shutdown: list[Callable[[], None]] = []
 
@@ -105,13 +106,24 @@ class Session:
                 self._init()
             return self._gpus
 
+    def _say(self, level: int, msg: str, *args: object) -> None:
+        """Log a failed initialisation at ``level`` the first time it fails so, at DEBUG when a
+        retry (every RETRY_SECONDS) fails alike: a node without NVIDIA's library logs one line,
+        not one per retry."""
+        text = msg % args
+        if text != self._said:
+            self._said = text
+            log.log(level, "%s", text)
+        else:
+            log.debug("%s", text)
+
     def _init(self) -> None:
         if self.nv is None:
             try:
                 self.nv = importlib.import_module(self.module_name)
             except Exception as exc:  # ImportError, or a broken module
                 self.error = f"cannot import {self.module_name}: {exc}"
-                log.info("NVML unavailable (%s); no GPU data", self.error)
+                self._say(logging.INFO, "NVML unavailable (%s); no GPU data", self.error)
                 return
         nv = self.nv
         try:
@@ -120,8 +132,8 @@ class Session:
             self.error = f"nvmlInit: {exc}"
             absent = error_name(exc) in ABSENT_ERRORS and not self._ever_up
             self.state = "absent" if absent else "down"
-            log.log(logging.INFO if absent else logging.WARNING, "NVML not initialised: %s; %s",
-                    exc, "no GPU data" if absent else f"retrying every {RETRY_SECONDS:g}s")
+            self._say(logging.INFO if absent else logging.WARNING, "NVML not initialised: %s; %s",
+                      exc, "no GPU data" if absent else f"retrying every {RETRY_SECONDS:g}s")
             return
         try:
             gpus = self._enumerate(nv)
@@ -129,12 +141,13 @@ class Session:
         except nv.NVMLError as exc:
             self.error = f"enumerating GPUs: {exc}"
             self.state = "down"
-            log.warning("NVML initialised but cannot enumerate GPUs: %s", exc)
+            self._say(logging.WARNING, "NVML initialised but cannot enumerate GPUs: %s", exc)
             self._shutdown(nv)
             return
         self.driver_version = _text(version)  # bytes from older nvidia-ml-py releases
         self._gpus, self.state, self.error = gpus, "up", ""
         self._ever_up = True
+        self._said = ""
         self.generation += 1
         self.initialised_at = time.monotonic()
         log.info("NVML initialised: driver %s, %d GPU(s)", self.driver_version, len(gpus))
