@@ -193,7 +193,7 @@ def test_alerts_are_well_formed() -> None:
             "GpunetPortCounterSaturated", "GpunetNcclSocketFallback", "GpunetGdrInactive",
             "GpunetGdrNotReady", "GpunetGpuNicNumaMismatch", "GpunetGpuPcieLinkDegraded",
             "GpunetGpuLost", "GpunetNvmlDown", "GpunetProbeFailing", "GpunetProbeIdleUnknown",
-            "GpunetCollectorFailing",
+            "GpunetCollectorFailing", "GpunetCheckUnknown",
             "GpunetExporterDown", "GpunetPauseStorm", "GpunetPfcDisabledOnRocePriority",
             "GpunetPfcTrustNotExpected", "GpunetFabricSweepFailing"), (
             f"{name}: the description should show the value")

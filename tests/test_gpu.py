@@ -269,6 +269,52 @@ def test_a_failing_nvml_logs_once_not_every_retry(
     assert [r.levelno for r in caplog.records if r.name == "gpunet.nvml"] == [logging.INFO]
 
 
+def nvidia_on_the_bus(sysfs: Path) -> None:
+    """Make the tree's two PCI functions NVIDIA 3D controllers (H200: device 0x2335)."""
+    for d in (sysfs / "bus" / "pci" / "devices").iterdir():
+        (d / "vendor").write_text("0x10de\n")
+        (d / "device").write_text("0x2335\n")
+        (d / "class").write_text("0x030200\n")
+
+
+@pytest.mark.parametrize("module, reason", [("pynvml", "library_missing"),
+                                            ("no_such_nvml_module", "library_missing")])
+def test_gpus_on_the_bus_without_nvml_are_unknown(sysfs: Path, module: str,
+                                                  reason: str) -> None:
+    """NVIDIA GPUs on the PCI bus and no NVML (nvidia-ml-py without libnvidia-ml, or no
+    nvidia-ml-py): no GPU series, but gpunet_check_unknown says the GPUs were not checked and
+    why, and the landing page says so instead of "ok"."""
+    from gpunet_exporter.web.http import _landing
+
+    nvidia_on_the_bus(sysfs)
+    nvml.forget(module)
+    c = make_collector(GpuCollector, sysfs, nvml_module=module)
+    scraper = Scraper({"gpu": c}, 5.0)
+    try:
+        s = samples_of(list(scraper.collect()))
+        page = _landing(scraper, "/metrics").decode()
+    finally:
+        scraper.close()
+    assert value(s, "gpunet_scrape_collector_success", collector="gpu") == 1
+    assert series(s, "gpunet_check_unknown") == {
+        frozenset({("collector", "gpu"), ("check", "nvml"), ("reason", reason)}): 1}
+    assert not [k for k in s if k[0].startswith("gpunet_gpu_")]
+    assert "UNKNOWN: nvml not checked (its library is not installed or cannot be loaded)" in page
+
+
+def test_no_nvidia_gpu_on_the_bus_no_unknown(sysfs: Path) -> None:
+    """A node without NVIDIA GPUs (the tree's PCI functions are not NVIDIA's): nothing to
+    check, so nothing unknown, and no family at all."""
+    nvml.forget("pynvml")
+    scraper = Scraper({"gpu": make_collector(GpuCollector, sysfs)}, 5.0)
+    try:
+        s = samples_of(list(scraper.collect()))
+    finally:
+        scraper.close()
+    assert not series(s, "gpunet_check_unknown")
+    assert value(s, "gpunet_scrape_collector_success", collector="gpu") == 1
+
+
 def test_missing_backend_module_no_data(sysfs: Path) -> None:
     s, _ = collect(GpuCollector, sysfs, nvml_module="no_such_nvml_module")
     assert s == {}

@@ -20,7 +20,7 @@ import pytest
 from gpunet_exporter.collector import Collector, Scrape
 from gpunet_exporter.collectors.infiniband import InfinibandCollector
 from gpunet_exporter.collectors.link import LinkCollector
-from gpunet_exporter.collectors.topology import TopologyCollector, _pci_sort_key
+from gpunet_exporter.collectors.topology import TopologyCollector
 from gpunet_exporter.nccl.env import (
     NCCL_FAULT_CLASSES,
     NCCL_FINDINGS,
@@ -32,7 +32,7 @@ from gpunet_exporter.nccl.env import (
     strtol,
 )
 from gpunet_exporter.sources.nvml import Gpu
-from gpunet_exporter.sources.pcie import Endpoint, relation
+from gpunet_exporter.sources.pcie import Endpoint, pci_sort_key, relation
 from gpunet_exporter.sources.proc import parse_kernel_release, parse_nvidia_version, parse_starttime
 from gpunet_exporter.sources.sysfs import Root
 
@@ -207,7 +207,7 @@ def test_sysfs_gpu_discovery_skips_nvswitch_and_bmc_vga(dgx: Path) -> None:
 
 def test_pci_sort_key_orders_wide_domains_numerically() -> None:
     addresses = ["10000:00:00.0", "0000:c3:00.0", "0000:1b:00.0", "0001:00:00.0", "0000:1b:01.0"]
-    assert sorted(addresses, key=_pci_sort_key) == [
+    assert sorted(addresses, key=pci_sort_key) == [
         "0000:1b:00.0", "0000:1b:01.0", "0000:c3:00.0", "0001:00:00.0", "10000:00:00.0"]
 
 

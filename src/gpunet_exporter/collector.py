@@ -211,6 +211,15 @@ def build_collector(cls: type[C], settings: Settings | Mapping[str, Any] | None 
     return cls(ctx)
 
 
+# Why a check the node's hardware calls for could not run (Collector.unknown): the reason label
+# of gpunet_check_unknown, and what the landing page, the doctor and the runbook say of it.
+UNKNOWN_REASONS: Mapping[str, str] = {
+    "library_missing": "its library is not installed or cannot be loaded",
+    "driver_not_loaded": "its kernel driver is not loaded",
+    "init_failed": "it fails to initialise",
+}
+
+
 class Collector(abc.ABC):
     """Base class for collectors.
 
@@ -260,6 +269,14 @@ class Collector(abc.ABC):
         hot-plug events (no udev, ``--no-hotplug``) it is never called, so ``collect()`` must not
         depend on it.
         """
+
+    def unknown(self) -> Mapping[str, str]:
+        """The checks of this collector that the node's hardware calls for but that could not
+        run in its last collection: check -> reason, each a word of :data:`UNKNOWN_REASONS`
+        (bounded: both become labels of gpunet_check_unknown). Empty, the default: every check
+        that applies ran, or none applies (a node without the hardware stays silent). Called
+        by the registry right after collect(), in the same thread."""
+        return {}
 
     def summary(self) -> str:
         """One short line for the landing page beside the collector's status: what it does or

@@ -24,17 +24,18 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
 from prometheus_client.core import Metric
 
 from gpunet_exporter import __version__
-from gpunet_exporter.collector import Collector, MetricSpec, Scrape
+from gpunet_exporter.collector import UNKNOWN_REASONS, Collector, MetricSpec, Scrape
 
 log = logging.getLogger("gpunet.exporter")
 
 ENTRY_POINT_GROUP = "gpunet_exporter.collectors"
+_CHECK = re.compile(r"[a-z][a-z0-9_]{0,31}")  # a check's name (gpunet_check_unknown's label)
 SOLO_SECONDS = 0.25
 # How long before the scrape's deadline a collection's own deadline (Scrape.deadline)
 # lies: a tenth of the scrape's timeout, at most half a second.
@@ -74,6 +75,10 @@ SCRAPE_METRICS = (
         "gpunet_scrape_collector_unreadable_values", "gauge",
         "Values the collector skipped in this scrape because they could not be read, parsed or "
         "exposed", ("collector",), "count", "exporter"),
+    MetricSpec(
+        "gpunet_check_unknown", "gauge",
+        "1 for each check the node's hardware calls for that could not run, and why",
+        ("collector", "check", "reason"), "boolean", "the collectors"),
     MetricSpec(
         "gpunet_exporter_build_info", "gauge",
         "Always 1: the exporter and Python versions", ("version", "python_version"),
@@ -179,6 +184,7 @@ def drop_unexposable(families: list[Metric], skip: Callable[[str, object], None]
 @dataclass
 class Result:
     families: list[Metric]
+    unknown: Mapping[str, str]  # check -> reason (Collector.unknown)
     success: bool
     duration: float
     unreadable: int
@@ -194,6 +200,7 @@ class Status:
     duration: float = 0.0
     error: str = ""
     at: float = 0.0
+    unknown: Mapping[str, str] = field(default_factory=dict)  # check -> reason
 
 
 class Runner:
@@ -235,13 +242,20 @@ class Runner:
         try:
             families = list(self.collector.collect(scrape))
             drop_unexposable(families, ctx.skip)
+            unknown = {}
+            for check, reason in self.collector.unknown().items():
+                if reason in UNKNOWN_REASONS and _CHECK.fullmatch(check):
+                    unknown[check] = reason
+                else:  # a label value beyond the bounded set: dropped, said once
+                    ctx.log_once(logging.ERROR, "unknown check %r (reason %r) left out: not a "
+                                 "check name or not a reason of UNKNOWN_REASONS", check, reason)
             success, error = True, ""
         except BaseException as exc:  # even SystemExit: this thread must answer the future
-            families, success = [], False
+            families, unknown, success = [], {}, False
             error = f"{type(exc).__name__}: {exc}"
             ctx.log_once(logging.ERROR, "collector failed: %s", error)
             ctx.logger.debug("collector traceback", exc_info=True)
-        fut.set_result(Result(families, success, time.perf_counter() - t0,
+        fut.set_result(Result(families, unknown, success, time.perf_counter() - t0,
                               ctx.skips.count - skipped, error, time.time()))
 
 
@@ -270,7 +284,7 @@ class Scraper:
             # delaying it.
             with contextlib.suppress(FutureTimeout):
                 fut.result(timeout=max(0.0, min(SOLO_SECONDS, deadline - time.perf_counter())))
-        duration, success, unreadable = (s.family() for s in SCRAPE_METRICS[:3])
+        duration, success, unreadable, unknown = (s.family() for s in SCRAPE_METRICS[:4])
         for runner, fut, t_start in started:
             try:
                 res = fut.result(timeout=max(0.0, deadline - time.perf_counter()))
@@ -284,15 +298,20 @@ class Scraper:
                 duration.add_metric([runner.name], waited)
                 success.add_metric([runner.name], 0)
                 continue
-            runner.status = Status(res.success, res.duration, res.error, res.finished_at)
+            runner.status = Status(res.success, res.duration, res.error, res.finished_at,
+                                   res.unknown)
             yield from res.families
             duration.add_metric([runner.name], res.duration)
             success.add_metric([runner.name], 1 if res.success else 0)
             unreadable.add_metric([runner.name], res.unreadable)
+            for check, reason in sorted(res.unknown.items()):
+                unknown.add_metric([runner.name, check, reason], 1)
         yield duration
         yield success
         yield unreadable
-        info = SCRAPE_METRICS[3].family()
+        if unknown.samples:
+            yield unknown
+        info = SCRAPE_METRICS[4].family()
         info.add_metric([__version__, platform.python_version()], 1)
         yield info
 

@@ -24,6 +24,7 @@ from gpunet_exporter.collector import Collector, CollectorContext, Families, Met
 from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.sources.nvml import Gpu, Session, error_name
+from gpunet_exporter.sources.pcie import NvidiaGpus
 
 _G = ("gpu",)
 _NVML = "NVML"
@@ -334,6 +335,8 @@ class GpuCollector(Collector):
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)
         self.session = nvml.session(ctx.nvml_module)
+        self._on_bus = NvidiaGpus(ctx.sysfs)
+        self._unknown: dict[str, str] = {}
         self.xid = XidWatcher(ctx.log_once)
         self.session.before_shutdown(self.xid.stop)
         self._states: dict[int, _GpuState] = {}
@@ -448,6 +451,11 @@ class GpuCollector(Collector):
             st.nvlinks = n
         return st.nvlinks
 
+    def unknown(self) -> Mapping[str, str]:
+        """``nvml`` while NVIDIA GPUs sit on the PCI bus and NVML cannot be used; nothing on a
+        node without them."""
+        return self._unknown
+
     # -- scrape --------------------------------------------------------------------------------
 
     def collect(self, scrape: Scrape) -> Iterator[Metric]:
@@ -460,9 +468,12 @@ class GpuCollector(Collector):
         if gpus is not None and session.device_count_changed():
             session.invalidate("the number of GPUs changed")
             gpus = session.gpus()
+        self._unknown = {}
         if gpus is None:
             if session.state == "down":
                 fams.add(NVML_UP, [], 0)
+            if self._on_bus():  # NVIDIA GPUs on the PCI bus, and no NVML to ask about them
+                self._unknown = {"nvml": session.reason or "init_failed"}
             yield from fams
             return
         self._start_background(gpus)

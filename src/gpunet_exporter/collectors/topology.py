@@ -33,9 +33,9 @@ from gpunet_exporter.sources import nvml, rdma
 from gpunet_exporter.sources.pcie import (
     ACS_REDIRECT_BITS,
     PATHS,
-    PCI_ADDRESS,
     RANK,
     Endpoint,
+    NvidiaGpus,
     acs_control,
     endpoint,
     link_degraded,
@@ -46,10 +46,6 @@ from gpunet_exporter.sources.pcie import (
 )
 from gpunet_exporter.sources.proc import parse_kernel_release, parse_nvidia_version, parse_starttime
 from gpunet_exporter.sources.sysfs import parse_int
-
-_NVIDIA = "0x10de"
-_GPU_CLASSES = ("0x0300", "0x0302")  # VGA compatible controller, 3D controller
-
 
 # GPUDirect RDMA peer-memory clients, by module name: the files NCCL's ncclIbGdrSupport checks.
 PEERMEM_FILES = (
@@ -157,12 +153,6 @@ NEAREST_RAIL_NIC = MetricSpec(
     "Always 1, for the rail RDMA device nearest the GPU (the one NCCL would use for it)", _GDP,
     "", _PCI_SOURCE)
 _LINK_FILES = ("current_link_speed", "current_link_width", "max_link_speed", "max_link_width")
-def _pci_sort_key(address: str) -> tuple[int, ...]:
-    domain, bus, devfn = address.split(":")
-    dev, fn = devfn.split(".")
-    return int(domain, 16), int(bus, 16), int(dev, 16), int(fn)
-
-
 @dataclass(frozen=True)
 class TopologySettings(Settings):
     device_include: re.Pattern[str] | None = setting("only RDMA devices whose name matches are "
@@ -216,7 +206,7 @@ class TopologyCollector(Collector):
         self._endpoints: dict[tuple[str, ...], Endpoint | None] = {}
         self._endpoints_now: dict[tuple[str, ...], Endpoint | None] = {}
         # The NVIDIA GPUs among the PCI functions, while the list of functions stays the same.
-        self._sysfs_gpu_cache: tuple[list[str], list[str]] | None = None
+        self._sysfs_gpus = NvidiaGpus(ctx.sysfs)
 
     def collect(self, scrape: Scrape) -> Iterator[Metric]:
         fams = Families()
@@ -293,30 +283,6 @@ class TopologyCollector(Collector):
             else:
                 out.append(ep)
         return out
-
-    def _sysfs_gpus(self) -> list[str]:
-        try:
-            names = self.ctx.sysfs.listdir("bus/pci/devices")
-        except OSError:
-            return []
-        if self._sysfs_gpu_cache is not None and self._sysfs_gpu_cache[0] == names:
-            return self._sysfs_gpu_cache[1]  # the same PCI functions as last time
-        found = []
-        for address in names:
-            if not PCI_ADDRESS.fullmatch(address):
-                continue
-            try:
-                attrs = self.ctx.sysfs.read_many(f"bus/pci/devices/{address}",
-                                                 ("vendor", "class"))
-            except OSError:
-                continue  # removed meanwhile
-            vendor, cls = attrs["vendor"], attrs["class"]
-            if (isinstance(vendor, str) and isinstance(cls, str) and vendor == _NVIDIA
-                    and cls.startswith(_GPU_CLASSES)):
-                found.append(address)
-        found.sort(key=_pci_sort_key)
-        self._sysfs_gpu_cache = (names, found)
-        return found
 
     def _nics(self, scrape: Scrape) -> list[Endpoint]:
         cfg = self.settings

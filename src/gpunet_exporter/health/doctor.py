@@ -68,7 +68,7 @@ DEFAULT_STATE = "/var/lib/gpunet-exporter/doctor.json"
 
 # Findings that say something could not be checked rather than that something is wrong: alone,
 # they make the exit code 2 (could not check), not 1, and each also gives a `problems` entry.
-COULD_NOT_CHECK = frozenset({"GpunetPfcConfigUnreadable"})
+COULD_NOT_CHECK = frozenset({"GpunetPfcConfigUnreadable", "GpunetCheckUnknown"})
 # Causes that say something of a job rather than of this node: listed, never the exit code. RAS
 # reports the whole job from every node, so a rank killed on one node (out of memory, a user's
 # bug) would otherwise fail the health check of every node of the job and drain them all.

@@ -37,6 +37,7 @@ CAUSES = {
     "collective": "Slow collectives or a straggler",
     "gpu_wait": "GPUs waiting (starved, or in the network-bound band)",
     "inventory": "RDMA devices, ports or netdevs gone",
+    "unknown": "Checks that could not run (not checked: no effect on exit code 1, but 2)",
     "nccl_job": "NCCL jobs running now (NCCL's RAS service; the job's, not the node's: no "
                 "effect on the exit code)",
 }

@@ -49,6 +49,8 @@ SESSION_ERRORS = ("NVMLError_Uninitialized", "NVMLError_DriverNotLoaded",
                   "NVMLError_LibRmVersionMismatch")
 # Errors at the first nvmlInit that mean "no NVIDIA driver here" rather than "broken".
 ABSENT_ERRORS = ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded")
+_REASONS = {"NVMLError_LibraryNotFound": "library_missing",
+            "NVMLError_DriverNotLoaded": "driver_not_loaded"}
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class Session:
         self.nv: ModuleType | None = None
         self.state: State = "absent"
         self.error = ""  # why NVML is not up, for logs and the landing page
+        # ... as a word of collector.UNKNOWN_REASONS ("" while up or never tried)
+        self.reason = ""
         self.driver_version = ""
         self.generation = 0  # bumped at each successful initialisation
         self.initialised_at = 0.0  # time.monotonic() of the latest successful initialisation
@@ -123,6 +127,7 @@ class Session:
                 self.nv = importlib.import_module(self.module_name)
             except Exception as exc:  # ImportError, or a broken module
                 self.error = f"cannot import {self.module_name}: {exc}"
+                self.reason = "library_missing"
                 self._say(logging.INFO, "NVML unavailable (%s); no GPU data", self.error)
                 return
         nv = self.nv
@@ -130,6 +135,7 @@ class Session:
             nv.nvmlInit()
         except nv.NVMLError as exc:
             self.error = f"nvmlInit: {exc}"
+            self.reason = _REASONS.get(error_name(exc), "init_failed")
             absent = error_name(exc) in ABSENT_ERRORS and not self._ever_up
             self.state = "absent" if absent else "down"
             self._say(logging.INFO if absent else logging.WARNING, "NVML not initialised: %s; %s",
@@ -140,12 +146,13 @@ class Session:
             version = nv.nvmlSystemGetDriverVersion()
         except nv.NVMLError as exc:
             self.error = f"enumerating GPUs: {exc}"
+            self.reason = "init_failed"
             self.state = "down"
             self._say(logging.WARNING, "NVML initialised but cannot enumerate GPUs: %s", exc)
             self._shutdown(nv)
             return
         self.driver_version = _text(version)  # bytes from older nvidia-ml-py releases
-        self._gpus, self.state, self.error = gpus, "up", ""
+        self._gpus, self.state, self.error, self.reason = gpus, "up", "", ""
         self._ever_up = True
         self._said = ""
         self.generation += 1

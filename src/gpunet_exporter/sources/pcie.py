@@ -135,3 +135,47 @@ def acs_control(read: Callable[[int, int], bytes]) -> int | None:
         if offset < _EXT_CAP_START:  # 0: the end of the list
             return None
     return None  # a list that loops
+
+
+NVIDIA = "0x10de"
+GPU_CLASSES = ("0x0300", "0x0302")  # VGA compatible controller, 3D controller
+
+
+def pci_sort_key(address: str) -> tuple[int, ...]:
+    domain, bus, devfn = address.split(":")
+    dev, fn = devfn.split(".")
+    return int(domain, 16), int(bus, 16), int(dev, 16), int(fn)
+
+
+class NvidiaGpus:
+    """The NVIDIA display and 3D controllers on the PCI bus (``bus/pci/devices``), in PCI
+    address order (NVML's order); each function's vendor and class are read again only when
+    the bus's listing changes."""
+
+    def __init__(self, root: Root) -> None:
+        self.root = root
+        self._cache: tuple[list[str], list[str]] | None = None
+
+    def __call__(self) -> list[str]:
+        try:
+            names = self.root.listdir("bus/pci/devices")
+        except OSError:
+            return []
+        if self._cache is not None and self._cache[0] == names:
+            return self._cache[1]  # the same PCI functions as last time
+        found = []
+        for address in names:
+            if not PCI_ADDRESS.fullmatch(address):
+                continue
+            try:
+                attrs = self.root.read_many(f"bus/pci/devices/{address}", ("vendor", "class"))
+            except OSError:
+                continue  # removed meanwhile
+            vendor, cls = attrs["vendor"], attrs["class"]
+            if (isinstance(vendor, str) and isinstance(cls, str) and vendor == NVIDIA
+                    and cls.startswith(GPU_CLASSES)):
+                found.append(address)
+        found.sort(key=pci_sort_key)
+        self._cache = (names, found)
+        return found
+

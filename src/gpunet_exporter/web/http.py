@@ -25,7 +25,7 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from gpunet_exporter import __version__
-from gpunet_exporter.collector import MetricSpec
+from gpunet_exporter.collector import UNKNOWN_REASONS, MetricSpec
 from gpunet_exporter.registry import Scraper
 from gpunet_exporter.web import httpserver
 from gpunet_exporter.web import openmetrics as fast_openmetrics
@@ -64,6 +64,10 @@ def _landing(scraper: Scraper, telemetry_path: str) -> bytes:
     for r in scraper.runners:
         st = r.status
         state = "not scraped yet" if st.success is None else ("ok" if st.success else "failed")
+        if st.success and st.unknown:  # ran, but not every check that applies: not "ok"
+            state = "UNKNOWN: " + "; ".join(
+                f"{check} not checked ({UNKNOWN_REASONS.get(reason, reason)})"
+                for check, reason in sorted(st.unknown.items()))
         age = f"{time.time() - st.at:.0f}s ago" if st.at else ""
         try:
             now = r.collector.summary()

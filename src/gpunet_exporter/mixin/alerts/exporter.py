@@ -2,19 +2,47 @@
 
 from __future__ import annotations
 
+from gpunet_exporter.collector import UNKNOWN_REASONS
 from gpunet_exporter.mixin.alerts.common import NODE, Alert
+from gpunet_exporter.mixin.check import Check, DoctorCheck, checks
+
+# What shows why a check cannot run, by check (gpunet_check_unknown's check label).
+CONFIRM = {"nvml": "nvidia-smi  # fails as NVML does when its library or driver is missing"}
+
+
+@checks("GpunetCheckUnknown")
+def check_unknown(c: Check) -> None:
+    """Said as a finding and as a problem: something the node's hardware calls for was not
+    checked (exit code 2)."""
+    for lbl, v in c.b.all("gpunet_check_unknown"):
+        if v != 1:
+            continue
+        check, reason = lbl["check"], lbl["reason"]
+        why = UNKNOWN_REASONS.get(reason, reason)
+        c.add("unknown", "GpunetCheckUnknown", f"{lbl['collector']} {check}",
+              f"not checked: {why}", CONFIRM.get(check, "journalctl -u gpunet-exporter"))
+        c.problems.append(f"{lbl['collector']}: {check} not checked: {why}")
+
 
 ALERTS: tuple[Alert, ...] = (
     Alert("GpunetCollectorFailing", "exporter", "warning", "10m",
           lambda t: "gpunet_scrape_collector_success == 0",
           "Exporter collector failing",
           f"Collector {{{{ $labels.collector }}}} fails {NODE}: its metrics are missing."),
+    Alert("GpunetCheckUnknown", "exporter", "warning", "15m",
+          lambda t: "gpunet_check_unknown == 1",
+          "A check cannot run",
+          "The {{ $labels.collector }} collector cannot run its {{ $labels.check }} check "
+          f"{NODE} ({{{{ $labels.reason }}}}): what it watches is not checked."),
     Alert("GpunetExporterDown", "exporter", "warning", "5m",
           lambda t: f'up{{job="{t.job}"}} == 0',
           "gpunet-exporter target down",
           f"Prometheus cannot scrape gpunet-exporter {NODE}: no network or GPU health data "
           "from this node."),
 )
+# The doctor's checks, in steps (mixin.alerts.DOCTOR_ORDER).
+CHECKS: dict[str, tuple[DoctorCheck, ...]] = {"unknown": (check_unknown,)}
+
 # Alerts the doctor cannot check, and why.
 UNCHECKED: dict[str, str] = {
     "GpunetCollectorFailing": "the doctor runs the collectors itself: a failed one is a "
