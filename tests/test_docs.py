@@ -243,6 +243,27 @@ def _markdown_pages() -> dict[str, str]:
             for p in [REPO / "README.md", *(REPO / "docs").glob("*.md")]}
 
 
+def broken_links(page: str, text: str) -> list[str]:
+    """The relative Markdown links of ``page`` (a path relative to the repository) whose file is
+    not in the checkout."""
+    out = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://", "#", "mailto:")):
+            continue
+        path = os.path.normpath(REPO / Path(page).parent / target.split("#")[0])
+        if not os.path.exists(path):
+            out.append(f"{page}: {target}")
+    return out
+
+
+def test_links_between_the_pages_hold() -> None:
+    pages = {p.relative_to(REPO).as_posix(): p.read_text(encoding="utf-8")
+             for p in [*REPO.glob("*.md"), *REPO.glob("*/README.md"),
+                       *(REPO / "docs").glob("*.md")]}
+    assert len(pages) > 20
+    assert [b for page, text in pages.items() for b in broken_links(page, text)] == []
+
+
 def default_collectors_problems(systemd_default: str) -> list[str]:
     """The collectors systemd/gpunet-exporter.default says run by default, against the code."""
     said = re.search(r"collectors ([a-z0-9_, ]+?) and ([a-z0-9_]+)\b",
@@ -263,6 +284,20 @@ def architecture_problems(architecture: str) -> list[str]:
     code = set(discover())
     return [f"docs/architecture.md's collectors {sorted(stated)}, the code's {sorted(code)}"
             ] if stated != code else []
+
+
+def package_folder_problems(readme: str) -> list[str]:
+    """The folders of src/gpunet_exporter/ the README's Development section names."""
+    said = re.search(r"installs as `gpunet_exporter` from `src/gpunet_exporter/`:(.*?)\n\n",
+                     _section(readme, "Development"), re.S)
+    stated = set(re.findall(r"`([a-z_]+)/`", said.group(1))) if said else set()
+    code = {p.parent.name for p in (REPO / "src" / "gpunet_exporter").glob("*/__init__.py")}
+    return [f"src/gpunet_exporter/: README names {sorted(stated)}, the folders are "
+            f"{sorted(code)}"] if stated != code else []
+
+
+def test_readme_names_the_package_folders() -> None:
+    assert package_folder_problems((REPO / "README.md").read_text()) == []
 
 
 def test_readme_collector_table_is_the_registry() -> None:
@@ -315,8 +350,11 @@ def test_fact_checks_can_fail() -> None:
                              "docs/c.md": "[a](a.md)"}) == ["docs/c.md"]
     assert "[fleet.md](fleet.md)" in index
     assert unreachable_docs({**pages, "docs/new.md": "# New\n"}) == ["docs/new.md"]
+    assert broken_links("docs/README.md", index.replace("](fleet.md)", "](fleets.md)")) == [
+        "docs/README.md: fleets.md"]
     systemd_default = (REPO / "systemd" / "gpunet-exporter.default").read_text()
     assert default_collectors_problems(systemd_default.replace(" nccl,", ""))
     assert default_collectors_problems(systemd_default.replace("pfc\n#", "pfc, fabric\n#"))
+    assert package_folder_problems(readme.replace("`health/`", "`exporter/`"))
     architecture = (REPO / "docs" / "architecture.md").read_text()
     assert architecture_problems(architecture.replace(", `nccl`)", ")"))
