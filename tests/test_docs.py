@@ -300,6 +300,20 @@ def test_readme_names_the_package_folders() -> None:
     assert package_folder_problems((REPO / "README.md").read_text()) == []
 
 
+def capability_table_problems(install: str) -> list[str]:
+    """docs/install.md's table of what each collector needs: a row for every collector."""
+    section = _section(install, "Capabilities per collector")
+    table = section[section.index("\n| collector |"):].split("\n\n")[0]
+    stated = set(re.findall(r"^\| `([a-z0-9_]+)`", table, re.M))
+    code = set(discover())
+    return [f"docs/install.md's capability table: {sorted(stated)}, the collectors "
+            f"{sorted(code)}"] if stated != code else []
+
+
+def test_install_says_what_each_collector_needs() -> None:
+    assert capability_table_problems((REPO / "docs" / "install.md").read_text()) == []
+
+
 def test_readme_collector_table_is_the_registry() -> None:
     assert collector_table_problems((REPO / "README.md").read_text()) == []
 
@@ -356,5 +370,7 @@ def test_fact_checks_can_fail() -> None:
     assert default_collectors_problems(systemd_default.replace(" nccl,", ""))
     assert default_collectors_problems(systemd_default.replace("pfc\n#", "pfc, fabric\n#"))
     assert package_folder_problems(readme.replace("`health/`", "`exporter/`"))
+    install = (REPO / "docs" / "install.md").read_text()
+    assert capability_table_problems(re.sub(r"^\| `nccl` \|.*\n", "", install, flags=re.M))
     architecture = (REPO / "docs" / "architecture.md").read_text()
     assert architecture_problems(architecture.replace(", `nccl`)", ")"))
