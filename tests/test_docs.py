@@ -323,7 +323,9 @@ def test_readme_flag_table_is_the_parser() -> None:
 
 
 def test_readme_names_every_dashboard() -> None:
+    """The README, and grafana/README.md beside the files."""
     assert dashboard_problems((REPO / "README.md").read_text()) == []
+    assert dashboard_problems((REPO / "grafana" / "README.md").read_text()) == []
 
 
 def test_every_doc_is_reachable_from_the_readme() -> None:
