@@ -3,6 +3,7 @@ naming rules (prefix, base units, _total on counters, no target labels)."""
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 from pathlib import Path
@@ -167,3 +168,211 @@ def test_readme_counts_the_alerts_the_rules_hold() -> None:
     stated = re.search(r"\((\d+) alerts:", readme)
     assert stated, "README.md no longer says how many alerts there are"
     assert int(stated.group(1)) == len(rules.ALERT_NAMES)
+
+
+# What the project says about itself, checked against the code that is its one home: the
+# collector registry (discover()), the flags (build_parser), grafana/*.json and docs/*.md.
+# Each check is a function of the text, so that test_fact_checks_can_fail can plant a wrong fact.
+
+def _section(text: str, heading: str) -> str:
+    """The body of a ``## heading`` section, up to the next ``## ``."""
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def collector_table_problems(readme: str) -> list[str]:
+    """The README's collector table against the registry: every collector, its default."""
+    rows = dict(re.findall(r"^\| `([a-z0-9_]+)` \| (on|off) \|", readme, re.M))
+    code = {n: "on" if c.default_enabled else "off" for n, c in discover().items()}
+    return [f"collector {n}: README says {rows.get(n)}, the code {code.get(n)}"
+            for n in sorted(rows.keys() | code.keys()) if rows.get(n) != code.get(n)]
+
+
+def readme_flags(readme: str) -> set[str]:
+    """The flags the README's table names, shorthands spelt out: ``--a.device-include``,
+    ``-exclude`` is two flags; ``<name>`` stands for every collector."""
+    flags: set[str] = set()
+    for line in _section(readme, "Flags").splitlines():
+        if not line.startswith("| `-"):
+            continue
+        previous = ""
+        for flag in re.findall(r"`(-[^`]+)`", line.split(" | ")[0]):
+            if not flag.startswith("--"):  # a suffix of the flag before it
+                flag = previous.rsplit("-", 1)[0] + flag
+            previous = flag
+            names = discover() if "<name>" in flag else [""]
+            flags |= {flag.replace("<name>", n) for n in names}
+    return flags
+
+
+def flag_problems(readme: str) -> list[str]:
+    from gpunet_exporter.options import build_parser
+
+    parser = build_parser(discover())
+    code = {o for a in parser._actions for o in a.option_strings} - {"-h", "--help"}
+    stated = readme_flags(readme)
+    return ([f"{f}: a flag the README's table lacks" for f in sorted(code - stated)]
+            + [f"{f}: in the README's table, not a flag" for f in sorted(stated - code)])
+
+
+def dashboard_problems(readme: str) -> list[str]:
+    files = {p.name for p in (REPO / "grafana").glob("*.json")}
+    named = set(re.findall(r"`(gpunet-[a-z0-9-]+\.json)`", readme))
+    return ([f"grafana/{f}: not named in README.md" for f in sorted(files - named)]
+            + [f"{f}: named in README.md, not in grafana/" for f in sorted(named - files)])
+
+
+def unreachable_docs(pages: dict[str, str]) -> list[str]:
+    """The docs/*.md pages no chain of Markdown links reaches from README.md; ``pages`` maps a
+    path relative to the repository to its text."""
+    seen, todo = {"README.md"}, ["README.md"]
+    while todo:
+        page = todo.pop()
+        folder = Path(page).parent
+        for target in re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", pages.get(page, "")):
+            path = Path(os.path.normpath(folder / target)).as_posix()
+            if path not in seen:
+                seen.add(path)
+                todo.append(path)
+    return sorted(p for p in pages if p.startswith("docs/") and p not in seen)
+
+
+def _markdown_pages() -> dict[str, str]:
+    return {p.relative_to(REPO).as_posix(): p.read_text(encoding="utf-8")
+            for p in [REPO / "README.md", *(REPO / "docs").glob("*.md")]}
+
+
+def broken_links(page: str, text: str) -> list[str]:
+    """The relative Markdown links of ``page`` (a path relative to the repository) whose file is
+    not in the checkout."""
+    out = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://", "#", "mailto:")):
+            continue
+        path = os.path.normpath(REPO / Path(page).parent / target.split("#")[0])
+        if not os.path.exists(path):
+            out.append(f"{page}: {target}")
+    return out
+
+
+def test_links_between_the_pages_hold() -> None:
+    pages = {p.relative_to(REPO).as_posix(): p.read_text(encoding="utf-8")
+             for p in [*REPO.glob("*.md"), *REPO.glob("*/README.md"),
+                       *(REPO / "docs").glob("*.md")]}
+    assert len(pages) > 20
+    assert [b for page, text in pages.items() for b in broken_links(page, text)] == []
+
+
+def default_collectors_problems(systemd_default: str) -> list[str]:
+    """The collectors systemd/gpunet-exporter.default says run by default, against the code."""
+    said = re.search(r"collectors ([a-z0-9_, ]+?) and ([a-z0-9_]+)\b",
+                     " ".join(systemd_default.replace("#", " ").split()))
+    if not said:
+        return ["systemd/gpunet-exporter.default no longer lists the default collectors"]
+    stated = {*said.group(1).split(", "), said.group(2)}
+    code = {n for n, c in discover().items() if c.default_enabled}
+    return [f"default collectors: the file says {sorted(stated)}, the code {sorted(code)}"
+            ] if stated != code else []
+
+
+def architecture_problems(architecture: str) -> list[str]:
+    row = next((line for line in architecture.splitlines()
+                if line.startswith("| ") and "`src/gpunet_exporter/collectors/`" in line), "")
+    listed = re.search(r"one module each \(([^)]*)\)", row)
+    stated = set(re.findall(r"`([a-z0-9_]+)`", listed.group(1))) if listed else set()
+    code = set(discover())
+    return [f"docs/architecture.md's collectors {sorted(stated)}, the code's {sorted(code)}"
+            ] if stated != code else []
+
+
+def package_folder_problems(readme: str) -> list[str]:
+    """The folders of src/gpunet_exporter/ the README's Development section names."""
+    said = re.search(r"installs as `gpunet_exporter` from `src/gpunet_exporter/`:(.*?)\n\n",
+                     _section(readme, "Development"), re.S)
+    stated = set(re.findall(r"`([a-z_]+)/`", said.group(1))) if said else set()
+    code = {p.parent.name for p in (REPO / "src" / "gpunet_exporter").glob("*/__init__.py")}
+    return [f"src/gpunet_exporter/: README names {sorted(stated)}, the folders are "
+            f"{sorted(code)}"] if stated != code else []
+
+
+def test_readme_names_the_package_folders() -> None:
+    assert package_folder_problems((REPO / "README.md").read_text()) == []
+
+
+def capability_table_problems(install: str) -> list[str]:
+    """docs/install.md's table of what each collector needs: a row for every collector."""
+    section = _section(install, "Capabilities per collector")
+    table = section[section.index("\n| collector |"):].split("\n\n")[0]
+    stated = set(re.findall(r"^\| `([a-z0-9_]+)`", table, re.M))
+    code = set(discover())
+    return [f"docs/install.md's capability table: {sorted(stated)}, the collectors "
+            f"{sorted(code)}"] if stated != code else []
+
+
+def test_install_says_what_each_collector_needs() -> None:
+    assert capability_table_problems((REPO / "docs" / "install.md").read_text()) == []
+
+
+def test_readme_collector_table_is_the_registry() -> None:
+    assert collector_table_problems((REPO / "README.md").read_text()) == []
+
+
+def test_readme_flag_table_is_the_parser() -> None:
+    assert flag_problems((REPO / "README.md").read_text()) == []
+
+
+def test_readme_names_every_dashboard() -> None:
+    """The README, and grafana/README.md beside the files."""
+    assert dashboard_problems((REPO / "README.md").read_text()) == []
+    assert dashboard_problems((REPO / "grafana" / "README.md").read_text()) == []
+
+
+def test_every_doc_is_reachable_from_the_readme() -> None:
+    """Directly or through docs/README.md, the index of every page."""
+    pages = _markdown_pages()
+    assert "docs/README.md" in pages and len(pages) > 15
+    assert "](docs/README.md)" in pages["README.md"]
+    assert unreachable_docs(pages) == []
+    index = pages["docs/README.md"]
+    assert not [p for p in pages if p.startswith("docs/") and p != "docs/README.md"
+                and f"]({p.removeprefix('docs/')})" not in index]
+
+
+def test_systemd_default_names_the_default_collectors() -> None:
+    text = (REPO / "systemd" / "gpunet-exporter.default").read_text()
+    assert default_collectors_problems(text) == []
+
+
+def test_architecture_names_every_collector() -> None:
+    assert architecture_problems((REPO / "docs" / "architecture.md").read_text()) == []
+
+
+def test_fact_checks_can_fail() -> None:
+    """Each check above, given a planted wrong fact, says so."""
+    readme = (REPO / "README.md").read_text()
+    assert collector_table_problems(readme.replace("| `nccl` | on |", "| `nccl` | off |"))
+    assert collector_table_problems(re.sub(r"^\| `fabric` \|.*\n", "", readme, flags=re.M))
+    assert flag_problems(readme.replace("`--collector.topology.device-include`, `-exclude`",
+                                        "`--collector.topology.device-include`"))
+    assert flag_problems(readme.replace("`--log.format`", "`--log.form`"))
+    assert readme_flags("\n## Flags\n| `--a.b-include`, `-exclude` | |\n## X\n") == {
+        "--a.b-include", "--a.b-exclude"}
+    assert dashboard_problems(readme.replace("`gpunet-pairs.json`", "pairs"))
+    pages = _markdown_pages()
+    index = pages["docs/README.md"]
+    assert unreachable_docs({"README.md": "[docs](docs/README.md)", "docs/README.md": "[a](a.md)",
+                             "docs/a.md": "[b](./b.md#part)", "docs/b.md": "[up](../README.md)",
+                             "docs/c.md": "[a](a.md)"}) == ["docs/c.md"]
+    assert "[fleet.md](fleet.md)" in index
+    assert unreachable_docs({**pages, "docs/new.md": "# New\n"}) == ["docs/new.md"]
+    assert broken_links("docs/README.md", index.replace("](fleet.md)", "](fleets.md)")) == [
+        "docs/README.md: fleets.md"]
+    systemd_default = (REPO / "systemd" / "gpunet-exporter.default").read_text()
+    assert default_collectors_problems(systemd_default.replace(" nccl,", ""))
+    assert default_collectors_problems(systemd_default.replace("pfc\n#", "pfc, fabric\n#"))
+    assert package_folder_problems(readme.replace("`health/`", "`exporter/`"))
+    install = (REPO / "docs" / "install.md").read_text()
+    assert capability_table_problems(re.sub(r"^\| `nccl` \|.*\n", "", install, flags=re.M))
+    architecture = (REPO / "docs" / "architecture.md").read_text()
+    assert architecture_problems(architecture.replace(", `nccl`)", ")"))
