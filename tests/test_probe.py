@@ -822,3 +822,77 @@ def test_probe_bench_helpers() -> None:
     assert pb.busbw(1 << 20, 20, 0.0, 4) == 0.0
     assert pb.ratio(1.0, 0.0) is None and pb.ratio(3.0, 4.0) == 0.75
     assert pb.rss() > 1 << 20
+
+
+# -- a fallback is measured, then NCCL chooses again ---------------------------------------------
+
+
+@pytest.mark.parametrize("scope, transports, net, active, fell", [
+    ("intra", ["P2P"], [], True, False),
+    ("intra", ["P2P", "NET"], ["Socket"], False, True),  # NET between the node's own GPUs
+    ("net", ["NET"], ["IB"], True, False),
+    ("net", ["NET"], ["Socket"], True, True),  # sockets while an RDMA port is ACTIVE
+    ("net", ["NET"], ["Socket"], False, False),  # no RDMA port: sockets are all there is
+])
+def test_socket_fallback_is_judged_in_one_place(scope: str, transports: list[str],
+                                                net: list[str], active: bool,
+                                                fell: bool) -> None:
+    asked: list[bool] = []
+
+    def rdma_active() -> bool:
+        asked.append(True)
+        return active
+
+    assert results.socket_fallback(scope, "nccl", transports, net, rdma_active) is fell
+    assert not results.socket_fallback(scope, "gloo", transports, net, rdma_active)
+    assert len(asked) <= 1  # sysfs is read only when sockets are in question
+
+
+class _Alive:
+    def poll(self) -> None:
+        return None
+
+
+def _fake_group(replies: list[bytes]) -> runner._Group:
+    """A launcher group whose workers have already replied ``replies``, one line each."""
+    g = runner._Group("net", list(range(len(replies))), [], "/nonexistent", "nccl")
+    for line in replies:
+        r, w = os.pipe()
+        os.write(w, line)
+        os.close(w)
+        g.replies.append(r)
+        g.procs.append(_Alive())  # type: ignore[arg-type]
+    return g
+
+
+@pytest.mark.parametrize("replies, outcome", [
+    ([b"done\n", b"done\n"], "ok"),
+    ([b"done\n", b"renew\n"], "renew"),
+    ([b"renew\n", b"renew\n"], "renew"),
+    ([b"renew\n", b"failed\n"], "failed"),
+])
+def test_a_worker_that_fell_back_asks_for_a_new_group(replies: list[bytes],
+                                                      outcome: str) -> None:
+    """GpunetNcclSocketFallback must clear by itself once the port is fixed: NCCL keeps the
+    transports it chose for the life of a communicator, so a round that fell back ends with
+    "renew" and the launcher starts the group anew (next round, NCCL chooses again)."""
+    g = _fake_group(replies)
+    try:
+        assert g.wait("done", time.monotonic() + 5, os.getppid()) == outcome
+    finally:
+        for fd in g.replies:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def test_renew_stops_the_group_and_is_no_failure(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    g = _fake_group([b"renew\n", b"renew\n"])
+    stopped: list[bool] = []
+    monkeypatch.setattr(g, "send", lambda line: True)
+    monkeypatch.setattr(g, "stop", lambda: stopped.append(True))
+    args = RunOptions(state_dir=str(tmp_path))
+    assert runner._group_round(args, "net", g, 0, os.getppid()) == "ok"
+    assert stopped == [True]
+    # No failure written: the round measured (the worker wrote its result).
+    assert not os.path.exists(results.result_path(str(tmp_path), "net"))

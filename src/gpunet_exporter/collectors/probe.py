@@ -19,7 +19,7 @@ from prometheus_client.core import Metric
 
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec, Scrape
 from gpunet_exporter.config import Settings, setting
-from gpunet_exporter.probe import idle, pairs, run_options, supervisor
+from gpunet_exporter.probe import idle, pairs, results, run_options, supervisor
 from gpunet_exporter.probe.results import Result
 from gpunet_exporter.probe.run_options import RunOptions, key
 from gpunet_exporter.sources import nvml, rdma
@@ -284,7 +284,6 @@ class ProbeCollector(Collector):
             fams.add(YIELDS, [], snap.yields)
             if snap.idle_since is not None:
                 fams.add(IDLE_SINCE, [], snap.idle_since)
-        rdma_active: bool | None = None
         for scope, view in snap.scopes.items():
             last, good, failures = view.last, view.good, view.failures
             if last is None and not any(failures.values()):
@@ -300,12 +299,8 @@ class ProbeCollector(Collector):
             self._export_result(fams, scope, good)
             if good.backend != "nccl":
                 continue
-            if scope == "intra":  # the GPUs' own paths should carry it, not the network
-                fallback = "NET" in good.transports
-            else:
-                if rdma_active is None:
-                    rdma_active = self._rdma_active()
-                fallback = "Socket" in good.net_transports and rdma_active
+            fallback = results.socket_fallback(scope, good.backend, good.transports,
+                                               good.net_transports, self._rdma_active)
             fams.add(SOCKET_FALLBACK, [scope], int(fallback))
         if snap.pairs_seen:
             fams.add(FAILURES, [FLEET_SCOPE, "bad_result"], snap.pair_failures)

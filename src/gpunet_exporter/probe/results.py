@@ -12,7 +12,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +87,18 @@ class Result:
     skipped_busy: bool = False  # sizes were skipped because a GPU was busy with other work
     hcas: tuple[Hca, ...] = ()  # RDMA ports this node's ranks used
     link_bytes_per_second: float | None = None  # the link bandwidth a rank can expect
+
+
+def socket_fallback(scope: str, backend: str, transports: Sequence[str],
+                    net_transports: Sequence[str], rdma_active: Callable[[], bool]) -> bool:
+    """Whether a round's NCCL took a slower path than the node offers
+    (gpunet_probe_socket_fallback): intra, a NET transport between the node's own GPUs; net,
+    sockets while an RDMA port is ACTIVE (``rdma_active``, asked only then)."""
+    if backend != "nccl":
+        return False
+    if scope == "intra":
+        return "NET" in transports
+    return "Socket" in net_transports and rdma_active()
 
 
 class BadResult(ValueError):

@@ -271,10 +271,12 @@ class _Group:
         return True
 
     def wait(self, expect: str, deadline: float, parent: int) -> str:
-        """Until every worker replied ``expect``: "ok"; a worker failed or exited: "failed";
-        past the deadline: "timeout"; whoever started the launcher is gone: "orphaned"."""
+        """Until every worker replied ``expect``: "ok"; or, for "done", replied it or "renew"
+        and one said "renew": "renew"; a worker failed or exited: "failed"; past the deadline:
+        "timeout"; whoever started the launcher is gone: "orphaned"."""
         pending = dict(zip(self.replies, self.procs, strict=True))
         buffers = dict.fromkeys(pending, b"")
+        renew = False
         while pending:
             if os.getppid() != parent:
                 return "orphaned"
@@ -293,9 +295,12 @@ class _Group:
                         return "failed"
                     if line.strip() == expect.encode():
                         pending.pop(fd, None)
+                    elif expect == "done" and line.strip() == b"renew":
+                        pending.pop(fd, None)
+                        renew = True
             if any(p.poll() is not None for p in pending.values()):
                 return "failed"
-        return "ok"
+        return "renew" if renew else "ok"
 
     def stop(self) -> None:
         for fd in self.commands:  # EOF: the workers leave their loop and exit
@@ -388,6 +393,11 @@ def _group_round(args: RunOptions, scope: str, group: _Group, round_no: int,
     write_status(args.state_dir, "round", scope, since, round_no)
     outcome = group.wait("done", time.monotonic() + args.timeout_seconds, parent) \
         if group.send(f"round {since!r}") else "failed"
+    if outcome == "renew":  # measured; NCCL fell back: a fresh group for the next round
+        print(f"gpunet-probe: {scope}: NCCL fell back to a slower transport; the group starts "
+              "anew next round, so that NCCL chooses again", file=sys.stderr)
+        group.stop()
+        return "ok"
     return outcome if outcome == "ok" else _group_failed(args, scope, group, outcome, since,
                                                          "round")
 
@@ -500,7 +510,8 @@ def worker(args: RunOptions, cluster: Cluster | None = None) -> int:
             if writer:
                 write_json(results.result_path(args.state_dir, scope), result)
             if control:
-                control.reply("done")
+                # Every rank has the same merged transports, so all say the same.
+                control.reply("renew" if probe.fell_back(result) else "done")
                 continue
             round_no += 1
             if args.rounds and round_no >= args.rounds:
@@ -810,6 +821,17 @@ class _Probe:
                 "net_transports": sorted(s.get("net_transports", [])), "gdr": s.get("gdr"),
                 "problems": sorted(s.get("problems", [])), "hcas": hcas,
                 "link_bytes_per_second": link}
+
+    def fell_back(self, result: Mapping[str, Any]) -> bool:
+        """Whether this round's NCCL took a slower path than the node offers (sockets while an
+        RDMA port is ACTIVE, NET between the node's own GPUs): NCCL chose its transports when
+        this process group's communicators were made and keeps them, so the group must be made
+        anew for a fixed fault to show (the launcher restarts it: "renew")."""
+        from gpunet_exporter.sources import rdma
+
+        return results.socket_fallback(
+            self.scope, self.args.backend, result.get("transports", ()),
+            result.get("net_transports", ()), lambda: bool(rdma.active_ports(self.sysfs)))
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
