@@ -6,6 +6,7 @@
     python3 bench/device_checks.py fleet [--nodes 4] [--out DIR]      (one GPU is enough)
     python3 bench/device_checks.py job [--job-seconds 60] [--beside-seconds 60] [--out DIR]
                                                      (every GPU of the machine, 1 or more)
+    python3 bench/device_checks.py renew [--rounds 3] [--out DIR]      (one GPU is enough)
 
 gpu: installs this checkout into a temporary directory, starts the exporter with the gpu and
 topology collectors on the machine's real /sys and NVML, puts load on GPU 0 with PyTorch (so
@@ -56,6 +57,14 @@ stopped (SIGTERM), the next complete round as in (2). Versions (torch, NCCL, dri
 into the summary. About 7 minutes with the defaults on 4 GPUs; every process it starts is
 killed at the end, failure or not.
 
+renew (issue 33): a round whose NCCL fell back ends its group, and the next round starts it
+anew. The launcher's net scope (two ranks, their own host IDs) over --rounds rounds, with
+--path.sysfs a copy of examples/dgx-h100/sys, whose RDMA ports are ACTIVE: NCCL, with no HCA
+here, takes sockets, which beside an ACTIVE port is a fallback. Every round must write a
+successful result with Socket among its NET transports and end its group ("starts anew"), and
+the launcher exit 0. Then the copy's ports are set DOWN (the cause gone, as far as the probe
+can tell): the same run must measure every round with one group, renewing none.
+
 Needs: python3 with nvidia-ml-py, prometheus_client, PyYAML and (for the load and the probe)
 torch, which the device image has. Every environment this script starts has NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 (NO_MULTICAST): NVLink multicast
@@ -72,6 +81,7 @@ import io
 import json
 import os
 import pstats
+import shutil
 import signal
 import statistics
 import subprocess
@@ -2167,6 +2177,44 @@ def summarize(bench: JobBench, results: dict[str, Any], checks: Checks) -> dict[
     return out
 
 
+def renew(args: argparse.Namespace) -> int:
+    checks = Checks()
+    out: dict[str, Any] = {"nvidia_smi": sh("nvidia-smi", "-L")}
+    with tempfile.TemporaryDirectory() as tmp_:
+        tmp = Path(tmp_)
+        site = install(tmp)
+        tree = tmp / "sys"
+        shutil.copytree(REPO / "examples" / "dgx-h100" / "sys", tree, symlinks=True)
+        for label in ("fallback", "fixed"):
+            if label == "fixed":  # every port DOWN: sockets are all the node has now
+                for state in tree.glob("devices/**/infiniband/*/ports/*/state"):
+                    state.write_text("1: DOWN\n")
+            state_dir = tmp / f"state-{label}"
+            r = subprocess.run(
+                [sys.executable, "-m", "gpunet_exporter.probe.cli", "run", "--state-dir",
+                 str(state_dir), "--scopes", "net", "--rounds", str(args.rounds),
+                 "--interval", "1", "--sizes", "1MiB", "--path.sysfs", str(tree)],
+                capture_output=True, text=True, timeout=600,
+                env={**os.environ, "PYTHONPATH": str(site)})
+            try:
+                res = json.loads((state_dir / "net.json").read_text())
+            except (OSError, ValueError):
+                res = {}
+            renewed = r.stderr.count("starts anew next round")
+            out[label] = {"exit": r.returncode, "renewed": renewed,
+                          "success": res.get("success"),
+                          "net_transports": res.get("net_transports"),
+                          "stderr_tail": r.stderr[-800:]}
+            checks.eq(f"{label}: launcher exit", r.returncode, 0)
+            checks.eq(f"{label}: last round measured", res.get("success"), True)
+            checks.eq(f"{label}: NCCL on sockets", "Socket" in (res.get("net_transports")
+                                                                or []), True)
+            checks.eq(f"{label}: groups started anew", renewed,
+                      args.rounds if label == "fallback" else 0)
+    print(json.dumps(out, indent=1))
+    return finish(out, checks, args.out, "renew_check.json")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -2222,9 +2270,13 @@ def main() -> int:
     jb.add_argument("--scrape-interval", type=float, default=1.0,
                     help="scrape period while a job runs (1.0; 0.5 otherwise)")
     jb.add_argument("--out", help="directory for job_check.json")
+    rn = sub.add_parser("renew", help="a group that fell back to sockets starts anew")
+    rn.add_argument("--rounds", type=int, default=3)
+    rn.add_argument("--out", help="directory for renew_check.json")
     args = p.parse_args()
     os.environ.update(NO_MULTICAST)  # every child inherits it: NVLink multicast stays off
-    return {"gpu": gpu, "probe": probe, "fleet": fleet, "ras": ras, "job": job}[args.cmd](args)
+    return {"gpu": gpu, "probe": probe, "fleet": fleet, "ras": ras, "job": job,
+            "renew": renew}[args.cmd](args)
 
 
 if __name__ == "__main__":
