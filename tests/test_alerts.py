@@ -4,6 +4,7 @@ Alertmanager is tests/test_alerts_e2e.py."""
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -27,9 +28,25 @@ RULES = ALERTS_DIR / "gpunet.rules.yml"
 RULE_TESTS = sorted((ALERTS_DIR / "tests").glob("*.test.yml"))
 
 
+class _CaseLoader(yaml.SafeLoader):
+    """YAML as promtool reads the test files: PyYAML's YAML 1.1 takes `values: 0x20` (0, 20
+    times) for the hex number 32, and `1:30` for 90; promtool's YAML keeps them as text. Only
+    plain decimal integers are numbers here, so cases written back out mean the same."""
+
+
+def _int_or_text(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int | str:
+    text = loader.construct_scalar(node)
+    assert isinstance(text, str)
+    return int(text) if re.fullmatch(r"[-+]?(0|[1-9][0-9]*)", text) else text
+
+
+_CaseLoader.add_constructor("tag:yaml.org,2002:int", _int_or_text)
+
+
 def rule_test_cases() -> list[dict[str, Any]]:
-    """Every promtool test case of every file."""
-    return [case for path in RULE_TESTS for case in yaml.safe_load(path.read_text())["tests"]]
+    """Every promtool test case of every file, as promtool reads it."""
+    return [case for path in RULE_TESTS
+            for case in yaml.load(path.read_text(), Loader=_CaseLoader)["tests"]]
 AM_CONFIG = ALERTS_DIR / "alertmanager.yml"
 RUNBOOKS = REPO / "docs" / "runbooks.md"
 
@@ -313,6 +330,16 @@ def test_configured_expected_bandwidth_fires_below_80_percent(tmp_path: Path) ->
     ("fabric: {uplink_imbalance_ratio: -0.2}\n", "key 'fabric.uplink_imbalance_ratio': expected "
      "a value >= 0, got -0.2"),
     ("fabric: {stale_seconds: 0}\n", "key 'fabric.stale_seconds': expected a value >= 1"),
+    # Per-alert overrides: alert names and values checked as `for:`'s are.
+    ("enabled: {GpunetNoSuchAlert: false}\n", "key 'enabled.GpunetNoSuchAlert': unknown key"),
+    ("enabled: {GpunetPortDown: off-ish}\n", "key 'enabled.GpunetPortDown': expected true or "
+     "false"),
+    ("severity: {GpunetNoSuchAlert: info}\n", "key 'severity.GpunetNoSuchAlert': unknown key"),
+    ("severity: {GpunetPortDown: page}\n", "key 'severity.GpunetPortDown': expected one of "
+     "critical, warning, info, got 'page'"),
+    ("severity: [GpunetPortDown]\n", "key 'severity': expected a mapping"),
+    ("cluster: ''\n", "key 'cluster': expected a label value, got ''"),
+    ("cluster: {name: a}\n", "key 'cluster': expected a string"),
 ])
 def test_bad_thresholds_file_one_line_exit_2(tmp_path: Path, content: str, message: str) -> None:
     f = tmp_path / "t.yml"
@@ -324,6 +351,104 @@ def test_bad_thresholds_file_one_line_exit_2(tmp_path: Path, content: str, messa
     assert len(lines) == 1 and "Traceback" not in out.stderr
     assert lines[0].startswith(f"gpunet-rules: thresholds file '{f}': ")
     assert message in lines[0]
+
+
+# -- per-alert overrides: job, enabled, severity, cluster ------------------------------------
+
+OVERRIDES = ("job: gpu-nodes\ncluster: prod-a\nenabled: {GpunetPortDown: false}\n"
+             "severity: {GpunetPortSymbolErrors: critical, GpunetGpuLost: warning}\n")
+
+
+def test_overrides_shape_the_rules(tmp_path: Path) -> None:
+    """A disabled alert is left out, a severity replaced, the job in every `up{}` and the
+    cluster label on every rule; everything else as the defaults have it."""
+    (tmp_path / "t.yml").write_text(OVERRIDES)
+    t = thresholds.load(str(tmp_path / "t.yml"), rules.ALERT_NAMES)
+    assert not t.enabled("GpunetPortDown") and t.enabled("GpunetPortFlapping")
+    text = rules.render(t)
+    doc = yaml.safe_load(text)
+    every = [r for g in doc["groups"] for r in g["rules"]]
+    alerts = {r["alert"]: r for r in every if "alert" in r}
+    assert set(alerts) == set(rules.ALERT_NAMES) - {"GpunetPortDown"}
+    assert alerts["GpunetPortSymbolErrors"]["labels"]["severity"] == "critical"
+    assert alerts["GpunetGpuLost"]["labels"]["severity"] == "warning"
+    assert alerts["GpunetPortFlapping"]["labels"]["severity"] == "warning"
+    assert all(r["labels"]["cluster"] == "prod-a" for r in every)
+    assert 'job="gpunet"' not in text and text.count('up{job="gpu-nodes"}') == 1 + len(
+        rules.CLASSES)
+    # The defaults: no cluster label, every alert, the built-in severities.
+    default = rules.rule_groups(thresholds.defaults(rules.ALERT_NAMES))
+    assert not any("cluster" in r.get("labels", {})
+                   for g in default["groups"] for r in g["rules"])
+
+
+def overridden_cases(job: str, disabled: set[str], severity: dict[str, str],
+                     cluster: str) -> list[dict[str, Any]]:
+    """The shipped promtool cases as rules generated with these overrides must pass them: the
+    job renamed in the input series and expected labels, the disabled alerts' expectations
+    left out, the changed severities and the cluster label expected, on the alerts and on the
+    recorded series."""
+    recorded = {r["record"] for r in rule_list() if "record" in r}
+    old = 'job="gpunet"'
+    new = f'job="{job}"'
+    out = []
+    for case in copy.deepcopy(rule_test_cases()):
+        for series in case.get("input_series", []):
+            series["series"] = series["series"].replace(old, new)
+        kept = [a for a in case.get("alert_rule_test", []) if a["alertname"] not in disabled]
+        for a in kept:
+            for exp in a["exp_alerts"]:
+                labels = exp["exp_labels"]
+                if labels.get("job") == "gpunet":
+                    labels["job"] = job
+                labels["severity"] = severity.get(a["alertname"], labels["severity"])
+                labels["cluster"] = cluster
+        case["alert_rule_test"] = kept
+        for expr in case.get("promql_expr_test", []):
+            expr["expr"] = expr["expr"].replace(old, new)
+            for sample in expr["exp_samples"]:
+                text = sample["labels"].replace(old, new)
+                name, _, rest = text.partition("{")
+                if name in recorded:
+                    body = rest.removesuffix("}")
+                    text = f'{name}{{{body + ", " if body else ""}cluster="{cluster}"}}'
+                sample["labels"] = text
+        if case["alert_rule_test"] or case.get("promql_expr_test"):
+            out.append(case)
+    return out
+
+
+def test_overridden_rules_pass_promtool(tmp_path: Path) -> None:
+    """Rules generated with another job, an alert off, two severities changed and a cluster
+    label: `promtool check rules` accepts them, and the shipped unit tests of the alerts left
+    pass against them (adjusted as overridden_cases says); the disabled alert is gone."""
+    (tmp_path / "t.yml").write_text(OVERRIDES)
+    out = run_rules("--thresholds", str(tmp_path / "t.yml"), "-o", str(tmp_path / "r.yml"))
+    assert out.returncode == 0, out.stderr
+    text = (tmp_path / "r.yml").read_text()
+    check = subprocess.run([tool("promtool"), "check", "rules", "r.yml"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f"SUCCESS: {len(rule_list()) - 1} rules found" in check.stdout
+    cases = overridden_cases("gpu-nodes", {"GpunetPortDown"},
+                             {"GpunetPortSymbolErrors": "critical", "GpunetGpuLost": "warning"},
+                             "prod-a")
+    names = {a["alertname"] for c in cases for a in c["alert_rule_test"]}
+    assert names == set(rules.ALERT_NAMES) - {"GpunetPortDown"}
+    (tmp_path / "t.yml").write_text(yaml.safe_dump(
+        {"rule_files": ["r.yml"], "evaluation_interval": "1m", "tests": cases}))
+    test = subprocess.run([tool("promtool"), "test", "rules", "t.yml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert test.returncode == 0, (test.stdout + test.stderr)[-4000:]
+    # The unchanged expectations bite: the shipped cases of the disabled alert fail.
+    (tmp_path / "t.yml").write_text(yaml.safe_dump(
+        {"rule_files": ["r.yml"], "evaluation_interval": "1m", "tests": [
+            c for c in rule_test_cases() if any(a["alertname"] == "GpunetPortDown"
+                                                for a in c.get("alert_rule_test", []))]}))
+    test = subprocess.run([tool("promtool"), "test", "rules", "t.yml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert test.returncode != 0
+    assert text.count("cluster: prod-a") == len(rule_list()) - 1
 
 
 def test_values_at_the_bounds_are_accepted(tmp_path: Path) -> None:
@@ -354,7 +479,7 @@ def test_every_threshold_is_documented_in_the_runbooks() -> None:
             for k, v in value.items():
                 walk(f"{prefix}.{k}" if prefix else k, v)
             return
-        if prefix in ("for", "runbook_url", "job"):
+        if prefix in ("for", "runbook_url", "job", "cluster"):
             return
         assert f"`{prefix}`" in text, f"threshold {prefix} is not in docs/runbooks.md"
 

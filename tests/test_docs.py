@@ -376,3 +376,31 @@ def test_fact_checks_can_fail() -> None:
     assert capability_table_problems(re.sub(r"^\| `nccl` \|.*\n", "", install, flags=re.M))
     architecture = (REPO / "docs" / "architecture.md").read_text()
     assert architecture_problems(architecture.replace(", `nccl`)", ")"))
+
+
+def test_readme_prometheus_snippet_fits_the_rules_and_dashboards() -> None:
+    """The README's prometheus.yml: the scrape job is the thresholds' default `job` (the one
+    the rules select by), it loads the rule file, and its relabelling turns a target's address
+    into the node's name, the `instance` the dashboards and the fleet's `peer` expect; the
+    runbook paragraph names the default `runbook_url`."""
+    import yaml
+
+    from gpunet_exporter.mixin import thresholds
+
+    readme = (REPO / "README.md").read_text()
+    found = re.search(r"```yaml\n# prometheus\.yml\n(.*?)```", readme, re.S)
+    assert found, "README.md has no prometheus.yml snippet"
+    config = yaml.safe_load(found.group(1))
+    assert config["rule_files"][0].endswith("gpunet.rules.yml")
+    (job,) = config["scrape_configs"]
+    t = thresholds.defaults()
+    assert job["job_name"] == t.job
+    (relabel,) = job["relabel_configs"]
+    assert relabel["source_labels"] == ["__address__"] and relabel["target_label"] == "instance"
+    targets = job["static_configs"][0]["targets"]
+    assert all(a.endswith(":19400") for a in targets)
+    # Prometheus anchors the regex and expands $1 as Python's \1.
+    pattern = re.compile(relabel["regex"])
+    assert [pattern.fullmatch(a).expand(relabel["replacement"].replace("$1", r"\1"))  # type: ignore[union-attr]
+            for a in targets] == [a.rpartition(":")[0] for a in targets]
+    assert f"`{t.runbook_url}`" in readme and "runbook_url: https://" in readme

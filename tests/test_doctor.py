@@ -433,6 +433,27 @@ def test_network_bound_band_is_an_info_finding_exit_0(tmp_path: Path) -> None:
     assert out.returncode == result["exit_code"] == 0 and result["status"] == "healthy"
 
 
+def test_thresholds_file_turns_an_alert_off_or_changes_its_severity(tmp_path: Path) -> None:
+    """The thresholds file's `severity` and `enabled` apply to the doctor's findings as to the
+    rules: the band made a warning fails the check (exit 1), in JSON and in the report; turned
+    off, it is not reported at all."""
+    args, env = gpu_node(tmp_path, [60, 75], [2, 1])
+    band = "GpunetGpusNetworkBoundBand"
+    (tmp_path / "t.yml").write_text(f"severity: {{{band}: warning}}\n")
+    out = run(*args, f"--thresholds={tmp_path / 't.yml'}", env=env)
+    result = json.loads(out.stdout)
+    assert [(f["alert"], f["severity"], f["fault"]) for f in result["findings"]] == [
+        (band, "warning", True)]
+    assert out.returncode == result["exit_code"] == 1
+    text = run(*[a for a in args if a != "--json"], f"--thresholds={tmp_path / 't.yml'}",
+               env=env)
+    assert "  [warning] node: " in text.stdout and text.returncode == 1
+    (tmp_path / "t.yml").write_text(f"enabled: {{{band}: false}}\nseverity: {{{band}: critical}}\n")
+    out = run(*args, f"--thresholds={tmp_path / 't.yml'}", env=env)
+    result = json.loads(out.stdout)
+    assert result["findings"] == [] and out.returncode == result["exit_code"] == 0
+
+
 def test_starved_gpu_is_a_finding_and_below_the_share_no_band(tmp_path: Path) -> None:
     """GPU 0 at 20 % with a process: GpunetGpuStarved (exit 1); GPU 1 at 70 % is then one of
     two busy GPUs in the band, under the 75 % share: no band finding. Idle GPUs count for

@@ -63,6 +63,7 @@ SYSTEM_TESTS: dict[str, frozenset[str]] = {
         "test_failed_expectations_reads_promtool_s_report",
         "test_missing_thresholds_file",
         "test_output_file",
+        "test_overridden_rules_pass_promtool",
         "test_promtool_check_rules",
         "test_promtool_unit_tests_pass",
         "test_routing_tree",

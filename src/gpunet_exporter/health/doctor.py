@@ -5,7 +5,9 @@ It runs the collectors the exporter would run (same flags, same config file), re
 ``--interval`` seconds apart so counters give rates, waits for the probe's first round when the
 probe collector is on, and applies the alert thresholds of gpunet_exporter.mixin.thresholds (the
 same values the generated Prometheus rules use; ``--thresholds FILE`` overrides them the same
-way). Findings are grouped by root cause, each naming the device and a command that confirms it.
+way, and its ``enabled: {ALERT: false}`` and ``severity`` apply to the findings of each alert
+as to the rules). Findings are grouped by root cause, each naming the device and a command that
+confirms it.
 
 Exit codes: 0 healthy (or only info findings), 1 findings, 2 could not check (a collector failed,
 nothing to check, or bad input). ``--json`` prints one JSON document instead of the report.
@@ -31,7 +33,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -162,7 +164,11 @@ def _wait_for_probe(probe: Collector, timeout: float, quiet: bool) -> None:
 
 
 def report(findings: list[Finding], checked: dict[str, bool], problems: list[str],
-           runbook_url: str, notes: Sequence[Note] = ()) -> str:
+           runbook_url: str, notes: Sequence[Note] = (),
+           severity: Mapping[str, str] | None = None) -> str:
+    """The report for a person; ``severity`` (alert -> severity) replaces the alerts' own, as
+    a thresholds file's ``severity`` does."""
+    severity = severity or {}
     lines = []
     if findings:
         lines.append(f"{len(findings)} finding{'s' * (len(findings) != 1)} on this node:")
@@ -172,7 +178,7 @@ def report(findings: list[Finding], checked: dict[str, bool], problems: list[str
                 continue
             lines += ["", title]
             for f in mine:
-                lines.append(f"  [{f.severity}] {f.where}: {f.message}")
+                lines.append(f"  [{severity.get(f.alert, f.severity)}] {f.where}: {f.message}")
                 lines.append(f"      confirm: {f.confirm}")
                 lines.append(f"      runbook: {runbook_url}#{f.alert.lower()} (alert {f.alert})")
     else:
@@ -270,12 +276,15 @@ def main(argv: Sequence[str]) -> int:
     hardware = any(b.all("gpunet_infiniband_port_state_id")) or any(b.all("gpunet_gpu_info"))
     if not hardware:
         problems.append("no RDMA port and no NVIDIA GPU found")
-    findings = check.findings
+    # The alerts a thresholds file turns off are not reported; those whose severity it
+    # changes are reported with the file's.
+    findings = [f for f in check.findings if t.enabled(f.alert)]
+    severity = {f.alert: t.severity(f.alert, f.severity) for f in findings}
     # Info findings (a hint such as the network-bound band, routed to no receiver by the
     # example Alertmanager configuration) are listed but do not fail a health check; nor do
     # findings that say something could not be checked (they are problems: exit 2), nor those
     # of a job (JOB_CAUSES).
-    faults = [f for f in findings if f.severity != "info" and f.alert not in COULD_NOT_CHECK
+    faults = [f for f in findings if severity[f.alert] != "info" and f.alert not in COULD_NOT_CHECK
               and f.cause not in JOB_CAUSES]
     code = 1 if faults else (2 if problems else 0)
     if args.json:
@@ -283,11 +292,11 @@ def main(argv: Sequence[str]) -> int:
             (code == 0) + 2 * (code == 2)], "exit_code": code,
             # fault: whether the finding counts towards exit code 1 (what a Slurm gate
             # drains for: slurm/gpunet-healthcheck names the first one in the reason).
-            "findings": [{**asdict(f), "severity": f.severity, "fault": f in faults}
+            "findings": [{**asdict(f), "severity": severity[f.alert], "fault": f in faults}
                          for f in findings],
             "checked": checked, "problems": problems, "notes": [asdict(n) for n in notes]},
             indent=1))
     else:
-        sys.stdout.write(report(findings, checked, problems, t.runbook_url, notes))
+        sys.stdout.write(report(findings, checked, problems, t.runbook_url, notes, severity))
     return code
 

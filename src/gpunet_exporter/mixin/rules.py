@@ -36,14 +36,18 @@ def _anchor(name: str) -> str:
 
 
 def rule_groups(t: Thresholds) -> dict[str, Any]:
-    """The rule file's content for thresholds ``t``."""
+    """The rule file's content for thresholds ``t``: the alerts it leaves on, with its
+    severities, and its ``cluster`` label on every rule."""
+    extra = {} if t.cluster is None else {"cluster": t.cluster}
     alerts = []
     for a in ALERTS:
+        if not t.enabled(a.name):
+            continue
         alerts.append({
             "alert": a.name,
             "expr": a.expr(t),
             "for": t.for_(a.name, a.for_),
-            "labels": {"severity": a.severity, "class": a.cls},
+            "labels": {"severity": t.severity(a.name, a.severity), "class": a.cls, **extra},
             "annotations": {
                 "summary": a.summary,
                 "description": a.description,
@@ -61,11 +65,17 @@ def rule_groups(t: Thresholds) -> dict[str, Any]:
         "labels": {"class": c},
     } for c in CLASSES]
     return {"groups": [
-        {"name": "gpunet-recording", "rules": recording(t)},
+        {"name": "gpunet-recording", "rules": _labelled(recording(t), extra)},
         {"name": "gpunet-alerts", "rules": alerts},
-        {"name": "gpunet-health", "rules": health},
+        {"name": "gpunet-health", "rules": _labelled(health, extra)},
     ]}
 
+
+def _labelled(rules: list[dict[str, Any]], extra: dict[str, str]) -> list[dict[str, Any]]:
+    """Recording rules with the static labels ``extra`` added to their own."""
+    if not extra:
+        return rules
+    return [{**r, "labels": {**r.get("labels", {}), **extra}} for r in rules]
 
 
 class _Dumper(yaml.SafeDumper):

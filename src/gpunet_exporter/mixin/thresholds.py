@@ -7,10 +7,18 @@ operator changes thresholds in one YAML file that names only what differs, for e
     pfc: {roce_priority: 5}
     probe: {expected_bus_bandwidth_bytes_per_second: {inter: 3.2e11}}
     for: {GpunetPortRateBelowExpected: 15m}
+    severity: {GpunetGpuXidErrors: critical}
+    enabled: {GpunetGpusNetworkBoundBand: false}
+    cluster: prod-a
 
 and regenerates rules and dashboards with ``python -m gpunet_exporter.mixin --thresholds FILE``
 (or only the rules with ``gpunet-rules --thresholds FILE``). Unknown keys, wrong types and bad
 durations are refused with one line naming the key.
+
+Besides the thresholds, the file tunes each alert the way a kube-prometheus mixin's ``_config``
+does, keyed by alert name as ``for`` is: ``enabled`` (false leaves the alert out of the rules
+and its findings out of the doctor's report), ``severity`` (the alert's ``severity`` label, and
+the doctor's); and ``cluster``, a static label every alert and recording rule carries.
 
 Each section is a frozen dataclass declared with :func:`gpunet_exporter.config.setting`, as a
 collector's settings are (the ``for`` map, whose keys are the alert names, through
@@ -42,6 +50,9 @@ _DURATION = re.compile(r"^(?:\d+(?:ms|s|m|h|d|w|y))+$")
 # CronJob, slurm/gpunet-fleet.sbatch's example; tests/test_kubernetes.py holds them to it).
 PLAN_PERIOD_SECONDS = 3600
 _SWEEP_SECONDS = FabricSettings().interval_seconds  # the fabric collector's default
+
+# The alerts' severities: critical pages, warning opens a ticket, info goes nowhere.
+SEVERITIES = ("critical", "warning", "info")
 
 CRITICAL_XIDS = (48, 56, 57, 58, 62, 63, 64, 65, 68, 69, 73, 74, 79, 80, 81, 92, 119, 120)
 
@@ -216,9 +227,12 @@ class Fabric(Settings):
 
 @dataclass(frozen=True)
 class Sections(Settings):
-    """The keys of a thresholds file but ``for``: one section per group of alerts."""
+    """The keys of a thresholds file but the maps keyed by alert name (``for``, ``severity``,
+    ``enabled``): one section per group of alerts, and the labels and links of every rule."""
 
     job: str = setting("the scrape job of the exporters (`up{job=...}`)", "gpunet")
+    cluster: str | None = setting(
+        "a static `cluster` label on every alert and recording rule (unset: none)", None)
     runbook_url: str = setting(
         "base address of the runbooks; each alert links to its section",
         "https://github.com/gpunet-exporter/gpunet-exporter/blob/main/docs/runbooks.md")
@@ -233,26 +247,47 @@ class Sections(Settings):
 
 @dataclass(frozen=True)
 class Thresholds(Sections):
-    """The thresholds in force: the sections, and the ``for:`` durations a file replaces
-    (alert name -> duration)."""
+    """The thresholds in force: the sections, and what a file sets per alert: the ``for:``
+    durations it replaces (alert name -> duration), the severities it replaces (alert name ->
+    severity) and the alerts it turns off."""
 
     durations: Mapping[str, str] = dataclasses.field(
         default_factory=lambda: MappingProxyType({}))
+    severities: Mapping[str, str] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({}))
+    disabled: frozenset[str] = frozenset()
 
     def for_(self, alert: str, default: str) -> str:
         """The ``for:`` duration of ``alert``: the file's, else the alert's own."""
         return self.durations.get(alert, default)
 
+    def severity(self, alert: str, default: str) -> str:
+        """The severity of ``alert``: the file's, else the alert's own."""
+        return self.severities.get(alert, default)
+
+    def enabled(self, alert: str) -> bool:
+        """Whether ``alert`` is in the rules (and the doctor reports it): unless the file turns
+        it off."""
+        return alert not in self.disabled
+
 
 def file_settings(alert_names: tuple[str, ...] = ()) -> type[Settings]:
-    """The Settings of a thresholds file: the sections, and ``for`` with ``alert_names`` as its
-    keys (each a duration, unset unless the file names it)."""
+    """The Settings of a thresholds file: the sections, and ``for``, ``severity`` and
+    ``enabled`` with ``alert_names`` as their keys (a duration, a severity, a bool; each unset
+    unless the file names it)."""
     durations = make_settings("For", {name: (str | None, setting()) for name in alert_names})
+    severity = make_settings("Severity", {
+        name: (str | None, setting(choices=SEVERITIES)) for name in alert_names})
+    enabled = make_settings("Enabled", {name: (bool | None, setting()) for name in alert_names})
     hints = typing.get_type_hints(Sections)
     return make_settings("ThresholdsFile", {
         **{f.name: (hints[f.name], f) for f in dataclasses.fields(Sections)},
         "for": (durations, setting("`for:` duration per alert name, replacing the built-in one",
                                    durations())),
+        "severity": (severity, setting("`severity` label per alert name, replacing the "
+                                       "built-in one", severity())),
+        "enabled": (enabled, setting("per alert name, false to leave the alert out of the "
+                                     "rules and the doctor's report", enabled())),
     })
 
 
@@ -283,8 +318,17 @@ def load(path: str | None, alert_names: tuple[str, ...] = ()) -> Thresholds:
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     items = settings_items(read)
+    if items["cluster"] is not None and not items["cluster"].strip():
+        # An empty label value is no label to Prometheus: say so rather than drop it.
+        raise ConfigError(f"{where}: key 'cluster': expected a label value, got "
+                          f"{short(items['cluster'])}")
     durations = {k: v for k, v in settings_items(items.pop("for")).items() if v is not None}
-    return Thresholds(**items, durations=MappingProxyType(durations))
+    severities = {k: v for k, v in settings_items(items.pop("severity")).items()
+                  if v is not None}
+    disabled = frozenset(k for k, v in settings_items(items.pop("enabled")).items()
+                         if v is False)
+    return Thresholds(**items, durations=MappingProxyType(durations),
+                      severities=MappingProxyType(severities), disabled=disabled)
 
 
 def defaults(alert_names: tuple[str, ...] = ()) -> Thresholds:
@@ -292,7 +336,8 @@ def defaults(alert_names: tuple[str, ...] = ()) -> Thresholds:
 
 
 def as_dict(t: Sections) -> dict[str, Any]:
-    """The thresholds as the file's mapping (lists as lists), ``for`` left out."""
+    """The thresholds as the file's mapping (lists as lists), the maps keyed by alert name left
+    out."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(Sections):
         value = getattr(t, f.name)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpunet_exporter.mixin.check import Simple, number
-from gpunet_exporter.mixin.thresholds import Thresholds
+from gpunet_exporter.mixin.thresholds import SEVERITIES, Thresholds
 
 __all__ = ["ALERTS_FIRING", "CLASSES", "SEVERITIES", "Alert", "Rule", "number", "simple"]
 
@@ -17,7 +17,6 @@ __all__ = ["ALERTS_FIRING", "CLASSES", "SEVERITIES", "Alert", "Rule", "number", 
 # alerts and the fleet dashboard's health matrix shows them.
 CLASSES = ("link", "congestion", "transport", "topology", "gpu", "collective", "fabric",
            "exporter")
-SEVERITIES = ("critical", "warning", "info")
 
 # Per node and class, the alerts firing now (0 for a node scraped with none): the health matrix.
 ALERTS_FIRING = "instance_class:gpunet_alerts_firing:count"
