@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shutil
 import socket
@@ -13,8 +14,10 @@ from typing import Any
 import pytest
 import requests
 
+from gpunet_exporter import __version__
+
 from support.exporter import exporter_binary, free_port
-from support.paths import UPSTREAM
+from support.paths import REPO, UPSTREAM
 from support.yaml_bombs import alias_bomb, merge_bomb
 
 SYSFS = str(UPSTREAM / "node_exporter-sysfs-infiniband" / "tree" / "sys")
@@ -159,6 +162,32 @@ def test_port_in_use() -> None:
 def test_version() -> None:
     res = run("--version")
     assert res.returncode == 0 and res.stdout.startswith("gpunet-exporter ")
+
+
+@pytest.mark.parametrize("command", [
+    ["gpunet-exporter"], ["gpunet-exporter", "doctor"], ["gpunet-probe"],
+    ["gpunet-probe", "run"], ["gpunet-probe", "explain-log"], ["gpunet-probe", "plan"],
+    ["gpunet-probe", "fleet"], ["gpunet-rules"], ["gpunet-mixin"],
+], ids=" ".join)
+def test_every_command_has_version(command: list[str]) -> None:
+    """Every console script of [project.scripts] and each subcommand: one line, the script's
+    name and the package's version, exit 0, before any required argument is asked for."""
+    exe = shutil.which(command[0], path=os.path.dirname(exporter_binary()))
+    assert exe, command[0]
+    res = subprocess.run([exe, *command[1:], "--version"], capture_output=True, text=True,
+                         timeout=60, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr
+    assert re.fullmatch(rf"{command[0]} {re.escape(__version__)} \(python [\d.]+\)\n",
+                        res.stdout), res.stdout
+    assert "Traceback" not in res.stderr
+
+
+def test_scripts_are_the_ones_tested_for_version() -> None:
+    """A new console script gets a --version test: the list above is pyproject's."""
+    text = (REPO / "pyproject.toml").read_text()
+    section = text.split("[project.scripts]\n", 1)[1].split("\n\n", 1)[0]
+    scripts = {line.split("=")[0].strip() for line in section.splitlines()}
+    assert scripts == {"gpunet-exporter", "gpunet-probe", "gpunet-rules", "gpunet-mixin"}
 
 
 def test_help_lists_collector_flags() -> None:

@@ -28,6 +28,7 @@ from support.bundle_node import (
     start_ras_jobs,
 )
 from support.exporter import exporter_binary
+from support.paths import REPO
 from support.ras_server import Behaviour, Server
 
 
@@ -65,7 +66,10 @@ def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]
         "NCCL jobs running now")]
     assert positions == sorted(positions)
     assert "[critical] mlx5_5 port 1: runs at 200 Gb/s, expected 400 Gb/s" in text
-    assert "confirm: cat /sys/class/infiniband/mlx5_5/ports/1/rate" in text
+    # A confirming command that reads a file names the tree the doctor read, not /sys.
+    sysfs = next(a.partition("=")[2] for a in args if a.startswith("--path.sysfs="))
+    assert f"confirm: cat {sysfs}/class/infiniband/mlx5_5/ports/1/rate" in text
+    assert "/sys/class" not in text.replace(sysfs, "SYSFS")
     assert "[critical] enp170s0f0np0: PFC off on priority 3, the one RoCE uses" in text
     assert "[warning] GPU 0: PCIe Gen5 x8, capable of Gen5 x16" in text
     assert ("[warning] mlx5_7: PCIe link at 32 GT/s x8, both ends allow 32 GT/s x16\n"
@@ -711,3 +715,79 @@ def test_a_jobs_trouble_is_listed_but_does_not_fail_the_node(tmp_path: Path) -> 
     assert (out.returncode, result["status"], result["exit_code"]) == (0, "healthy", 0)
     assert text.startswith("1 finding on this node:")
     assert "the job's, not the node's: no effect on the exit code" in text
+
+
+def _example(tree: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The doctor on an example tree as examples/README.md runs it: from the repository root,
+    with the tree's configuration and no --state-file."""
+    return subprocess.run([exporter_binary(), "doctor", "--interval", "0.2",
+                           "--path.sysfs", f"examples/{tree}/sys",
+                           "--config.file", f"examples/{tree}/gpunet.yml", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_healthy_example_tree_exits_0() -> None:
+    out = _example("dgx-h100")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith("No findings on this node.")
+    # Only what the tree holds: the collectors that would read the host are off.
+    assert "Checked: infiniband (ok), link (ok), pfc (ok)" in out.stdout
+
+
+def test_faulty_example_tree_finds_every_planted_fault() -> None:
+    """examples/README.md's four faults, PFC included: the tree's gpunet.yml points the pfc
+    collector at the node's mlnx_qos replay."""
+    out = _example("dgx-h100-faulty", "--json")
+    assert out.returncode == 1, out.stderr
+    doc = json.loads(out.stdout)
+    found = {(f["alert"], f["where"]) for f in doc["findings"]}
+    assert {("GpunetPortRateBelowExpected", "mlx5_5 port 1"),
+            ("GpunetPortDown", "mlx5_3 port 1"),
+            ("GpunetRoceMtuTooSmall", "enp41s0f0np0"),
+            ("GpunetRdmaMtuNotExpected", "mlx5_8 port 1"),
+            ("GpunetPfcDisabledOnRocePriority", "enp170s0f0np0"),
+            ("GpunetPfcTrustNotExpected", "enp170s0f0np0")} <= found
+    assert doc["problems"] == []
+    assert not any(f["alert"] == "GpunetPfcConfigUnreadable" for f in doc["findings"])
+    rate = next(f for f in doc["findings"] if f["alert"] == "GpunetPortRateBelowExpected")
+    assert rate["confirm"] == ("cat examples/dgx-h100-faulty/sys/class/infiniband/mlx5_5/ports/1/"
+                               "rate")
+
+
+def test_tree_not_sys_keeps_no_state_unless_asked(tmp_path: Path) -> None:
+    """On a tree other than /sys and without --state-file, no history is read or written (the
+    default file holds this node's counters) and a note says so; --state-file keeps one."""
+    out = _example("dgx-h100")
+    assert out.returncode == 0, out.stderr
+    assert ("state file: none kept: --path.sysfs examples/dgx-h100/sys is not /sys, so no flap "
+            "history is read or written (--state-file FILE keeps one)") in out.stdout
+    assert "cannot record" not in out.stdout
+    state = tmp_path / "doctor.json"
+    out = _example("dgx-h100", f"--state-file={state}")
+    assert out.returncode == 0, out.stderr
+    assert "none kept" not in out.stdout
+    assert json.loads(state.read_text())["version"] == 1
+
+
+def test_state_file_default_follows_the_sysfs_tree(tmp_path: Path) -> None:
+    assert doctor_module.state_file(None, "/sys") == (doctor_module.DEFAULT_STATE, None)
+    assert doctor_module.state_file(None, "/sys/") == (doctor_module.DEFAULT_STATE, None)
+    path, note = doctor_module.state_file(None, str(tmp_path))
+    assert path == "" and note and str(tmp_path) in note
+    assert doctor_module.state_file("x.json", str(tmp_path)) == ("x.json", None)
+    assert doctor_module.state_file("", "/sys") == ("", None)
+
+
+def test_confirm_names_the_trees_in_use() -> None:
+    on_tree = doctor_module.on_tree
+    cmd = "cat /sys/class/infiniband/mlx5_5/ports/1/rate"
+    assert on_tree(cmd, "/sys", "/proc") == cmd
+    assert on_tree(cmd, "/sys/", "/proc") == cmd
+    assert on_tree(cmd, "t/sys", "/proc") == "cat t/sys/class/infiniband/mlx5_5/ports/1/rate"
+    assert on_tree(cmd, "/my tree", "/proc") == \
+        "cat '/my tree'/class/infiniband/mlx5_5/ports/1/rate"
+    # Only a path of its own: not /sysfs, not /var/sys, not ibstat's words.
+    for other in ("ls /sysfs/x", "cat /var/sys/x", "ibstat mlx5_3 1"):
+        assert on_tree(other, "t", "p") == other
+    env = "tr '\\0' '\\n' < /proc/PID/environ | grep ^NCCL_"
+    assert on_tree(env, "t", "/fix/proc") == env.replace("/proc", "/fix/proc")

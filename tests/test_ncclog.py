@@ -64,7 +64,9 @@ def _fixture(mode: str, rank: int, pid: int, **over: Any) -> dict[str, Any]:
     if mode == "socket":
         env["NCCL_SHM_DISABLE"] = "1"  # a setting, not a fault: P2P decides
     base: dict[str, Any] = {
-        "host": "vm", "pid": pid, "rank": rank, "nranks": 2, "cuda_dev": rank,
+        "host": "vm", "pid": pid, "rank": rank, "nranks": 2,
+        # The socket runs were two nodes to NCCL (one host ID each): NET/Socket between them.
+        "nnodes": 2 if mode == "socket" else 1, "cuda_dev": rank,
         "nccl_version": "2.28.9", "net": "Socket", "transports": [], "net_transports": [],
         "gdr": None, "gdr_enabled_hcas": [], "gdr_disabled": False, "hcas": [], "env": env,
         "warnings": [], "problems": sorted(problems)}
@@ -116,7 +118,7 @@ def test_real_228_proxy_thread_lines_keep_the_rank_gpu() -> None:
 def test_synthetic_227_ib_gdr() -> None:
     (r,) = ncclog.parse_file(SYNTHETIC)
     assert r.to_dict() == {
-        "host": "node1", "pid": 4242, "rank": 0, "nranks": 16, "cuda_dev": 0,
+        "host": "node1", "pid": 4242, "rank": 0, "nranks": 16, "nnodes": 2, "cuda_dev": 0,
         "nccl_version": "2.27.7", "net": "IB", "transports": ["NET", "P2P"],
         "net_transports": ["IB"], "gdr": True, "gdr_enabled_hcas": ["mlx5_0"],
         "gdr_disabled": False, "hcas": ["mlx5_0", "mlx5_1"], "env": {}, "warnings": [],
@@ -692,8 +694,9 @@ def test_explain_socket_log() -> None:
         "  HCAs: none",
         "  environment: NCCL_NVLS_ENABLE=0, NCCL_P2P_DISABLE=1, NCCL_SHM_DISABLE=1",
         "  problems:",
-        f"    socket_fallback: {ncclog.PROBLEMS['socket_fallback']}",
+        # The consequence under its root cause: no device, so sockets.
         f"    no_ib_device: {ncclog.PROBLEMS['no_ib_device']}",
+        f"      -> socket_fallback: {ncclog.PROBLEMS['socket_fallback']}",
         f"    plugin_not_found: {ncclog.PROBLEMS['plugin_not_found']}",
         f"    p2p_disabled_by_env: {ncclog.PROBLEMS['p2p_disabled_by_env']}",
         "",
@@ -714,6 +717,48 @@ def test_explain_healthy_ib_log() -> None:
         "  looks fine",
         "",
         "overall: 1 process in 1 NCCL log: looks fine"]
+
+
+def test_explain_single_node_job_says_network_unused() -> None:
+    """P2P and SHM runs on one node (nNodes 1) never used the network NCCL picked (Socket, for
+    want of an HCA): "unused (single-node job)", not "Socket" above "looks fine"."""
+    path = NCCL_DIR / "nccl-2.28.9-h200x2-p2p-rank0.log"
+    p = explain(str(path))
+    assert p.returncode == 0, p.stdout
+    lines = p.stdout.splitlines()
+    assert lines[3] == "  network: unused (single-node job)"
+    assert "Socket" not in p.stdout and lines[-1].endswith(": looks fine")
+    p = explain(str(NCCL_DIR / "nccl-2.28.9-h200x2-shm-rank1.log"))
+    assert "  network: unused (single-node job)" in p.stdout.splitlines()
+    # Two nodes to NCCL over sockets: the network is used, and named.
+    p = explain(str(NCCL_DIR / "nccl-2.28.9-h200x2-socket-rank1.log"))
+    assert "  network: Socket" in p.stdout.splitlines()
+
+
+@pytest.mark.parametrize("report, unused", [
+    (RankReport("h", 1, nnodes=1, transports={"P2P"}), True),
+    (RankReport("h", 1, nnodes=1), True),
+    (RankReport("h", 1, transports={"SHM"}), True),  # no nNodes line: by the channels
+    (RankReport("h", 1), False),  # nothing known
+    (RankReport("h", 1, nnodes=1, transports={"NET"}), False),  # one node, sockets between GPUs
+    (RankReport("h", 1, nnodes=2, transports={"P2P"}), False),  # multi-node NVLink: not unused
+    (RankReport("h", 1, nnodes=1, transports={"COLLNET"}), False),
+])
+def test_network_unused(report: RankReport, unused: bool) -> None:
+    assert ncclog.network_unused(report) is unused
+
+
+def test_root_causes_put_consequences_under_their_cause() -> None:
+    assert ncclog.root_causes(["socket_fallback", "no_ib_device", "plugin_not_found"]) == {
+        "no_ib_device": ["socket_fallback"], "plugin_not_found": []}
+    # The likeliest cause the log shows: a setting before a missing device.
+    assert ncclog.root_causes(["no_ib_device", "socket_fallback", "socket_forced_by_env"]) == {
+        "no_ib_device": [], "socket_forced_by_env": ["socket_fallback"]}
+    assert ncclog.root_causes(["gdr_disabled", "gdr_disabled_by_env"]) == {
+        "gdr_disabled_by_env": ["gdr_disabled"]}
+    # Without a cause in the log, a consequence is a root of its own.
+    assert ncclog.root_causes(["gdr_disabled", "socket_fallback"]) == {
+        "gdr_disabled": [], "socket_fallback": []}
 
 
 def test_explain_json() -> None:

@@ -24,7 +24,7 @@ from gpunet_exporter.collector import Scrape
 from gpunet_exporter.collectors.probe import REASONS, ProbeCollector, ProbeSettings
 from gpunet_exporter.config import settings_fields
 from gpunet_exporter.flags import Parser
-from gpunet_exporter.probe import results, run_options, runner
+from gpunet_exporter.probe import cli, results, run_options, runner
 from gpunet_exporter.probe.run_options import RunOptions
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.statefile import write_json
@@ -316,6 +316,22 @@ def test_bad_arguments_one_line_exit_2(tmp_path: Path) -> None:
     r = probe("run", "--state-dir", str(tmp_path), "--no-such-flag")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("gpunet-probe: error: unrecognized arguments: --no-such-flag (try")
+
+
+def test_run_without_torch_says_how_to_install_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No torch: one line naming the extra, exit 5, each scope's result an init_error saying
+    the same (the exporter's probe collector reads it); nothing started, no traceback."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # find_spec("torch") is None, as uninstalled
+    assert cli.main(["run", "--state-dir", str(tmp_path), "--scopes", "intra,net"]) == 5
+    err = capsys.readouterr().err
+    assert err == ("gpunet-probe run: torch is not installed: "
+                   "pip install 'gpunet-exporter[probe]'\n")
+    for scope in ("intra", "net"):
+        r = json.loads((tmp_path / f"{scope}.json").read_text())
+        assert (r["success"], r["failure"]) == (False, "init_error")
+        assert "pip install 'gpunet-exporter[probe]'" in r["error"]
 
 
 def test_help_shows_the_commands_people_run() -> None:

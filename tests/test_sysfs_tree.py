@@ -77,6 +77,8 @@ def test_committed_example_matches_generator(
     assert example.is_dir(), f"run: {command}"
     build(tmp_path)
     generated, committed = snapshot(tmp_path), snapshot(example)
+    # Beside the generated tree, its hand-written configuration (test_doctor.py runs it).
+    assert committed.pop(st.EXAMPLE_CONFIG)[0] == "file"
     assert sorted(generated) == sorted(committed), f"{example.name} is stale; run: {command}"
     stale = [path for path in generated if generated[path] != committed[path]]
     assert not stale, f"{example.name} is stale; run: {command}"

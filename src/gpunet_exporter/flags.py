@@ -9,16 +9,41 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
+import sys
+from collections.abc import Sequence
 from typing import Any, NoReturn
+
+from gpunet_exporter import __version__
+
+
+class _Version(argparse.Action):
+    """``--version``: the package's version under the command's name (the first word of the
+    parser's prog, so ``gpunet-probe run --version`` says ``gpunet-probe ...``), exit 0."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS,
+                         nargs=0, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        print(version_line(parser.prog.split()[0]), file=sys.stdout, flush=True)
+        parser.exit(0)
+
+
+def version_line(prog: str) -> str:
+    return f"{prog} {__version__} (python {platform.python_version()})"
 
 
 class Parser(argparse.ArgumentParser):
     """argparse without abbreviations (``--web.list`` is not ``--web.listen-address``), whose
-    errors are a single line with a hint."""
+    errors are a single line with a hint; every parser, subcommands' included, takes
+    ``--version``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.add_argument("--version", action=_Version)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (try `{self.prog} --help`)\n")

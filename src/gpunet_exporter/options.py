@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import platform
 import sys
 from typing import NoReturn
 
-from gpunet_exporter import DEFAULT_PORT, __version__
+from gpunet_exporter import DEFAULT_PORT
 from gpunet_exporter.collector import Collector, build_collector
 from gpunet_exporter.config import (
     Settings,
@@ -56,8 +55,6 @@ def build_parser(classes: dict[str, type[Collector]], server: bool = True) -> Pa
         prog=PROG, usage=USAGE if server else None,
         description="Prometheus exporter for GPU-cluster networking "
                     "(InfiniBand/RoCE ports, links, PFC, GPUs, NCCL probes).")
-    p.add_argument("--version", action="version",
-                   version=f"{PROG} {__version__} (python {platform.python_version()})")
     if server:
         p.add_argument("--web.listen-address", dest="listen_address",
                        default=f":{DEFAULT_PORT}", metavar="ADDR",

@@ -391,6 +391,11 @@ def _write_node(root: Path, nics: Iterable[Nic]) -> Path:
     return sys
 
 
+# The configuration the doctor and the exporter need on an example tree (examples/README.md),
+# written by hand beside its sys/ and kept when the tree is regenerated.
+EXAMPLE_CONFIG = "gpunet.yml"
+
+
 def build_dgx_h100(root: Path) -> Path:
     """Create root/sys for a DGX H100-class node; returns it (the --path.sysfs value)."""
     return _write_node(root, DGX_NICS)
@@ -988,12 +993,17 @@ def main() -> None:
                         help="output directory, e.g. examples/dgx-h100 or examples/dgx-h100-faulty")
     args = parser.parse_args()
     dest: Path = args.dest
+    config = None  # the tree's hand-written gpunet.yml (examples/README.md) is kept
     if dest.exists():
-        if {p.name for p in dest.iterdir()} - {"sys", "mlnx_qos"}:
-            parser.error(f"{dest} holds more than a sys/ tree (and mlnx_qos/); refusing to "
-                         "delete it")
+        if {p.name for p in dest.iterdir()} - {"sys", "mlnx_qos", EXAMPLE_CONFIG}:
+            parser.error(f"{dest} holds more than a sys/ tree (and mlnx_qos/, "
+                         f"{EXAMPLE_CONFIG}); refusing to delete it")
+        if (dest / EXAMPLE_CONFIG).is_file():
+            config = (dest / EXAMPLE_CONFIG).read_bytes()
         shutil.rmtree(dest)
     print((build_dgx_h100_faulty if args.faulty else build_dgx_h100)(dest))
+    if config is not None:
+        (dest / EXAMPLE_CONFIG).write_bytes(config)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,7 @@ SYSTEM_TESTS: dict[str, frozenset[str]] = {
         "test_explain_healthy_ib_log",
         "test_explain_json",
         "test_explain_not_an_nccl_log",
+        "test_explain_single_node_job_says_network_unused",
         "test_explain_socket_log",
         "test_explain_stdin_and_usage",
         "test_explain_unreadable",

@@ -16,7 +16,9 @@ Notes say what is worth knowing but no finding: NCCL settings a job makes on pur
 link-downed and carrier-change counts it cannot place in the alerts' windows. They are printed in
 their own section (``notes`` in JSON) and never change the exit code. The counters it read go to
 a small state file (``--state-file``), so that the next run can count the flaps since this one, as
-the flapping alerts count them over hours.
+the flapping alerts count them over hours; by default none when ``--path.sysfs`` is not /sys (a
+tree's counters are not this node's). Confirming commands that read /sys or /proc name the trees
+it read instead.
 
 The checks are not here: each sits beside the alert it mirrors, in the module of its class under
 gpunet_exporter.mixin.alerts (an alert of a simple shape declares its metric, comparison and
@@ -28,9 +30,12 @@ file and reports.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
+import re
+import shlex
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -62,8 +67,8 @@ from gpunet_exporter.sources.commands import kill_running
 from gpunet_exporter.statefile import write_json
 
 __all__ = ["CAUSES", "COULD_NOT_CHECK", "DOCTOR_CHECKS", "JOB_CAUSES", "SEVERITY", "Check",
-           "Finding", "Note", "Snapshot", "main", "read_history", "report", "seconds",
-           "write_history"]
+           "Finding", "Note", "Snapshot", "main", "on_tree", "read_history", "report", "seconds",
+           "state_file", "write_history"]
 
 PROG = "gpunet-exporter doctor"
 DEFAULT_STATE = "/var/lib/gpunet-exporter/doctor.json"
@@ -131,6 +136,33 @@ def write_history(path: str, history: dict[str, Any], b: Snapshot, t: Thresholds
         return (f"cannot record the counters in {path} ({exc.strerror or exc}): the next run "
                 "has no history")
     return None
+
+
+def state_file(given: str | None, sysfs: str) -> tuple[str, str | None]:
+    """The state file to use, and a note when none is kept because the doctor reads a tree that
+    is not this node's /sys (a fixture, a copy from another node): its counters would be
+    compared with the next real run's. An explicit ``--state-file`` is used as given."""
+    if given is not None:
+        return given, None
+    if os.path.realpath(sysfs) == "/sys":
+        return DEFAULT_STATE, None
+    return "", (f"none kept: --path.sysfs {sysfs} is not /sys, so no flap history is read or "
+                "written (--state-file FILE keeps one)")
+
+
+_SYS = re.compile(r"(?<![\w./-])/sys(?=/|\b)")
+_PROC = re.compile(r"(?<![\w./-])/proc(?=/|\b)")
+
+
+def on_tree(command: str, sysfs: str, procfs: str) -> str:
+    """A confirming command that reads files of /sys or /proc, naming the --path.sysfs and
+    --path.procfs trees the doctor read instead when they are others (quoted for the shell)."""
+    for pattern, path, default in ((_SYS, sysfs, "/sys"), (_PROC, procfs, "/proc")):
+        if path.rstrip("/") != default:
+            # A literal replacement, not a template: a path's backslashes stay as they are.
+            command = pattern.sub(shlex.quote(path.rstrip("/") or "/").replace("\\", "\\\\"),
+                                  command)
+    return command
 
 
 def _progress(quiet: bool, message: str) -> None:
@@ -213,10 +245,11 @@ def main(argv: Sequence[str]) -> int:
                         "net scope; intra too with two GPUs or more) and check it; needs torch "
                         "(pip install 'gpunet-exporter[probe]') (default: only when the probe "
                         "collector is on)")
-    d.add_argument("--state-file", default=DEFAULT_STATE, metavar="FILE",
+    d.add_argument("--state-file", default=None, metavar="FILE",
                    help="where the doctor records the link-downed and carrier-change counters "
                         "it read, so the next run counts the flaps since this one; empty: "
-                        f"no history (default {DEFAULT_STATE})")
+                        f"no history (default {DEFAULT_STATE}; none when --path.sysfs is not "
+                        "/sys: a tree's counters are not this node's)")
     d.add_argument("--probe-wait", type=float, default=120.0, metavar="SECONDS",
                    help="how long to wait for the probe's round when the probe is on "
                         "(default 120)")
@@ -261,12 +294,14 @@ def main(argv: Sequence[str]) -> int:
     finally:
         scraper.close()
         kill_running()
+    state, untracked = state_file(args.state_file, args.sysfs)
     check = Check(a, b, t)
-    check.history, unreadable = read_history(args.state_file)
+    check.history, unreadable = read_history(state)
     for fn in DOCTOR_CHECKS:
         fn(check)
-    unwritable = write_history(args.state_file, check.history, b, t)
-    notes = check.notes + [Note("state file", n) for n in (unreadable, unwritable) if n]
+    unwritable = write_history(state, check.history, b, t)
+    notes = check.notes + [Note("state file", n) for n in (untracked, unreadable, unwritable)
+                           if n]
     checked = {lbl["collector"]: v == 1 for lbl, v in b.all("gpunet_scrape_collector_success")}
     problems = early + [f"collector {n} failed" for n, ok in checked.items() if not ok]
     problems += check.problems
@@ -277,8 +312,9 @@ def main(argv: Sequence[str]) -> int:
     if not hardware:
         problems.append("no RDMA port and no NVIDIA GPU found")
     # The alerts a thresholds file turns off are not reported; those whose severity it
-    # changes are reported with the file's.
-    findings = [f for f in check.findings if t.enabled(f.alert)]
+    # changes are reported with the file's. Confirm commands name the trees read.
+    findings = [dataclasses.replace(f, confirm=on_tree(f.confirm, args.sysfs, args.procfs))
+                for f in check.findings if t.enabled(f.alert)]
     severity = {f.alert: t.severity(f.alert, f.severity) for f in findings}
     # Info findings (a hint such as the network-bound band, routed to no receiver by the
     # example Alertmanager configuration) are listed but do not fail a health check; nor do

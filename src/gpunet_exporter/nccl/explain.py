@@ -20,7 +20,9 @@ from gpunet_exporter.nccl.log import (
     PROBLEMS,
     LogParser,
     RankReport,
+    network_unused,
     read_lines,
+    root_causes,
     summarize,
 )
 
@@ -80,15 +82,24 @@ def describe(report: RankReport) -> list[str]:
     kinds += [f"NET/{n}" for n in sorted(r.net_transports)]
     gdr = "n/a" if r.gdr is None else ("on" if r.gdr else "off")
     env = ", ".join(f"{k}={v}" for k, v in sorted(r.env.items()))
+    net = "unused (single-node job)" if network_unused(r) else r.net or "unknown"
     lines = [head,
-             f"  network: {r.net or 'unknown'}",
+             f"  network: {net}",
              f"  transports: {', '.join(kinds) or 'none seen'}",
              f"  GDR: {gdr}",
              f"  HCAs: {', '.join(r.hcas) or 'none'}",
              f"  environment: {env or 'none'}"]
     if r.problems:
+        # Root causes, most serious first by their own or their consequences' rank, each with
+        # the consequences it explains beneath it.
+        tree = root_causes(r.problems)
+        order = list(PROBLEMS)
+        rank = {c: min(order.index(x) if x in order else len(order) for x in [c, *tree[c]])
+                for c in tree}
         lines.append("  problems:")
-        lines += [f"    {problem_line(code, r)}" for code in _by_severity(r.problems)]
+        for cause in sorted(tree, key=lambda c: (rank[c], c)):
+            lines.append(f"    {problem_line(cause, r)}")
+            lines += [f"      -> {problem_line(code, r)}" for code in _by_severity(tree[cause])]
     else:
         lines.append("  looks fine")
     return lines

@@ -60,6 +60,7 @@ class RankReport:
     pid: int
     rank: int | None = None
     nranks: int | None = None
+    nnodes: int | None = None
     cuda_dev: int | None = None
     nccl_version: str = ""
     net: str = ""
@@ -130,12 +131,43 @@ _ENV = re.compile(r"^([A-Z][A-Z0-9_]*) set by environment to (.*)$", _A)
 _ENV_SET = re.compile(r"^(NCCL_[A-Z0-9_]+) set to (.*)$", _A)
 _RANK = re.compile(r"\brank ([0-9]+) nranks ([0-9]+)\b", _A | re.IGNORECASE)
 _CUDA_DEV = re.compile(r"\bcudaDev ([0-9]+)\b", _A)
+_NNODES = re.compile(r"\bnNodes ([0-9]+)\b", _A)
 _COMPLETION = re.compile(r"Got completion from peer .* with (?:error|status)")
 
 
 # The faults of the NCCL environment audit (exporter.ncclenv) and their problem codes here.
 ENV_PROBLEMS = {"ib_disabled": "ib_disabled_by_env", "socket_forced": "socket_forced_by_env",
                 "gdr_disabled": "gdr_disabled_by_env", "p2p_disabled": "p2p_disabled_by_env"}
+
+
+# Problems that follow from others: each consequence, and the problems that cause it, the likeliest
+# first. explain-log lists a consequence under the first of its causes the log shows.
+CONSEQUENCES: dict[str, tuple[str, ...]] = {
+    "socket_fallback": ("socket_forced_by_env", "ib_disabled_by_env", "no_ib_device",
+                        "plugin_not_found"),
+    "gdr_disabled": ("gdr_disabled_by_env",),
+}
+
+
+def network_unused(r: RankReport) -> bool:
+    """A single-node job whose channels all went P2P or SHM: no NET or COLLNET channel, on one
+    node by NCCL's own count (``nNodes 1``), or, where the log lacks that count, with channels
+    seen (as the no_ib_device rule judges). The network NCCL picked was never used."""
+    if r.transports & {"NET", "COLLNET"}:
+        return False
+    return r.nnodes == 1 or (r.nnodes is None and bool(r.transports))
+
+
+def root_causes(problems: list[str]) -> dict[str, list[str]]:
+    """The problems that no other explains, each with the consequences it explains."""
+    tree: dict[str, list[str]] = {}
+    for code in problems:
+        cause = next((c for c in CONSEQUENCES.get(code, ()) if c in problems), None)
+        if cause is None:
+            tree.setdefault(code, [])
+        else:
+            tree.setdefault(cause, []).append(code)
+    return tree
 
 
 def harmful_env(env: dict[str, str]) -> set[str]:
@@ -223,6 +255,11 @@ class _Rank:
                 r.rank, r.nranks = rank, nranks
                 d = _CUDA_DEV.search(msg)
                 self.comm_dev = parse_uint(d.group(1)) if d else None
+            if rank is not None and nranks == self.comm_nranks:
+                # "comm 0x... rank R nRanks N nNodes M ...": the world's line without cudaDev.
+                n = _NNODES.search(msg)
+                if n:
+                    r.nnodes = parse_uint(n.group(1))
 
     def _via(self, path: str) -> None:
         r = self.report

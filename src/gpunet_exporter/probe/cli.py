@@ -11,7 +11,7 @@ start on every node for cluster mode. ``python -m gpunet_exporter.probe.cli`` is
 ``plan`` prints a pairing plan for fleet probes as JSON (probe/plan.py); ``fleet``
 runs one across nodes (probe/fleet.py). Exit codes of
 run: 0 after --rounds, 2 bad arguments, 3 no GPU, 4 a round failed (the exporter
-starts it again).
+starts it again), 5 torch not installed (one line: pip install 'gpunet-exporter[probe]').
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -59,6 +60,8 @@ from gpunet_exporter.statefile import write_json
 
 EXIT_ROUND_FAILED = 4
 EXIT_NO_GPU = 3
+EXIT_NO_TORCH = 5
+NO_TORCH = "torch is not installed: pip install 'gpunet-exporter[probe]'"
 
 
 @dataclass(frozen=True)
@@ -324,6 +327,13 @@ def launch(args: RunOptions) -> int:
     """Run a node's probe groups round after round; returns the exit status. Each worker is
     given the same run options (run_options.argv)."""
     os.makedirs(args.state_dir, exist_ok=True)
+    if importlib.util.find_spec("torch") is None:
+        # Before anything that would import it (the GPU count's child, the workers): one line,
+        # not a worker's traceback or a misleading "no CUDA device".
+        for scope in args.scopes:
+            _fail(args.state_dir, scope, "init_error", NO_TORCH, args.backend)
+        print(f"gpunet-probe run: {NO_TORCH}", file=sys.stderr)
+        return EXIT_NO_TORCH
     cluster = cluster_from_env(os.environ)
     if cluster is not None:  # started by torchrun or srun: this process is a rank itself
         return worker(args, cluster)
