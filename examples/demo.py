@@ -20,6 +20,7 @@ or failed to start, 130 interrupted. examples/README.md says what the demo turns
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -393,6 +394,14 @@ class Demo:
             time.sleep(0.5)
         return False
 
+    def serve(self) -> None:
+        """Keep everything up until Ctrl-C (or SIGTERM); the run's exit status stands."""
+        print(f"Serving until Ctrl-C: the alerts at {self.prometheus}/alerts and "
+              f"{self.alertmanager}/#/alerts, the rules at {self.prometheus}/rules.", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                time.sleep(3600)
+
     def elapsed(self) -> float:
         return time.monotonic() - self.started_at
 
@@ -471,6 +480,8 @@ class Demo:
             print(f"  {labels.get('severity', '?'):8}  {labels['alertname']:{name_width}}  "
                   f"{target_of(labels):26}  {fate}")
             print(f"            {alert['annotations'].get('description', '')}")
+            if alert["annotations"].get("runbook_url"):
+                print(f"            runbook: {alert['annotations']['runbook_url']}")
         print()
 
     # -- healthy tree: nothing fires -----------------------------------------------------------
@@ -546,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds to wait for the alerts (default 90)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary directory (configurations and logs)")
+    parser.add_argument("--serve", action="store_true",
+                        help="after the check, keep the exporter, Prometheus and Alertmanager "
+                             "up until Ctrl-C, to look around")
     args = parser.parse_args(argv)
 
     def terminated(signum: int, frame: object) -> None:
@@ -562,7 +576,10 @@ def main(argv: list[str] | None = None) -> int:
             demo = Demo(args.tree, args.timeout, path)
             try:
                 demo.setup(*tools)
-                return demo.run_faulty() if args.tree == "faulty" else demo.run_healthy()
+                rc = demo.run_faulty() if args.tree == "faulty" else demo.run_healthy()
+                if args.serve:
+                    demo.serve()
+                return rc
             finally:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)  # stop everything, whatever comes
                 names = ", ".join(s.name for s in reversed(demo.procs.started))

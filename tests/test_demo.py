@@ -135,6 +135,11 @@ def test_faulty_tree_fires_the_expected_alerts(runs: dict[str, Run]) -> None:
     assert "trusts pcp" in run.description("GpunetPfcTrustNotExpected")
     assert "priority 3" in run.description("GpunetPfcDisabledOnRocePriority")
     assert "mlx5_3 port 1 on dgx-h100-faulty is not ACTIVE" in run.description("GpunetPortDown")
+    # Each alert with its runbook, where an operator reads what to do.
+    assert run.stdout.count("runbook: https://") == sum(
+        1 for line in run.stdout.splitlines() if line.startswith(("  critical", "  warning",
+                                                                  "  info")))
+    assert "runbooks.md#gpunetportdown" in run.stdout
 
 
 @pytest.mark.slow
@@ -180,6 +185,32 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
         "demo: interrupted; everything it started is stopped")
     assert leftovers(run.tmp) == []
     assert list(run.tmp.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_serve_keeps_everything_up_until_ctrl_c(tmp_path: Path) -> None:
+    """--serve: after the check, the exporter, Prometheus and Alertmanager stay up (the URLs
+    said) until Ctrl-C, which stops them all; the check's exit status stands."""
+    proc = start(tmp_path / "run", "--tree", "healthy", "--serve")
+    assert proc.stdout is not None
+    seen: list[str] = []
+
+    def serving() -> str | None:
+        line = proc.stdout.readline() if proc.stdout else ""  # type: ignore[union-attr]
+        assert line or proc.poll() is None, "the demo exited:\n" + "".join(seen)
+        seen.append(line)
+        return line if line.startswith("Serving until Ctrl-C") else None
+
+    said = wait_for(serving, "the demo serving", timeout=TIMEOUT, interval=0)
+    url = re.search(r"(http://127\.0\.0\.1:\d+)/alerts", said)
+    assert url, said
+    with urllib.request.urlopen(f"{url.group(1)}/-/ready", timeout=5) as r:
+        assert r.status == 200  # still up after the check
+    proc.send_signal(signal.SIGINT)
+    run = finish(proc, tmp_path / "run")
+    assert run.returncode == 0, "".join(seen) + run.stdout + run.stderr
+    assert "Stopped prometheus, alertmanager, gpunet-exporter." in run.stdout
+    assert leftovers(run.tmp) == []
 
 
 def test_missing_prometheus_is_one_clear_line(tmp_path: Path) -> None:
