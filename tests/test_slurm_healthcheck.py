@@ -334,8 +334,10 @@ def test_prolog_drains_and_fails_so_the_job_is_requeued(gate: Gate) -> None:
     assert "prolog (ALLOCATED; no probe;" in run.text, run.text
     wait_for(lambda: gate.node("n1")["Reason"].startswith(FIRST + " ["),
              "n1 drained with our reason", timeout=30, interval=0.5)
-    r = gate.c.run(["squeue", "-h", "-j", job, "-o", "%T %r"])
-    assert r.stdout.split()[:1] == ["PENDING"], r.stdout
+    # Requeued: PENDING once slurmctld has finished with the failed launch (on busy cores it
+    # first shows COMPLETING, "launch failed requeued held", for a moment).
+    wait_for(lambda: gate.c.run(["squeue", "-h", "-j", job, "-o", "%T %r"]).stdout.split()[:1]
+             == ["PENDING"], f"job {job} requeued (PENDING)", timeout=30, interval=0.5)
     assert gate.node("n1")["Reason"].startswith(FIRST + " [")  # not "Prolog error"
 
 

@@ -331,7 +331,11 @@ _STARTED = "_gpunet_tier_started"
 def _violation(what: str) -> None:
     if threading.current_thread() in _current["threads"]:
         return  # a thread of an earlier test (a supervisor still winding down): not this one's
-    for fixturedef, phase in _fixtures:
+    # A fixture's setup runs on the main thread: a process another thread starts meanwhile (a
+    # background thread of an earlier test, started after this test's list of threads was
+    # taken: seen once, charged to a fixture that builds a sysfs tree) is not the fixture's.
+    for fixturedef, phase in _fixtures if threading.current_thread() is threading.main_thread() \
+            else ():
         if phase == "setup" and not hasattr(fixturedef, _STARTED):
             setattr(fixturedef, _STARTED, what)
     item = _current["item"]
