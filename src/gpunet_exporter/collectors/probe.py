@@ -10,6 +10,7 @@ that are options of ``gpunet-probe run`` are declared once, in probe/run_options
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Iterator
@@ -284,6 +285,7 @@ class ProbeCollector(Collector):
             fams.add(YIELDS, [], snap.yields)
             if snap.idle_since is not None:
                 fams.add(IDLE_SINCE, [], snap.idle_since)
+        rdma_active = functools.cache(self._rdma_active)  # read once a scrape, if at all
         for scope, view in snap.scopes.items():
             last, good, failures = view.last, view.good, view.failures
             if last is None and not any(failures.values()):
@@ -300,7 +302,7 @@ class ProbeCollector(Collector):
             if good.backend != "nccl":
                 continue
             fallback = results.socket_fallback(scope, good.backend, good.transports,
-                                               good.net_transports, self._rdma_active)
+                                               good.net_transports, rdma_active)
             fams.add(SOCKET_FALLBACK, [scope], int(fallback))
         if snap.pairs_seen:
             fams.add(FAILURES, [FLEET_SCOPE, "bad_result"], snap.pair_failures)
