@@ -129,8 +129,15 @@ def test_fabric_faults_fire_their_alerts_and_the_healthy_fabric_is_silent(stack:
                        capture_output=True, timeout=60, check=False)
         seen |= firing(url, a)
     assert expected <= seen, f"missing {expected - seen}; fired {seen}"
+    # Nothing else, once the fabric has settled: judged on the alerts of an evaluation after
+    # every expected one was seen, not on all seen on the way. With every `for:` at 0s a single
+    # sweep between the unlink and opensm's new tables counts: one found L2's table unbalanced
+    # (probably its port 3 read still up beside a table already routed around it), which the
+    # shipped 15m `for:` passes over.
+    wait_evaluated(url, stack["targets"])
+    settled = firing(url, a)
     tolerated = ("GpunetFabricUplinkImbalance", "GpunetFabricPortTransmitDiscards")
-    unexpected = {x for x in seen - expected if x[0] not in tolerated}
-    assert not unexpected, unexpected
+    unexpected = {x for x in settled - expected if x[0] not in tolerated}
+    assert not unexpected, f"{unexpected}; seen on the way {seen - expected}"
     assert firing(url, b) == {("GpunetFabricLinkDegraded", L2, "4"),
                               ("GpunetFabricLinkDegraded", S2, "2")}
