@@ -98,16 +98,17 @@ done
 with() { echo "$1${user:+ and ($user)}"; }
 if [ -z "$unit" ]; then
   # Two parts: everything but the quiet tests on the workers, then the quiet ones (bandwidth
-  # and timing measurements, tests/support/tiers.py QUIET_MODULES) alone, one at a time.
+  # and timing measurements, tests/support/tiers.py QUIET_MODULES) on two workers, the
+  # namespace fleets one after the other on one of them.
   # Exit code 5 (no test selected: a file argument without quiet tests) is no failure.
   echo "run.sh: pytest -m '$(with "not quiet")'"
   rc=0
   python -m pytest -n "${GPUNET_TEST_WORKERS:-4}" -m "$(with "not quiet")" "${basetemp[@]}" \
     ${args[@]+"${args[@]}"} || rc=$?
   ((rc == 5)) && rc=0
-  echo "run.sh: pytest -m '$(with quiet)' (alone)"
+  echo "run.sh: pytest -m '$(with quiet)' (the fleets alone)"
   qrc=0
-  python -m pytest -n 0 -m "$(with quiet)" "${basetemp[@]}" ${args[@]+"${args[@]}"} \
+  python -m pytest -n 2 -m "$(with quiet)" "${basetemp[@]}" ${args[@]+"${args[@]}"} \
     || qrc=$?
   ((qrc == 5)) && qrc=0
   ((rc)) && exit "$rc"

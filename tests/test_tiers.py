@@ -154,7 +154,7 @@ def test_modules_with_shared_fixtures_run_on_one_worker() -> None:
 
 
 def test_the_quiet_modules_are_system_modules() -> None:
-    """tests/run.sh runs the quiet tests alone after the parallel part, and the unit tier
+    """tests/run.sh runs the quiet tests by themselves after the parallel part, and the unit tier
     (``--unit``) has no such second part: so no quiet module may hold a unit test."""
     assert tiers.QUIET_MODULES <= tiers.SYSTEM_MODULES, tiers.QUIET_MODULES - tiers.SYSTEM_MODULES
 
@@ -163,6 +163,10 @@ def test_the_scheduler_keeps_groups_and_puts_long_modules_first() -> None:
     assert tiers.scope("tests/test_image.py::test_a") == "tests/test_image.py"
     assert tiers.scope("tests/test_image.py::test_b[x]") == "tests/test_image.py"
     assert tiers.scope("tests/test_alerts.py::test_a") == "tests/test_alerts.py::test_a"
+    assert tiers.QUIET_TOGETHER <= tiers.QUIET_MODULES
+    assert tiers.scope("tests/test_fleet_netns.py::test_a") == tiers.scope(
+        "tests/test_fleet_rules_netns.py::test_b[y]") != tiers.scope(
+        "tests/test_hostile_http.py::test_c")
     nodeids = ["tests/test_settings.py::test_a", "tests/test_alerts.py::test_b",
                "tests/test_parsers.py::test_c", "tests/test_image.py::test_d"]
     assert tiers.order(nodeids) == ["tests/test_image.py::test_d",

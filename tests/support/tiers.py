@@ -238,10 +238,14 @@ def classify(item: pytest.Item) -> str:
 # System modules that measure bandwidth or wait on timing between processes sharing the CPUs:
 # next to three busy xdist workers on 2 cores their numbers are the neighbours' (a ring of
 # namespace pairs measured 46 to 490 MB/s unshaped in one such run). They are marked ``quiet``,
-# and tests/run.sh runs them after the parallel part, one at a time.
+# and tests/run.sh runs them after the parallel part on two workers: the namespace fleets, which
+# measure bandwidth, one after the other on one (QUIET_TOGETHER), beside the others, which
+# mostly wait (about 4 s of CPU in 25 s).
 QUIET_MODULES: frozenset[str] = frozenset({
     "test_fleet_netns", "test_fleet_rules_netns", "test_fabric_alerts", "test_hostile_http",
 })
+# Quiet modules that never run beside each other: one unit of work (scope()).
+QUIET_TOGETHER: frozenset[str] = frozenset({"test_fleet_netns", "test_fleet_rules_netns"})
 
 
 def mark(items: Iterable[pytest.Item]) -> None:
@@ -279,7 +283,9 @@ def _module(nodeid: str) -> str:
 
 
 def scope(nodeid: str) -> str:
-    """The unit of work ``nodeid`` belongs to: its module's, or its own."""
+    """The unit of work ``nodeid`` belongs to: the quiet fleets', its module's, or its own."""
+    if _module(nodeid) in QUIET_TOGETHER:
+        return "quiet: " + ", ".join(sorted(QUIET_TOGETHER))
     return nodeid.split("::")[0] if _module(nodeid) in GROUPED_MODULES else nodeid
 
 
