@@ -404,3 +404,21 @@ def test_readme_prometheus_snippet_fits_the_rules_and_dashboards() -> None:
     assert [pattern.fullmatch(a).expand(relabel["replacement"].replace("$1", r"\1"))  # type: ignore[union-attr]
             for a in targets] == [a.rpartition(":")[0] for a in targets]
     assert f"`{t.runbook_url}`" in readme and "runbook_url: https://" in readme
+
+
+def test_the_unknown_checks_runbook_lists_every_check_and_reason() -> None:
+    """GpunetCheckUnknown's runbook has a row for each check a collector declares
+    (unknown_checks: its collector and what goes unchecked) and for each reason of
+    UNKNOWN_REASONS; the doctor's confirm commands are for declared checks."""
+    from gpunet_exporter.collector import UNKNOWN_REASONS
+    from gpunet_exporter.mixin.alerts.exporter import CONFIRM
+
+    text = _section((REPO / "docs" / "runbooks.md").read_text(), "GpunetCheckUnknown")
+    checks = {m[0]: (m[1], m[2]) for m in re.findall(
+        r"^\| `([a-z_0-9]+)` \| ([a-z]+) \| (.+) \|$", text, re.M)}
+    declared = {check: (name, what) for name, cls in discover().items()
+                for check, what in cls.unknown_checks.items()}
+    assert checks == declared
+    reasons = set(re.findall(r"^\| `([a-z_]+)` \| [^|]+ \|$", text, re.M))
+    assert reasons == set(UNKNOWN_REASONS), reasons ^ set(UNKNOWN_REASONS)
+    assert set(CONFIRM) <= declared.keys()

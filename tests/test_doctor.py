@@ -477,10 +477,31 @@ def test_starved_gpu_is_a_finding_and_below_the_share_no_band(tmp_path: Path) ->
 
 
 def ib_tree(root: Path) -> tuple[Path, list[str]]:
+    """The DGX tree and the doctor's arguments for its ports' counters. ibv_devinfo is switched
+    off, as where InfiniBand MTUs are checked another way: these tests are about the counters
+    (test_ib_mtu_without_ibv_devinfo_is_not_checked_exit_2 about the tool)."""
     sysfs = st.build_dgx_h100(root / "tree")
+    cfg = root / "gpunet.yml"
+    cfg.write_text("link:\n  ibv_devinfo: {enabled: false}\n")
     return sysfs, [f"--path.sysfs={sysfs}", "--collector.disable-defaults",
                    "--collector.infiniband", "--collector.link", "--json",
-                   f"--state-file={root / 'state' / 'doctor.json'}"]
+                   f"--config.file={cfg}", f"--state-file={root / 'state' / 'doctor.json'}"]
+
+
+def test_ib_mtu_without_ibv_devinfo_is_not_checked_exit_2(tmp_path: Path) -> None:
+    """InfiniBand ports and no ibv_devinfo: the doctor says their MTU was not checked, and
+    why, and exits 2 (could not check), not 0."""
+    sysfs = st.build_dgx_h100(tmp_path / "tree")
+    cfg = tmp_path / "gpunet.yml"
+    cfg.write_text(f"link:\n  ibv_devinfo: {{path: {tmp_path / 'not-installed'}}}\n")
+    out = run(f"--path.sysfs={sysfs}", f"--config.file={cfg}", "--collector.disable-defaults",
+              "--collector.link", "--json", f"--state-file={tmp_path / 'doctor.json'}")
+    result = json.loads(out.stdout)
+    (found,) = [f for f in result["findings"] if f["cause"] == "unknown"]
+    assert (found["alert"], found["where"]) == ("GpunetCheckUnknown", "link ib_mtu")
+    assert found["message"] == "not checked: its command-line tool is not installed"
+    assert "ibv_devinfo" in found["confirm"]
+    assert out.returncode == 2, out.stdout + out.stderr
 
 
 def test_flaps_since_the_last_run_are_findings(tmp_path: Path) -> None:

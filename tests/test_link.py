@@ -148,6 +148,7 @@ def test_ibv_devinfo_failure_keeps_last_good_values(dgx: Path, tmp_path: Path) -
         time.sleep(0.05)
         refresher.refresh()  # the background thread's next round, without waiting for it
         s = samples_of(list(c.collect(Scrape())))
+        unknown = c.unknown()
         out.write_text(DEVINFO)
         time.sleep(0.05)
         refresher.refresh()  # the tool works again
@@ -157,6 +158,7 @@ def test_ibv_devinfo_failure_keeps_last_good_values(dgx: Path, tmp_path: Path) -
     assert value(s, "gpunet_link_ibv_devinfo_refresh_success") == 0
     assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_0", port="1") == 4096
     assert value(s, LAST_SUCCESS) == good  # the last good run's time, no longer advancing
+    assert unknown == {}  # checked, on the last good values: their age says how old
     assert value(again, "gpunet_link_ibv_devinfo_refresh_success") == 1
     later = value(again, LAST_SUCCESS)
     assert later is not None and later > good
@@ -178,14 +180,47 @@ def test_ibv_devinfo_broken_tool(dgx: Path, tmp_path: Path, body: str, reason: s
     assert value(s, "gpunet_link_mtu_bytes", interface="ibp24s0") == 4092  # the rest is intact
     expected = 1 if reason == "garbage" else 0  # garbage parses to "no ports": not a failure
     assert value(s, "gpunet_link_ibv_devinfo_refresh_success") == expected
+    # Never succeeded: the InfiniBand MTUs are not checked, and the check says why.
+    assert c.unknown() == ({} if expected else {"ib_mtu": "tool_failing"})
 
 
 def test_ibv_devinfo_not_installed(dgx: Path, tmp_path: Path) -> None:
-    s, unreadable = collect(LinkCollector, dgx, {"ibv_devinfo": {"path": str(tmp_path / "no")}})
-    assert unreadable == 0
+    """No ibv_devinfo where InfiniBand ports are: no active MTU, and gpunet_check_unknown and
+    the landing page say that it was not checked, and why."""
+    from gpunet_exporter.web.http import _landing
+
+    c = make_collector(LinkCollector, dgx, {"ibv_devinfo": {"path": str(tmp_path / "no")}})
+    scraper = Scraper({"link": c}, 5.0)
+    try:
+        s = samples_of(list(scraper.collect()))
+        page = _landing(scraper, "/metrics").decode()
+    finally:
+        scraper.close()
+    assert value(s, "gpunet_scrape_collector_unreadable_values", collector="link") == 0
     assert not series(s, "gpunet_link_ibv_devinfo_refresh_success")
     assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_0", port="1") is None
+    assert series(s, "gpunet_check_unknown") == {
+        frozenset({("collector", "link"), ("check", "ib_mtu"), ("reason", "tool_missing")}): 1}
+    assert "UNKNOWN: ib_mtu not checked (its command-line tool is not installed)" in page
     assert os.path.exists(dgx)
+
+
+@pytest.mark.parametrize("case", ["switched off", "no InfiniBand port"])
+def test_ib_mtu_not_asked_for(tmp_path: Path, case: str) -> None:
+    """Switched off (the operator checks it another way), or a node with RoCE ports only:
+    nothing unknown, though no ibv_devinfo is installed."""
+    if case == "switched off":
+        tree = st.build_dgx_h100(tmp_path / "t")
+        cfg = {"ibv_devinfo": {"enabled": False, "path": str(tmp_path / "no")}}
+    else:
+        tree = st.build_roce_only(tmp_path / "t")
+        cfg = {"ibv_devinfo": {"path": str(tmp_path / "no")}}
+    c = make_collector(LinkCollector, tree, cfg)
+    try:
+        list(c.collect(Scrape()))
+        assert c.unknown() == {}
+    finally:
+        c.close()
 
 
 def test_first_scrape_does_not_wait_for_a_slow_ibv_devinfo(dgx: Path, tmp_path: Path) -> None:

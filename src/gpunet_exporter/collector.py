@@ -217,6 +217,8 @@ UNKNOWN_REASONS: Mapping[str, str] = {
     "library_missing": "its library is not installed or cannot be loaded",
     "driver_not_loaded": "its kernel driver is not loaded",
     "init_failed": "it fails to initialise",
+    "tool_missing": "its command-line tool is not installed",
+    "tool_failing": "its command-line tool has not succeeded once",
 }
 
 
@@ -242,6 +244,9 @@ class Collector(abc.ABC):
     settings_type: ClassVar[type[Settings]] = Settings  # none
     flags: ClassVar[Mapping[str, tuple[str, str]]] = {}
     privileges: ClassVar[tuple[Privilege, ...]] = ()
+    # The checks unknown() may name, each with what goes unchecked while it cannot run: the
+    # bounded values of gpunet_check_unknown's check label (GpunetCheckUnknown's runbook).
+    unknown_checks: ClassVar[Mapping[str, str]] = {}
     settings: Settings
 
     def __init__(self, ctx: CollectorContext) -> None:
@@ -274,8 +279,9 @@ class Collector(abc.ABC):
         """The checks of this collector that the node's hardware calls for but that could not
         run in its last collection: check -> reason, each a word of :data:`UNKNOWN_REASONS`
         (bounded: both become labels of gpunet_check_unknown). Empty, the default: every check
-        that applies ran, or none applies (a node without the hardware stays silent). Called
-        by the registry right after collect(), in the same thread."""
+        that applies ran, or none applies (a node without the hardware stays silent). Each
+        check is a key of :attr:`unknown_checks`. Called by the registry right after
+        collect(), in the same thread."""
         return {}
 
     def summary(self) -> str:

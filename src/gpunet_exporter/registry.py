@@ -35,7 +35,6 @@ from gpunet_exporter.collector import UNKNOWN_REASONS, Collector, MetricSpec, Sc
 log = logging.getLogger("gpunet.exporter")
 
 ENTRY_POINT_GROUP = "gpunet_exporter.collectors"
-_CHECK = re.compile(r"[a-z][a-z0-9_]{0,31}")  # a check's name (gpunet_check_unknown's label)
 SOLO_SECONDS = 0.25
 # How long before the scrape's deadline a collection's own deadline (Scrape.deadline)
 # lies: a tenth of the scrape's timeout, at most half a second.
@@ -244,11 +243,12 @@ class Runner:
             drop_unexposable(families, ctx.skip)
             unknown = {}
             for check, reason in self.collector.unknown().items():
-                if reason in UNKNOWN_REASONS and _CHECK.fullmatch(check):
+                if reason in UNKNOWN_REASONS and check in self.collector.unknown_checks:
                     unknown[check] = reason
                 else:  # a label value beyond the bounded set: dropped, said once
-                    ctx.log_once(logging.ERROR, "unknown check %r (reason %r) left out: not a "
-                                 "check name or not a reason of UNKNOWN_REASONS", check, reason)
+                    ctx.log_once(logging.ERROR, "unknown check %r (reason %r) left out: not in "
+                                 "unknown_checks or not a reason of UNKNOWN_REASONS", check,
+                                 reason)
             success, error = True, ""
         except BaseException as exc:  # even SystemExit: this thread must answer the future
             families, unknown, success = [], {}, False

@@ -401,6 +401,11 @@ def build_dgx_h100(root: Path) -> Path:
     return _write_node(root, DGX_NICS)
 
 
+def build_roce_only(root: Path) -> Path:
+    """root/sys for a node with the DGX's two RoCE NICs and no InfiniBand port."""
+    return _write_node(root, [n for n in DGX_NICS if n.roce])
+
+
 def build_scaled(root: Path, ports: int) -> Path:
     """Create root/sys with `ports` single-port IB NDR devices mlx5_0..mlx5_<ports-1>."""
     if ports < 1:

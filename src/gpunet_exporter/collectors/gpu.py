@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from prometheus_client.core import Metric
 
@@ -331,6 +331,9 @@ class GpuCollector(Collector):
                XID_ERRORS, XID_LAST, XID_LAST_CODE)
     settings_type = GpuSettings
     settings: GpuSettings
+    unknown_checks: ClassVar[Mapping[str, str]] = {
+        "nvml": "every GPU series and alert: NVIDIA GPUs sit on the PCI bus, but "
+                 "NVML cannot be used"}
 
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)

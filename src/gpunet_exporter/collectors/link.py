@@ -13,6 +13,7 @@ import re
 import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from prometheus_client.core import Metric
 
@@ -129,11 +130,15 @@ class LinkCollector(Collector):
                RDMA_MTU, RDMA_MTU_EXPECTED, RDMA_MTU_MISMATCH, IBV_SUCCESS, IBV_LAST_SUCCESS)
     settings_type = LinkSettings
     settings: LinkSettings
+    unknown_checks: ClassVar[Mapping[str, str]] = {
+        "ib_mtu": "the active MTU of InfiniBand ports and its expected value "
+                  "(`gpunet_link_rdma_active_mtu_bytes`): ibv_devinfo reads it"}
 
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)
         self._ibv: Refresher[dict[tuple[str, str], int]] | None = None
         self._ibv_cfg = self.settings.ibv_devinfo
+        self._unknown: Mapping[str, str] = {}
 
     def _devinfo(self) -> Refresher[dict[tuple[str, str], int]] | None:
         """Started on the first scrape that sees an InfiniBand port, if the tool is installed;
@@ -199,7 +204,19 @@ class LinkCollector(Collector):
                 fams.add(RDMA_MTU_MISMATCH, [p.device, p.port], int(active != want))
         if devinfo is not None:
             add_freshness(fams, IBV_SUCCESS, IBV_LAST_SUCCESS, [], fresh)
+        self._unknown = {}
+        if self._ibv_cfg.enabled and any(p.link_layer == "InfiniBand" for p in ports):
+            if devinfo is None:
+                self._unknown = {"ib_mtu": "tool_missing"}
+            elif fresh.ok is False and fresh.value is None:
+                self._unknown = {"ib_mtu": "tool_failing"}
         return iter(fams)
+
+    def unknown(self) -> Mapping[str, str]:
+        """``ib_mtu`` while InfiniBand ports are present and ibv_devinfo, enabled, is not
+        installed or has not succeeded once (its last good values are served while it fails
+        later); nothing while it is switched off (``link.ibv_devinfo.enabled: false``)."""
+        return self._unknown
 
     def _netdev(self, fams: Families, ifname: str, port: rdma.Port | None) -> int | None:
         """Emit one interface's series; returns its MTU when readable."""
