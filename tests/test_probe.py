@@ -332,6 +332,29 @@ def test_run_without_torch_says_how_to_install_it(
         r = json.loads((tmp_path / f"{scope}.json").read_text())
         assert (r["success"], r["failure"]) == (False, "init_error")
         assert "pip install 'gpunet-exporter[probe]'" in r["error"]
+    # The exporter reading those files: the probe's check is unknown, and the page says why.
+    from gpunet_exporter.registry import Scraper
+    from gpunet_exporter.web.http import _landing
+
+    p = Probe(st.build_dgx_h100(tmp_path / "tree"), tmp_path, {"runner": "none"})
+    scraper = Scraper({"probe": p.c}, 5.0)
+    try:
+        p.wait("gpunet_probe_failures_total", scope="intra", reason="init_error")
+        got = samples_of(list(scraper.collect()))
+        page = _landing(scraper, "/metrics").decode()
+        # Another failure is no unknown: the rounds ran, and failed.
+        write_json(str(tmp_path / "intra.json"), good_result(
+            success=False, failure="init_error", error="NCCL WARN ..."))
+        write_json(str(tmp_path / "net.json"), good_result(scope="net", success=False,
+                                                            failure="nccl_error"))
+        wait_for(lambda: not series(samples_of(list(scraper.collect())),
+                                    "gpunet_check_unknown"),
+                 "the unknown check cleared", timeout=30, interval=0.2)
+    finally:
+        scraper.close()
+    assert series(got, "gpunet_check_unknown") == {frozenset(
+        {("collector", "probe"), ("check", "allreduce"), ("reason", "library_missing")}): 1}
+    assert "UNKNOWN: allreduce not checked (its library is not installed" in page
 
 
 def test_help_shows_the_commands_people_run() -> None:

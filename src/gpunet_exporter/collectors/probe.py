@@ -13,15 +13,16 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from prometheus_client.core import Metric
 
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec, Scrape
 from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.probe import idle, pairs, results, run_options, supervisor
-from gpunet_exporter.probe.results import Result
+from gpunet_exporter.probe.results import NO_TORCH, Result
 from gpunet_exporter.probe.run_options import RunOptions, key
 from gpunet_exporter.sources import nvml, rdma
 
@@ -231,11 +232,15 @@ class ProbeCollector(Collector):
                *FLEET_METRICS)
     settings_type = ProbeSettings
     settings: ProbeSettings
+    unknown_checks: ClassVar[Mapping[str, str]] = {
+        "allreduce": "the probe's all-reduce rounds and every alert on them: the runner's "
+                     "Python has no PyTorch"}
 
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)
         cfg = self.settings
         self.state_dir = cfg.state_dir
+        self._unknown: Mapping[str, str] = {}
         self._known_own: set[int] = set()
         self.supervisor = supervisor.Supervisor(
             self.state_dir, self.command() if cfg.runner == "intra" else None,
@@ -286,8 +291,11 @@ class ProbeCollector(Collector):
             if snap.idle_since is not None:
                 fams.add(IDLE_SINCE, [], snap.idle_since)
         rdma_active = functools.cache(self._rdma_active)  # read once a scrape, if at all
+        self._unknown = {}
         for scope, view in snap.scopes.items():
             last, good, failures = view.last, view.good, view.failures
+            if last is not None and last.failure == "init_error" and last.error == NO_TORCH:
+                self._unknown = {"allreduce": "library_missing"}
             if last is None and not any(failures.values()):
                 continue  # this scope does not run here (inter: no cluster-mode rounds)
             for reason, n in failures.items():
@@ -309,6 +317,11 @@ class ProbeCollector(Collector):
         if snap.pairs is not None:
             self._export_pairs(fams, snap.pairs, self.settings.fleet_max_peers)
         yield from fams
+
+    def unknown(self) -> Mapping[str, str]:
+        """``allreduce`` while the latest round of a scope failed because the runner's Python
+        has no torch (its result file says so)."""
+        return self._unknown
 
     @staticmethod
     def _export_pairs(fams: Families, view: pairs.Pairs, max_peers: int) -> None:

@@ -26,6 +26,9 @@ STATUS = "status.json"
 # from the launcher (a group it killed, or one that died without saying why) or the exporter.
 FAILURE_REASONS = ("timeout", "crash", "nccl_error", "no_gpu", "init_error", "error",
                    "skipped_busy")
+# The error of an init_error result written by a runner whose Python has no torch (the
+# collector reports the check as unknown: its library is missing).
+NO_TORCH = "torch is not installed: pip install 'gpunet-exporter[probe]'"
 
 
 def result_path(state_dir: str, scope: str) -> str:

@@ -61,7 +61,7 @@ from gpunet_exporter.statefile import write_json
 EXIT_ROUND_FAILED = 4
 EXIT_NO_GPU = 3
 EXIT_NO_TORCH = 5
-NO_TORCH = "torch is not installed: pip install 'gpunet-exporter[probe]'"
+NO_TORCH = results.NO_TORCH
 
 
 @dataclass(frozen=True)
