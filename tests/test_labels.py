@@ -409,6 +409,41 @@ def test_landing_page_with_a_name_not_utf8_in_an_error(tmp_path: Path) -> None:
     assert "/sys/class/net/eth\\udcff/mtu" in page
 
 
+class _Unsure(Collector):
+    """Says what it could not check: a declared check, an undeclared one, a reason unknown."""
+
+    name = "unsure"
+    unknown_checks = {"declared": "what it watches"}  # noqa: RUF012 (a test's class)
+    says: dict[str, str] = {}  # noqa: RUF012
+
+    def collect(self, scrape: Scrape) -> Iterator[Metric]:
+        return iter(())
+
+    def unknown(self) -> dict[str, str]:
+        return self.says
+
+
+def test_unknown_checks_are_bounded(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """gpunet_check_unknown keeps only a check the collector declares with a reason of
+    UNKNOWN_REASONS: anything else is left out and said once in the log, not exported."""
+    c = make_collector(_Unsure, tmp_path)
+    c.says = {"declared": "tool_missing", "undeclared": "tool_missing"}  # type: ignore[attr-defined]
+    scraper = Scraper({"unsure": c}, timeout=10)
+    caplog.set_level(logging.ERROR, logger="gpunet")
+    try:
+        first = samples_of(list(scraper.collect()))
+        c.says = {"declared": "no such reason"}  # type: ignore[attr-defined]
+        second = samples_of(list(scraper.collect()))
+        list(scraper.collect())
+    finally:
+        scraper.close()
+    assert series(first, "gpunet_check_unknown") == {frozenset(
+        {("collector", "unsure"), ("check", "declared"), ("reason", "tool_missing")}): 1}
+    assert not series(second, "gpunet_check_unknown")
+    said = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(said) == 2 and "'undeclared'" in said[0] and "'no such reason'" in said[1], said
+
+
 @pytest.mark.parametrize("formatter", [LogfmtFormatter(), JSONFormatter()],
                          ids=["logfmt", "json"])
 def test_log_line_with_a_name_not_utf8(formatter: logging.Formatter) -> None:
