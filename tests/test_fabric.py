@@ -299,6 +299,7 @@ def test_a_failing_step_costs_only_its_own_values(sims: list[ibsim.Sim],
     sim = run_sim(sims, tmp_path, ibsim.fat_tree(2, 2, 2))
     with collector(sim, tools_dir=str(_tools_with(tmp_path, "dump_fts"))) as c:
         s = scrape(c)
+        assert c.unknown() == {}  # every tool is there: a failing step is a failure
     steps = {dict(lbl)["step"]: v for lbl, v in series(s, "gpunet_fabric_step_success").items()}
     assert steps["routes"] == 0 and steps["links"] == 1 and steps["counters"] == 1
     assert value(s, "gpunet_fabric_sweep_success") == 1
@@ -316,11 +317,35 @@ def test_a_vanished_fabric_fails_the_sweep_and_keeps_the_last_values(
         with pytest.raises(ibdiag.CommandError):
             c.refresh()
         s = samples_of(list(c.collect(Scrape())))
+        assert c.unknown() == {}  # checked, on the last good sweep's values
     assert value(s, "gpunet_fabric_sweep_success") == 0
     assert value(s, "gpunet_fabric_sweep_last_success_timestamp_seconds") == value(
         good, "gpunet_fabric_sweep_last_success_timestamp_seconds")
     assert len(series(s, "gpunet_fabric_port_state_id")) == len(
         series(good, "gpunet_fabric_port_state_id"))
+
+
+@pytest.mark.parametrize("case", ["a tool missing", "never swept"])
+def test_a_fabric_not_swept_is_an_unknown_check(tmp_path: Path, case: str) -> None:
+    """A tool of the sweep not installed, or no sweep succeeded since the start: the fabric is
+    not checked, and the collector says so (gpunet_check_unknown, the landing page)."""
+    folder = tmp_path / "tools"
+    folder.mkdir()
+    for name in ("ibnetdiscover", "iblinkinfo", "ibqueryerrors", "dump_fts"):
+        if case == "never swept" or name != "iblinkinfo":
+            (folder / name).write_text("#!/bin/sh\nexit 3\n")
+            (folder / name).chmod(0o755)
+    c = make_collector(FabricCollector, "/", {"tools_dir": str(folder)})
+    assert isinstance(c, FabricCollector)
+    c._refresher.stop()  # no sweep runs: the collector has not swept yet, or it failed
+    try:
+        if case == "never swept":
+            c._sweep = c._sweep.failed()  # what refresh() leaves after a failed sweep
+        list(c.collect(Scrape()))
+        got = c.unknown()
+    finally:
+        c.close()
+    assert got == {"sweep": "tool_missing" if case == "a tool missing" else "tool_failing"}
 
 
 def test_bad_environment_setting_is_one_clear_error(tmp_path: Path) -> None:

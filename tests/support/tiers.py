@@ -72,6 +72,7 @@ SYSTEM_TESTS: dict[str, frozenset[str]] = {
         "test_unit_tests_bite_when_a_threshold_moves",
     }),
     "test_fabric": frozenset({
+        "test_a_fabric_not_swept_is_an_unknown_check",
         "test_a_failing_step_costs_only_its_own_values",
         "test_a_vanished_fabric_fails_the_sweep_and_keeps_the_last_values",
         "test_healthy_fabric_every_switch_port_and_nothing_flagged",

@@ -14,8 +14,9 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from prometheus_client.core import Metric
 
@@ -32,6 +33,7 @@ _LINKS = "iblinkinfo -l --switches-only (from the sweep's ibnetdiscover)"
 _QE = "ibqueryerrors --switch"
 _BY = {"tx": "PortXmitData", "rx": "PortRcvData"}
 STEP_NAMES = ibdiag.STEPS
+TOOL_NAMES = ("ibnetdiscover", "iblinkinfo", "ibqueryerrors", "dump_fts")  # ibdiag.Tools fields
 
 
 def _counter_specs() -> dict[str, tuple[MetricSpec, str, int]]:
@@ -178,10 +180,14 @@ class FabricCollector(Collector):
     metrics = SPECS
     settings_type = FabricSettings
     settings: FabricSettings
+    unknown_checks: ClassVar[Mapping[str, str]] = {
+        "sweep": "the fabric's switch ports, links, counters and routing (the "
+                 "`gpunet_fabric_` series): infiniband-diags runs the sweep"}
 
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)
         cfg = self.settings
+        self._unknown: Mapping[str, str] = {}
         env = {}
         for item in cfg.environment:
             key, sep, value = item.partition("=")
@@ -370,7 +376,18 @@ class FabricCollector(Collector):
             if ok:
                 fams.add(STEP_DURATION, [step], seconds)
         out += fams
+        self._unknown = {}
+        if any(shutil.which(getattr(self.tools, t)) is None for t in TOOL_NAMES):
+            self._unknown = {"sweep": "tool_missing"}
+        elif sweep.ok is False and sweep.value is None:
+            self._unknown = {"sweep": "tool_failing"}
         return iter(out)
+
+    def unknown(self) -> Mapping[str, str]:
+        """``sweep`` while a tool of the sweep is not installed (its step, at least, is not
+        checked), or while no sweep has succeeded since the start; a sweep that fails later
+        keeps the last good values (GpunetFabricSweepFailing)."""
+        return self._unknown
 
     def close(self) -> None:
         self._refresher.stop()

@@ -9,7 +9,8 @@ from gpunet_exporter.mixin.check import Check, DoctorCheck, checks
 # What shows why a check cannot run, by check (gpunet_check_unknown's check label).
 CONFIRM = {"nvml": "nvidia-smi  # fails as NVML does when its library or driver is missing",
            "ib_mtu": "ibv_devinfo | grep -E 'hca_id|active_mtu'",
-           "allreduce": "python3 -c 'import torch'  # with the Python that runs gpunet-probe"}
+           "allreduce": "python3 -c 'import torch'  # with the Python that runs gpunet-probe",
+           "sweep": "command -v ibnetdiscover iblinkinfo ibqueryerrors dump_fts"}
 
 
 @checks("GpunetCheckUnknown")
