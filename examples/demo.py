@@ -258,16 +258,12 @@ def raise_counters(sysfs: Path, scratch: Path, stop: threading.Event) -> None:
 # ---- configuration ----------------------------------------------------------------------------
 
 def exporter_config(tree: Path) -> dict[str, Any]:
-    """examples/gpunet.yml with what a tree from another machine needs changed (README)."""
-    cfg: dict[str, Any] = yaml.safe_load((EXAMPLES / "gpunet.yml").read_text())
-    cfg["collectors"].update(gpu=False, topology=False, probe=False)  # NVML is the host's
-    cfg["link"]["ibv_devinfo"]["enabled"] = False  # it would list the host's RDMA devices
-    # QoS configuration of the tree's node, never of the host's own NICs: the node's recorded
-    # `mlnx_qos -i` reports (PFC state is in no sysfs file), else its MLNX_OFED qos/ files.
-    replay = tree / "mlnx_qos" / "mlnx_qos"
-    cfg["pfc"]["config"].update(
-        {"sources": ["mlnx_qos"], "mlnx_qos_path": str(replay)} if replay.exists()
-        else {"sources": ["sysfs"]})
+    """The tree's own gpunet.yml (examples/README.md: what a tree from another machine needs),
+    its paths relative to the repository root, where its header's commands run, made whole."""
+    cfg: dict[str, Any] = yaml.safe_load((tree / "gpunet.yml").read_text())
+    qos = cfg.get("pfc", {}).get("config", {})
+    if qos.get("mlnx_qos_path") and not os.path.isabs(qos["mlnx_qos_path"]):
+        qos["mlnx_qos_path"] = str(REPO / qos["mlnx_qos_path"])
     return cfg
 
 
