@@ -18,7 +18,16 @@ from gpunet_exporter.registry import Scraper
 from gpunet_exporter.sources import nvml
 
 from support import fake_nvml
-from support.metrics import Samples, collect, make_collector, parse, samples_of, series, value
+from support.metrics import (
+    Samples,
+    collect,
+    make_collector,
+    parse,
+    samples_of,
+    scrape_and_page,
+    series,
+    value,
+)
 from support.wait import wait_for
 
 CAPTURE = fake_nvml.h200x2()
@@ -284,17 +293,9 @@ def test_gpus_on_the_bus_without_nvml_are_unknown(sysfs: Path, module: str,
     """NVIDIA GPUs on the PCI bus and no NVML (nvidia-ml-py without libnvidia-ml, or no
     nvidia-ml-py): no GPU series, but gpunet_check_unknown says the GPUs were not checked and
     why, and the landing page says so instead of "ok"."""
-    from gpunet_exporter.web.http import _landing
-
     nvidia_on_the_bus(sysfs)
     nvml.forget(module)
-    c = make_collector(GpuCollector, sysfs, nvml_module=module)
-    scraper = Scraper({"gpu": c}, 5.0)
-    try:
-        s = samples_of(list(scraper.collect()))
-        page = _landing(scraper, "/metrics").decode()
-    finally:
-        scraper.close()
+    s, page = scrape_and_page(make_collector(GpuCollector, sysfs, nvml_module=module))
     assert value(s, "gpunet_scrape_collector_success", collector="gpu") == 1
     assert series(s, "gpunet_check_unknown") == {
         frozenset({("collector", "gpu"), ("check", "nvml"), ("reason", reason)}): 1}

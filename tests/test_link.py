@@ -14,7 +14,15 @@ from gpunet_exporter.collectors.link import LinkCollector
 from gpunet_exporter.registry import Scraper
 
 from support import sysfs_tree as st
-from support.metrics import Samples, collect, make_collector, samples_of, series, value
+from support.metrics import (
+    Samples,
+    collect,
+    make_collector,
+    samples_of,
+    scrape_and_page,
+    series,
+    value,
+)
 from support.sysfs_tree import DGX_IBV_DEVINFO as DEVINFO
 from support.wait import wait_for
 
@@ -187,15 +195,8 @@ def test_ibv_devinfo_broken_tool(dgx: Path, tmp_path: Path, body: str, reason: s
 def test_ibv_devinfo_not_installed(dgx: Path, tmp_path: Path) -> None:
     """No ibv_devinfo where InfiniBand ports are: no active MTU, and gpunet_check_unknown and
     the landing page say that it was not checked, and why."""
-    from gpunet_exporter.web.http import _landing
-
-    c = make_collector(LinkCollector, dgx, {"ibv_devinfo": {"path": str(tmp_path / "no")}})
-    scraper = Scraper({"link": c}, 5.0)
-    try:
-        s = samples_of(list(scraper.collect()))
-        page = _landing(scraper, "/metrics").decode()
-    finally:
-        scraper.close()
+    s, page = scrape_and_page(make_collector(LinkCollector, dgx,
+                                             {"ibv_devinfo": {"path": str(tmp_path / "no")}}))
     assert value(s, "gpunet_scrape_collector_unreadable_values", collector="link") == 0
     assert not series(s, "gpunet_link_ibv_devinfo_refresh_success")
     assert value(s, "gpunet_link_rdma_active_mtu_bytes", device="mlx5_0", port="1") is None

@@ -55,3 +55,17 @@ def collect(cls: type[Collector], sysfs: Path | str, config: Mapping[str, Any] |
         return samples_of(list(c.collect(Scrape()))), c.ctx.unreadable
     finally:
         c.close()
+
+
+def scrape_and_page(c: Collector) -> tuple[Samples, str]:
+    """One scrape of ``c`` through the registry (its own series with the scrape's, among them
+    gpunet_check_unknown) and the landing page after it; the registry is closed after."""
+    from gpunet_exporter.registry import Scraper
+    from gpunet_exporter.web.http import _landing
+
+    scraper = Scraper({c.name: c}, 5.0)
+    try:
+        s = samples_of(list(scraper.collect()))
+        return s, _landing(scraper, "/metrics").decode()
+    finally:
+        scraper.close()
