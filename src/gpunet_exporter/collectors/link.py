@@ -169,8 +169,9 @@ class LinkCollector(Collector):
         for name in rdma.extra_netdevs(root, cfg.interfaces, seen,
                                        self.ctx.log_once):
             seen[name] = None
+        has_ib = any(p.link_layer == "InfiniBand" for p in ports)
         # Started before the netdevs are read, so that a first run overlaps with them.
-        devinfo = self._devinfo() if any(p.link_layer == "InfiniBand" for p in ports) else None
+        devinfo = self._devinfo() if has_ib else None
         netdev_mtu: dict[str, int] = {}
         for ifname, port in seen.items():
             if exclude is not None and exclude.search(ifname):
@@ -205,7 +206,7 @@ class LinkCollector(Collector):
         if devinfo is not None:
             add_freshness(fams, IBV_SUCCESS, IBV_LAST_SUCCESS, [], fresh)
         self._unknown = {}
-        if self._ibv_cfg.enabled and any(p.link_layer == "InfiniBand" for p in ports):
+        if self._ibv_cfg.enabled and has_ib:
             if devinfo is None:
                 self._unknown = {"ib_mtu": "tool_missing"}
             elif fresh.ok is False and fresh.value is None:

@@ -61,7 +61,6 @@ from gpunet_exporter.statefile import write_json
 EXIT_ROUND_FAILED = 4
 EXIT_NO_GPU = 3
 EXIT_NO_TORCH = 5
-NO_TORCH = results.NO_TORCH
 
 
 @dataclass(frozen=True)
@@ -331,8 +330,8 @@ def launch(args: RunOptions) -> int:
         # Before anything that would import it (the GPU count's child, the workers): one line,
         # not a worker's traceback or a misleading "no CUDA device".
         for scope in args.scopes:
-            _fail(args.state_dir, scope, "init_error", NO_TORCH, args.backend)
-        print(f"gpunet-probe run: {NO_TORCH}", file=sys.stderr)
+            _fail(args.state_dir, scope, "init_error", results.NO_TORCH, args.backend)
+        print(f"gpunet-probe run: {results.NO_TORCH}", file=sys.stderr)
         return EXIT_NO_TORCH
     cluster = cluster_from_env(os.environ)
     if cluster is not None:  # started by torchrun or srun: this process is a rank itself
