@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from gpunet_exporter import HOME
 from gpunet_exporter.collector import Scrape
 from gpunet_exporter.collectors.infiniband import InfinibandCollector
 from gpunet_exporter.collectors.link import LinkCollector
@@ -17,6 +18,7 @@ from gpunet_exporter.collectors.pfc import PfcCollector
 from gpunet_exporter.daemon import hotplug
 from gpunet_exporter.mixin import configdoc
 from gpunet_exporter.mixin.metricsdoc import own_metrics, render
+from gpunet_exporter.mixin.thresholds import Thresholds
 from gpunet_exporter.registry import SCRAPE_METRICS, discover
 from gpunet_exporter.sources.ethtool import parse_stats_text
 from gpunet_exporter.web.http import SCRAPES_REJECTED
@@ -422,3 +424,17 @@ def test_the_unknown_checks_runbook_lists_every_check_and_reason() -> None:
     reasons = set(re.findall(r"^\| `([a-z_]+)` \| [^|]+ \|$", text, re.M))
     assert reasons == set(UNKNOWN_REASONS), reasons ^ set(UNKNOWN_REASONS)
     assert set(CONFIRM) <= declared.keys()
+
+
+def test_the_project_home_is_claimed_once() -> None:
+    """The runbook links' default is the runbooks at the project's home, which pyproject.toml
+    claims ([project.urls], shown by pip and PyPI) and the README states."""
+    text = (REPO / "pyproject.toml").read_text()
+    section = re.search(r"^\[project\.urls\]\n(.*?)(?:^\[|\Z)", text, re.M | re.S)
+    assert section, "pyproject.toml has no [project.urls]"
+    urls = dict(re.findall(r'^(\w+) = "([^"]+)"$', section.group(1), re.M))
+    assert urls["Homepage"] == HOME
+    assert all(u == HOME or u.startswith(HOME + "/") for u in urls.values()), urls
+    default = Thresholds().runbook_url
+    assert urls["Runbooks"] == default == f"{HOME}/blob/main/docs/runbooks.md"
+    assert f"the default is `{default}`" in (REPO / "README.md").read_text()

@@ -8,3 +8,6 @@ except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
 DEFAULT_PORT = 19400
+# The project's home: pyproject.toml's [project.urls] and the runbook links' default are it
+# (tests/test_docs.py holds them to it).
+HOME = "https://github.com/gpunet-exporter/gpunet-exporter"

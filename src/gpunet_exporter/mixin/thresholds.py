@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from gpunet_exporter import HOME
 from gpunet_exporter.collectors.fabric import FabricSettings
 from gpunet_exporter.config import Settings, make_settings, parse_settings, setting, settings_items
 from gpunet_exporter.errors import ConfigError, short
@@ -235,7 +236,7 @@ class Sections(Settings):
         "a static `cluster` label on every alert and recording rule (unset: none)", None)
     runbook_url: str = setting(
         "base address of the runbooks; each alert links to its section",
-        "https://github.com/gpunet-exporter/gpunet-exporter/blob/main/docs/runbooks.md")
+        f"{HOME}/blob/main/docs/runbooks.md")
     infiniband: Infiniband = setting(_help(Infiniband), Infiniband())
     link: Link = setting(_help(Link), Link())
     pfc: Pfc = setting(_help(Pfc), Pfc())
