@@ -504,6 +504,23 @@ def test_ib_mtu_without_ibv_devinfo_is_not_checked_exit_2(tmp_path: Path) -> Non
     assert out.returncode == 2, out.stdout + out.stderr
 
 
+def test_pfc_without_a_qos_source_is_not_checked_exit_2(tmp_path: Path) -> None:
+    """RoCE ports and no QoS source: the text report lists the check under "could not check",
+    names the collector UNKNOWN, not ok, in its "Checked:" line, and exits 2."""
+    sysfs = st.build_roce_only(tmp_path / "tree")
+    cfg = tmp_path / "gpunet.yml"
+    cfg.write_text(f"pfc:\n  config: {{mlnx_qos_path: {tmp_path / 'no'}, "
+                   f"dcb_path: {tmp_path / 'no'}}}\n")
+    out = run(f"--path.sysfs={sysfs}", f"--config.file={cfg}", "--collector.disable-defaults",
+              "--collector.infiniband", "--collector.pfc", f"--state-file={tmp_path / 'd.json'}")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "  [warning] pfc pfc_config: not checked: its command-line tool is not installed\n" \
+        "      confirm: command -v mlnx_qos dcb" in out.stdout
+    assert "Checked: infiniband (ok), pfc (UNKNOWN: pfc_config not checked)\n" in out.stdout
+    assert ("Could not check: pfc: pfc_config not checked: its command-line tool is not "
+            "installed") in out.stdout
+
+
 def test_flaps_since_the_last_run_are_findings(tmp_path: Path) -> None:
     """Run, bump the counters as two link-downed events and four carrier changes would, run
     again: the second run names the counts since the first, as the flapping alerts would fire;

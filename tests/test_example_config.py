@@ -133,10 +133,10 @@ def test_the_every_key_check_can_fail() -> None:
 def test_example_trees_configs_read_only_the_tree() -> None:
     """Each example tree's gpunet.yml (examples/README.md) is the shipped example where the tree
     is not the host: the collectors that ask the host off, the QoS configuration from the tree
-    (the faulty node's mlnx_qos replay, a path from the repository root), the rest unchanged."""
+    (each node's mlnx_qos replay, a path from the repository root), the rest unchanged."""
     types = config_type(discover())
     base = settings_items(load_file(str(EXAMPLE), types))
-    for tree, sources in (("dgx-h100", ("sysfs",)), ("dgx-h100-faulty", ("mlnx_qos",))):
+    for tree in ("dgx-h100", "dgx-h100-faulty"):
         cfg = settings_items(load_file(str(REPO / "examples" / tree / "gpunet.yml"), types))
         switches = {k: v for k, v in settings_items(cfg["collectors"]).items() if v is not None}
         assert switches == {"infiniband": True, "link": True, "pfc": True, "gpu": False,
@@ -145,7 +145,7 @@ def test_example_trees_configs_read_only_the_tree() -> None:
         assert cfg["link"].expected_mtu == base["link"].expected_mtu, tree
         assert cfg["link"].interfaces == base["link"].interfaces, tree
         assert not cfg["link"].ibv_devinfo.enabled, tree
-        assert cfg["pfc"].config.sources == sources, tree
-    replay = cfg["pfc"].config.mlnx_qos_path
-    assert replay == "examples/dgx-h100-faulty/mlnx_qos/mlnx_qos"
-    assert (REPO / replay).is_file()
+        assert cfg["pfc"].config.sources == ("mlnx_qos",), tree
+        replay = cfg["pfc"].config.mlnx_qos_path
+        assert replay == f"examples/{tree}/mlnx_qos/mlnx_qos", tree
+        assert (REPO / replay).is_file(), tree

@@ -44,7 +44,15 @@ from gpunet_exporter.sources.sysfs import Root
 
 from support import sysfs_tree as st
 from support.exporter import free_port
-from support.metrics import Samples, make_collector, parse, samples_of, series, value
+from support.metrics import (
+    Samples,
+    make_collector,
+    parse,
+    samples_of,
+    scrape_and_page,
+    series,
+    value,
+)
 from support.paths import FIXTURES, REPO
 from support.wait import wait_for
 
@@ -458,6 +466,12 @@ def test_broken_mlnx_qos(dgx: Path, tmp_path: Path, body: str, reason: str) -> N
     assert value(s, "gpunet_pfc_config_refresh_success", interface=ROCE) == 0
     assert not series(s, "gpunet_pfc_config_info")  # never had good values
     assert not series(s, LAST_SUCCESS)
+    # Not unknown: the tool is there and fails, which GpunetPfcConfigUnreadable reports per
+    # interface from the series above.
+    s, page = scrape_and_page(make_collector(PfcCollector, dgx, _cfg(
+        mlnx_qos_path=str(qos), timeout_seconds=0.5)))
+    assert value(s, "gpunet_pfc_config_refresh_success", interface=ROCE) == 0
+    assert not series(s, "gpunet_check_unknown") and "UNKNOWN" not in page
 
 
 def test_first_scrape_does_not_wait_for_a_slow_mlnx_qos(dgx: Path, tmp_path: Path) -> None:
@@ -495,10 +509,47 @@ def test_first_scrape_does_not_wait_for_a_slow_mlnx_qos(dgx: Path, tmp_path: Pat
         assert when is not None and abs(time.time() - when) < 60
 
 
-def test_no_tool_installed_is_no_data(dgx: Path) -> None:
-    s = next(refreshed(dgx, _cfg()))
+PFC_UNKNOWN = {frozenset({("collector", "pfc"), ("check", "pfc_config"),
+                          ("reason", "tool_missing")}): 1}
+
+
+def test_no_source_installed_is_no_data_and_an_unknown_check(dgx: Path) -> None:
+    """RoCE netdevs, and none of mlnx_qos, dcb or qos/ files: no configuration series (nothing
+    failed), but PFC is not checked, and gpunet_check_unknown and the landing page say so."""
+    s, page = scrape_and_page(make_collector(PfcCollector, dgx, _cfg()))
     assert not series(s, "gpunet_pfc_config_refresh_success")
     assert not series(s, "gpunet_pfc_config_info")
+    assert series(s, "gpunet_check_unknown") == PFC_UNKNOWN
+    assert "UNKNOWN: pfc_config not checked (its command-line tool is not installed)" in page
+
+
+def test_ofed_qos_files_alone_leave_pfc_unknown(dgx: Path) -> None:
+    """MLNX_OFED's qos/ files give trust and buffers but not whether PFC is on: what they hold
+    is reported, and the check is still unknown."""
+    for device in ("mlx5_8", "mlx5_9"):
+        st.make_ofed_qos(dgx, device)
+    s, page = scrape_and_page(make_collector(PfcCollector, dgx, _cfg(sources=["sysfs"])))
+    for ifname in (ROCE, ROCE2):
+        assert value(s, "gpunet_pfc_config_info", interface=ifname, source="sysfs",
+                     dcbx_mode="", trust="dscp") == 1
+        assert value(s, "gpunet_pfc_priority_buffer", interface=ifname, priority="3") == 1
+    assert not series(s, "gpunet_pfc_enabled")
+    assert series(s, "gpunet_check_unknown") == PFC_UNKNOWN
+    assert "UNKNOWN: pfc_config not checked" in page
+
+
+@pytest.mark.parametrize("case", ["switched off", "no RoCE port"])
+def test_pfc_config_not_asked_for(tmp_path: Path, case: str) -> None:
+    """``sources: []`` (PFC checked another way), or a node with InfiniBand ports only: nothing
+    unknown, though no source is installed."""
+    if case == "switched off":
+        tree, cfg = st.build_dgx_h100(tmp_path / "t"), _cfg(sources=[])
+    else:
+        tree, cfg = st.build_scaled(tmp_path / "t", 2), _cfg()
+    s, page = scrape_and_page(make_collector(PfcCollector, tree, cfg))
+    assert not series(s, "gpunet_check_unknown")
+    assert not series(s, "gpunet_pfc_config_info")
+    assert "UNKNOWN" not in page and "<td>pfc</td><td>ok</td>" in page
 
 
 DCB_SCRIPT = """\

@@ -67,7 +67,7 @@ def read(path: Path) -> str:
 
 
 @pytest.mark.parametrize("example, build, command", [
-    (EXAMPLE, st.build_dgx_h100, "python tests/support/sysfs_tree.py examples/dgx-h100"),
+    (EXAMPLE, st.build_dgx_h100_example, "python tests/support/sysfs_tree.py examples/dgx-h100"),
     (EXAMPLE_FAULTY, st.build_dgx_h100_faulty,
      "python tests/support/sysfs_tree.py --faulty examples/dgx-h100-faulty"),
 ], ids=["healthy", "faulty"])

@@ -5,6 +5,7 @@ drivers/infiniband/hw/mlx5/counters.c) and net/core/net-sysfs.c. Everything is d
 values are derived from the device index, never random.
 
     build_dgx_h100(root) -> root/sys   a DGX H100-class node (8 IB NDR + 2 RoCE 400G ports)
+    build_dgx_h100_example(root)       it with root/mlnx_qos/, its RoCE netdevs' QoS (the example)
     build_dgx_h100_faulty(root)        the same node with one fault of each kind (FAULTY_EXAMPLE)
     build_scaled(root, ports)          `ports` IB NDR devices, for scrape-time scaling tests
     make_*(sys, ...), add_dangling_device(sys, ...)   fault variants applied to a built tree
@@ -622,12 +623,28 @@ def build_dgx_h100_faulty(root: Path) -> Path:
     # The node's other RoCE netdev answers mlnx_qos too, configured as it should be: a node
     # whose QoS configuration cannot be read at all is another fault (GpunetPfcConfigUnreadable).
     other = _netdev(sys, FAULTY_EXAMPLE["mtu_1500"]).name
+    _mlnx_qos_replay(root, {netdev: mlnx_qos_report(pfc_priority=5, trust="pcp"),
+                            other: mlnx_qos_report()})
+    return sys
+
+
+def build_dgx_h100_example(root: Path) -> Path:
+    """build_dgx_h100 with root/mlnx_qos/: what `mlnx_qos -i` prints for each RoCE netdev,
+    configured as it should be (PFC on priority 3, trust dscp), and its replay script. The
+    healthy example tree (examples/dgx-h100): without a QoS source its PFC would go unchecked
+    (gpunet_check_unknown{check="pfc_config"})."""
+    sys = build_dgx_h100(root)
+    _mlnx_qos_replay(root, {_netdev(sys, nic.ibdev).name: mlnx_qos_report()
+                            for nic in DGX_NICS if nic.roce})
+    return sys
+
+
+def _mlnx_qos_replay(root: Path, reports: dict[str, str]) -> None:
+    """root/mlnx_qos/: each netdev's report and MLNX_QOS_REPLAY, executable."""
     tools = root / "mlnx_qos"
-    _write(tools, {f"{netdev}.txt": mlnx_qos_report(pfc_priority=5, trust="pcp"),
-                   f"{other}.txt": mlnx_qos_report(),
+    _write(tools, {**{f"{netdev}.txt": text for netdev, text in reports.items()},
                    "mlnx_qos": MLNX_QOS_REPLAY})
     (tools / "mlnx_qos").chmod(0o755)
-    return sys
 
 
 def add_dangling_device(sys: Path, name: str = "mlx5_10") -> None:
@@ -1006,7 +1023,7 @@ def main() -> None:
         if (dest / EXAMPLE_CONFIG).is_file():
             config = (dest / EXAMPLE_CONFIG).read_bytes()
         shutil.rmtree(dest)
-    print((build_dgx_h100_faulty if args.faulty else build_dgx_h100)(dest))
+    print((build_dgx_h100_faulty if args.faulty else build_dgx_h100_example)(dest))
     if config is not None:
         (dest / EXAMPLE_CONFIG).write_bytes(config)
 

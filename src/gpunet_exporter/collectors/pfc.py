@@ -226,7 +226,8 @@ class QosConfigSettings(Settings):
 
     sources: tuple[str, ...] = setting(
         "where the QoS configuration comes from, in order: the first one present on the machine "
-        "is used", default=SOURCES, choices=SOURCES)
+        "is used; `[]` reads none (the configuration is checked another way, and is not reported "
+        "as unknown)", default=SOURCES, choices=SOURCES)
     interval_seconds: float = setting("how often the configuration is read in the background",
                                       default=60, minimum=1)
     timeout_seconds: float = setting("how long one tool may run", default=10, minimum=0.1)
@@ -278,6 +279,10 @@ class PfcCollector(Collector):
         "interface-include": ("interface_include", "regexp of interfaces to include"),
         "interface-exclude": ("interface_exclude", "regexp of interfaces to exclude"),
     }
+    unknown_checks: ClassVar[Mapping[str, str]] = {
+        "pfc_config": "whether PFC is enabled on each priority of RoCE interfaces, and their "
+                      "trust and buffers (`gpunet_pfc_enabled`, `gpunet_pfc_config_info`): "
+                      "mlnx_qos or dcb reports them (MLNX_OFED's qos/ files lack PFC)"}
 
     def __init__(self, ctx: CollectorContext, reader: StatsReader | None = None) -> None:
         super().__init__(ctx)
@@ -293,6 +298,7 @@ class PfcCollector(Collector):
         self._plans: dict[str, tuple[tuple[str, ...], list[tuple[int, MetricSpec,
                                                                   dict[str, str], int]]]] = {}
         self._states: dict[str, _State] = {}
+        self._unknown: Mapping[str, str] = {}
         # Started by the first scrape; rounds call self.refresh() (looked up each round). No
         # round timeout: every tool run is killed after config.timeout_seconds (run_command).
         self._refresher: Refresher[None] = Refresher(
@@ -397,16 +403,29 @@ class PfcCollector(Collector):
         # A round that failed as a whole (an exception, not one interface's tool) fails every
         # interface's configuration.
         round_failed = self._refresher.wait_first(scrape.deadline).ok is False
+        unread = False
         for ifname in names:
             state = self._states.get(ifname)
             if state is not None:
                 self._config(fams, ifname, state, round_failed)
+                # No source installed, or one (the OFED files) that cannot say whether PFC is on.
+                unread |= state.qos.ok is None or (state.qos.value is not None
+                                                   and not state.qos.value.pfc)
+        self._unknown = {"pfc_config": "tool_missing"} if unread and self._cfg.sources else {}
         for gone in self._plans.keys() - set(names):
             del self._plans[gone]
         forget = getattr(self.reader, "forget", None)
         if forget is not None:
             forget(set(names))
         return iter(fams)
+
+    def unknown(self) -> Mapping[str, str]:
+        """``pfc_config`` (``tool_missing``) while an interface it reports has no configuration
+        source on the machine, or only one without PFC state (MLNX_OFED's qos/ files); nothing
+        while ``pfc.config.sources`` is empty. A source that is present but fails is not
+        unknown here: gpunet_pfc_config_refresh_success says so per interface
+        (GpunetPfcConfigUnreadable), with the last good values kept."""
+        return self._unknown
 
     def _counters(self, fams: Families, ifname: str) -> None:
         try:

@@ -197,10 +197,12 @@ def _wait_for_probe(probe: Collector, timeout: float, quiet: bool) -> None:
 
 def report(findings: list[Finding], checked: dict[str, bool], problems: list[str],
            runbook_url: str, notes: Sequence[Note] = (),
-           severity: Mapping[str, str] | None = None) -> str:
+           severity: Mapping[str, str] | None = None,
+           unknown: Mapping[str, Sequence[str]] | None = None) -> str:
     """The report for a person; ``severity`` (alert -> severity) replaces the alerts' own, as
-    a thresholds file's ``severity`` does."""
-    severity = severity or {}
+    a thresholds file's ``severity`` does; ``unknown`` (collector -> checks that could not run)
+    turns a collector's "ok" into "UNKNOWN", as on the landing page."""
+    severity, unknown = severity or {}, unknown or {}
     lines = []
     if findings:
         lines.append(f"{len(findings)} finding{'s' * (len(findings) != 1)} on this node:")
@@ -219,8 +221,13 @@ def report(findings: list[Finding], checked: dict[str, bool], problems: list[str
         lines += ["", "Notes (no finding, no effect on the exit code):"]
         lines += [f"  {n.where}: {n.message}" for n in notes]
     lines.append("")
+    def state(name: str, ok: bool) -> str:
+        if not ok:
+            return "FAILED"
+        return f"UNKNOWN: {', '.join(unknown[name])} not checked" if unknown.get(name) else "ok"
+
     lines.append("Checked: " + ", ".join(
-        f"{name} ({'ok' if ok else 'FAILED'})" for name, ok in checked.items()))
+        f"{name} ({state(name, ok)})" for name, ok in checked.items()))
     lines += [f"Could not check: {p}" for p in problems]
     return "\n".join(lines) + "\n"
 
@@ -333,6 +340,11 @@ def main(argv: Sequence[str]) -> int:
             "checked": checked, "problems": problems, "notes": [asdict(n) for n in notes]},
             indent=1))
     else:
-        sys.stdout.write(report(findings, checked, problems, t.runbook_url, notes, severity))
+        unknown: dict[str, list[str]] = {}
+        for lbl, v in b.all("gpunet_check_unknown"):
+            if v == 1:
+                unknown.setdefault(lbl["collector"], []).append(lbl["check"])
+        sys.stdout.write(report(findings, checked, problems, t.runbook_url, notes, severity,
+                                unknown))
     return code
 

@@ -10,7 +10,8 @@ from gpunet_exporter.mixin.check import Check, DoctorCheck, checks
 CONFIRM = {"nvml": "nvidia-smi  # fails as NVML does when its library or driver is missing",
            "ib_mtu": "ibv_devinfo | grep -E 'hca_id|active_mtu'",
            "allreduce": "python3 -c 'import torch'  # with the Python that runs gpunet-probe",
-           "sweep": "command -v ibnetdiscover iblinkinfo ibqueryerrors dump_fts"}
+           "sweep": "command -v ibnetdiscover iblinkinfo ibqueryerrors dump_fts",
+           "pfc_config": "command -v mlnx_qos dcb  # then: mlnx_qos -i IF, or dcb pfc show dev IF"}
 
 
 @checks("GpunetCheckUnknown")
