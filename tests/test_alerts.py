@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpunet_exporter.mixin import rules, thresholds
+from gpunet_exporter.mixin import promql, rules, thresholds
 from gpunet_exporter.mixin.alerts import MODULES
 
 from support.paths import REPO
@@ -345,6 +345,10 @@ def test_configured_expected_bandwidth_fires_below_80_percent(tmp_path: Path) ->
     ("severity: [GpunetPortDown]\n", "key 'severity': expected a mapping"),
     ("cluster: ''\n", "key 'cluster': expected a label value, got ''"),
     ("cluster: {name: a}\n", "key 'cluster': expected a string"),
+    ("selector: env=prod\n", "key 'selector': expected label matchers such as env=\"prod\", "
+     "cluster=~\"a|b\", got 'env=prod'"),
+    ("selector: 'env=\"a\"} or vector(1) # '\n", "key 'selector': expected label matchers"),
+    ("multi_cluster: maybe\n", "key 'multi_cluster': expected true or false"),
 ])
 def test_bad_thresholds_file_one_line_exit_2(tmp_path: Path, content: str, message: str) -> None:
     f = tmp_path / "t.yml"
@@ -358,15 +362,19 @@ def test_bad_thresholds_file_one_line_exit_2(tmp_path: Path, content: str, messa
     assert message in lines[0]
 
 
-# -- per-alert overrides: job, enabled, severity, cluster ------------------------------------
+# -- per-alert overrides: job, enabled, severity, cluster, selector ---------------------------
 
+# The selector lets through the shipped cases' series, which have no env label.
+SELECTOR = 'env!="staging"'
 OVERRIDES = ("job: gpu-nodes\ncluster: prod-a\nenabled: {GpunetPortDown: false}\n"
-             "severity: {GpunetPortSymbolErrors: critical, GpunetGpuLost: warning}\n")
+             "severity: {GpunetPortSymbolErrors: critical, GpunetGpuLost: warning}\n"
+             f"selector: '{SELECTOR}'\n")
 
 
 def test_overrides_shape_the_rules(tmp_path: Path) -> None:
-    """A disabled alert is left out, a severity replaced, the job in every `up{}` and the
-    cluster label on every rule; everything else as the defaults have it."""
+    """A disabled alert is left out, a severity replaced, the job in every `up{}`, the
+    selector on every selector of the exporters' series and the cluster label on every rule;
+    everything else as the defaults have it."""
     (tmp_path / "t.yml").write_text(OVERRIDES)
     t = thresholds.load(str(tmp_path / "t.yml"), rules.ALERT_NAMES)
     assert not t.enabled("GpunetPortDown") and t.enabled("GpunetPortFlapping")
@@ -379,8 +387,14 @@ def test_overrides_shape_the_rules(tmp_path: Path) -> None:
     assert alerts["GpunetGpuLost"]["labels"]["severity"] == "warning"
     assert alerts["GpunetPortFlapping"]["labels"]["severity"] == "warning"
     assert all(r["labels"]["cluster"] == "prod-a" for r in every)
-    assert 'job="gpunet"' not in text and text.count('up{job="gpu-nodes"}') == 1 + len(
-        rules.CLASSES)
+    assert 'job="gpunet"' not in text and text.count(f'up{{job="gpu-nodes", {SELECTOR}}}') == (
+        1 + len(rules.CLASSES))
+    read = [sel for r in every for sel in promql.selectors(r["expr"])]
+    own = [sel for sel in read if promql.exporter_series(sel)]
+    assert len(own) > len(rules.ALERT_NAMES)
+    assert all(sel.matchers.endswith(SELECTOR) for sel in own), [
+        sel for sel in own if not sel.matchers.endswith(SELECTOR)]
+    assert not any(SELECTOR in sel.matchers for sel in read if sel not in own)
     # The defaults: no cluster label, every alert, the built-in severities.
     default = rules.rule_groups(thresholds.defaults(rules.ALERT_NAMES))
     assert not any("cluster" in r.get("labels", {})
@@ -500,6 +514,20 @@ def test_overridden_rules_pass_promtool(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120)
     assert test.returncode != 0
     assert text.count("cluster: prod-a") == len(rule_list()) - 1
+    # The selector bites: the symbol-error cases' series on a staging node alert no more.
+    staged = [c for c in cases if any(a["alertname"] == "GpunetPortSymbolErrors"
+                                      and a["exp_alerts"] for a in c["alert_rule_test"])]
+    assert staged
+    for case in staged:
+        for series in case.get("input_series", []):
+            name, brace, rest = series["series"].partition("{")
+            series["series"] = (f'{name}{{env="staging", {rest}' if brace
+                                else f'{name}{{env="staging"}}')
+    (tmp_path / "t.yml").write_text(yaml.safe_dump(
+        {"rule_files": ["r.yml"], "evaluation_interval": "1m", "tests": staged}))
+    test = subprocess.run([tool("promtool"), "test", "rules", "t.yml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert test.returncode != 0 and "GpunetPortSymbolErrors" in test.stdout + test.stderr
 
 
 def test_values_at_the_bounds_are_accepted(tmp_path: Path) -> None:
@@ -530,7 +558,7 @@ def test_every_threshold_is_documented_in_the_runbooks() -> None:
             for k, v in value.items():
                 walk(f"{prefix}.{k}" if prefix else k, v)
             return
-        if prefix in ("for", "runbook_url", "job", "cluster"):
+        if prefix in ("for", "runbook_url", "job", "cluster", "selector", "multi_cluster"):
             return
         assert f"`{prefix}`" in text, f"threshold {prefix} is not in docs/runbooks.md"
 

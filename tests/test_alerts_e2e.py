@@ -37,7 +37,7 @@ import requests
 import yaml
 
 from gpunet_exporter.mixin import dashboards as gen
-from gpunet_exporter.mixin import rules
+from gpunet_exporter.mixin import rules, thresholds
 
 from support import sysfs_tree as st
 from support.bundle_node import (
@@ -412,16 +412,24 @@ def test_fleet_causes_inhibit_their_pair_alerts(bundle: Bundle) -> None:
     assert delivered() == set(alerts) - inhibited
 
 
-def test_every_dashboard_query_returns_data(bundle: Bundle) -> None:
+@pytest.mark.parametrize("scoped", [False, True], ids=["shipped", "scoped"])
+def test_every_dashboard_query_returns_data(bundle: Bundle, tmp_path: Path,
+                                            scoped: bool) -> None:
     """Every panel query of the dashboards but the pair plan's (tests/test_grafana_pairs.py) and
     the fabric's (tests/test_grafana_fabric.py), variables substituted as Grafana would for the
     faulty node (or all nodes where the variable is multi-valued), runs in Prometheus and
-    returns at least one series."""
+    returns at least one series. Scoped: the dashboards a thresholds file with
+    ``multi_cluster`` and a ``selector`` builds, with the cluster variable's All (these
+    series have no cluster label) and a selector these series pass."""
     test_health_matrix_records_every_node_and_class(bundle)  # recorded series exist
     variables = {"instance": FAULTY, "job": "gpunet", "__rate_interval": "30s",
                  "__interval": "1s", "__range": "5m", "datasource": "prometheus"}
+    t = None
+    if scoped:
+        (tmp_path / "t.yml").write_text("multi_cluster: true\nselector: 'env!=\"staging\"'\n")
+        t = thresholds.load(str(tmp_path / "t.yml"), rules.ALERT_NAMES)
     queries: list[tuple[str, str]] = []
-    for filename, dashboard in gen.dashboards().items():
+    for filename, dashboard in gen.dashboards(t).items():
         if filename in ("gpunet-pairs.json", "gpunet-fabric.json"):
             continue  # need fleet pair results and a fabric sweep: test_grafana_pairs.py and
             # test_grafana_fabric.py run their queries

@@ -20,7 +20,9 @@ import pytest
 import yaml
 
 from gpunet_exporter.mixin import dashboards as gen
+from gpunet_exporter.mixin import promql, thresholds
 from gpunet_exporter.mixin.alerts.common import CLASSES as RULE_CLASSES
+from gpunet_exporter.mixin.rules import ALERT_NAMES
 from gpunet_exporter.registry import discover
 
 from support.paths import REPO
@@ -70,94 +72,13 @@ def all_queries(dash: Json) -> list[tuple[str, str]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# PromQL tokenizer: which names in an expression are metric names
-
-
-TOKEN = re.compile(r"""
-    (?P<ws>\s+)
-  | (?P<string>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|`[^`]*`)
-  | (?P<var>\$\{[^}]*\}|\$\w+|\[\[\w+(?::\w+)?\]\])
-  | (?P<number>(?:0[xX][0-9a-fA-F]+|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)[a-zA-Z0-9_]*)
-  | (?P<ident>[a-zA-Z_:][a-zA-Z0-9_:]*)
-  | (?P<op>=~|!~|!=|==|<=|>=|[-+*/%^<>=,(){}\[\]@:])
-""", re.X)
-AGGREGATIONS = {"sum", "min", "max", "avg", "group", "stddev", "stdvar", "count",
-                "count_values", "bottomk", "topk", "quantile", "limitk", "limit_ratio"}
-LABEL_LIST_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right"}
-KEYWORDS = LABEL_LIST_KEYWORDS | {"bool", "offset", "and", "or", "unless", "atan2"}
-NUMBER_WORDS = {"inf", "nan"}
-CLOSING = {"(": ")", "{": "}", "[": "]"}
-
-
-def tokens(expr: str) -> list[tuple[str, str, int, int]]:
-    """(kind, text, start, end) of each token, whitespace left out."""
-    out = []
-    pos = 0
-    while pos < len(expr):
-        m = TOKEN.match(expr, pos)
-        if not m:
-            raise ValueError(f"cannot tokenize {expr[pos:pos + 20]!r} in {expr!r}")
-        kind = m.lastgroup or ""
-        if kind != "ws":
-            out.append((kind, m.group(), m.start(), m.end()))
-        pos = m.end()
-    return out
-
-
-def _matching(toks: list[tuple[str, str, int, int]], i: int) -> int:
-    """Index of the bracket closing the one at toks[i]."""
-    opening, depth = toks[i][1], 0
-    for j in range(i, len(toks)):
-        if toks[j][0] != "op":
-            continue
-        if toks[j][1] == opening:
-            depth += 1
-        elif toks[j][1] == CLOSING[opening]:
-            depth -= 1
-            if depth == 0:
-                return j
-    raise ValueError(f"unbalanced {opening!r}")
+# Which names in an expression are metric names (gpunet_exporter.mixin.promql's tokenizer)
 
 
 def selectors(expr: str) -> list[tuple[str, str]]:
-    """(metric name, matchers between braces or '') of every vector selector in expr. Function
-    and aggregation names, keywords, label names in {} and in by/without/on/ignoring/group_x
-    lists, strings, numbers, durations and ranges are skipped; a selector without a metric name
-    ({__name__=...}) comes back with name ''."""
-    toks = tokens(expr)
-    out: list[tuple[str, str]] = []
-    i = 0
-    while i < len(toks):
-        kind, text, _, _ = toks[i]
-        following = toks[i + 1][1] if i + 1 < len(toks) else ""
-        if kind == "op" and text == "[":
-            i = _matching(toks, i) + 1  # range or subquery: durations and variables only
-            continue
-        if kind == "op" and text == "{":  # a selector without a metric name
-            close = _matching(toks, i)
-            out.append(("", expr[toks[i][3]:toks[close][2]]))
-            i = close + 1
-            continue
-        if kind != "ident":
-            i += 1
-            continue
-        if text in LABEL_LIST_KEYWORDS and following == "(":
-            i = _matching(toks, i + 1) + 1
-            continue
-        if text in KEYWORDS or text in AGGREGATIONS or text.lower() in NUMBER_WORDS:
-            i += 1
-            continue
-        if following == "(":  # a function call
-            i += 1
-            continue
-        if following == "{":
-            close = _matching(toks, i + 1)
-            out.append((text, expr[toks[i + 1][3]:toks[close][2]]))
-            i = close + 1
-            continue
-        out.append((text, ""))
-        i += 1
-    return out
+    """(metric name, matchers between braces or '') of every vector selector in expr; a
+    selector without a metric name ({__name__=...}) comes back with name ''."""
+    return [(sel.name, sel.matchers) for sel in promql.selectors(expr)]
 
 
 def metric_names(expr: str) -> set[str]:
@@ -668,9 +589,54 @@ def _promtool_check(exprs: list[str], tmp_path: Path) -> subprocess.CompletedPro
                           text=True)
 
 
-def test_queries_are_valid_promql(tmp_path: Path) -> None:
+# A thresholds file's narrowing: a cluster variable, and label matchers on the exporters' series.
+SCOPE_SELECTOR = 'env!="staging"'
+SCOPED_THRESHOLDS = f"multi_cluster: true\nselector: '{SCOPE_SELECTOR}'\n"
+
+
+def scoped_dashboards(tmp_path: Path) -> dict[str, Json]:
+    (tmp_path / "scoped.yml").write_text(SCOPED_THRESHOLDS)
+    return gen.dashboards(thresholds.load(str(tmp_path / "scoped.yml"), ALERT_NAMES))
+
+
+def test_multi_cluster_and_selector_reach_every_query(tmp_path: Path) -> None:
+    """``multi_cluster``: a cluster variable after the data source, ``cluster=~"$cluster"`` on
+    every selector of every query, annotation and variable query (but the cluster variable's
+    own), the choice kept by the links to the node view. ``selector`` on every selector of the
+    exporters' series. Every other check of the shipped dashboards still holds."""
+    documented = documented_metrics()
+    for name, dash in scoped_dashboards(tmp_path).items():
+        variables = dash["templating"]["list"]
+        assert [v["name"] for v in variables[:2]] == ["datasource", "cluster"], name
+        assert variables[1]["allValue"] == ".*" and variables[1]["includeAll"]
+        exprs = [e for _, e in all_queries(dash)] + [
+            re.fullmatch(r"label_values\((.+), *\w+\)", q).group(1)  # type: ignore[union-attr]
+            for v, q in gen.variable_queries(dash) if v != "cluster"]
+        assert exprs, name
+        for expr in exprs:
+            for sel in promql.selectors(expr):
+                assert 'cluster=~"$cluster"' in sel.matchers, f"{name}: {expr}"
+                if promql.exporter_series(sel):
+                    assert SCOPE_SELECTOR in sel.matchers, f"{name}: {expr}"
+        (cluster_query,) = [q for v, q in gen.variable_queries(dash) if v == "cluster"]
+        assert cluster_query == (f"label_values(gpunet_exporter_build_info{{{SCOPE_SELECTOR}}}, "
+                                 "cluster)")
+        text = json.dumps(dash)
+        links = re.findall(r'"url": "(/d/[^"]*)"', text)
+        assert all("${cluster:queryparam}" in u for u in links), (name, links)
+        assert (structure_problems(dash), panel_problems(dash), variable_problems(dash),
+                query_problems(dash, documented)) == ([], [], [], []), name
+    links = [u for d in scoped_dashboards(tmp_path).values()
+             for u in re.findall(r'"url": "(/d/[^"]*)"', json.dumps(d))]
+    assert links, "no link to the node view was checked"
+    assert not any(v["name"] == "cluster" for d in DASHBOARDS.values()
+                   for v in d["templating"]["list"])  # the defaults: none
+
+
+@pytest.mark.parametrize("scoped", [False, True], ids=["shipped", "scoped"])
+def test_queries_are_valid_promql(tmp_path: Path, scoped: bool) -> None:
     exprs = []
-    for dash in DASHBOARDS.values():
+    for dash in (scoped_dashboards(tmp_path) if scoped else DASHBOARDS).values():
         exprs += [gen.substitute(e, {}) for _, e in all_queries(dash)]
         exprs += [gen.substitute(re.fullmatch(r"label_values\((.+), *\w+\)", q).group(1), {})
                   for _, q in gen.variable_queries(dash)]

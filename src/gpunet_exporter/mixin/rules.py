@@ -25,6 +25,7 @@ from gpunet_exporter.files import read_regular
 from gpunet_exporter.flags import Parser
 from gpunet_exporter.mixin.alerts import ALERT_NAMES, ALERTS, recording
 from gpunet_exporter.mixin.alerts.common import ALERTS_FIRING, CLASSES
+from gpunet_exporter.mixin.promql import add_matchers, exporter_series
 from gpunet_exporter.mixin.thresholds import Thresholds, load
 
 __all__ = ["ALERTS", "ALERTS_FIRING", "ALERT_NAMES", "CLASSES", "HEADER", "dump_yaml", "entry",
@@ -37,7 +38,8 @@ def _anchor(name: str) -> str:
 
 def rule_groups(t: Thresholds) -> dict[str, Any]:
     """The rule file's content for thresholds ``t``: the alerts it leaves on, with its
-    severities, and its ``cluster`` label on every rule."""
+    severities, its ``selector`` on every selector of the exporters' series and its
+    ``cluster`` label on every rule."""
     extra = {} if t.cluster is None else {"cluster": t.cluster}
     alerts = []
     for a in ALERTS:
@@ -45,7 +47,7 @@ def rule_groups(t: Thresholds) -> dict[str, Any]:
             continue
         alerts.append({
             "alert": a.name,
-            "expr": a.expr(t),
+            "expr": _scoped(a.expr(t), t),
             "for": t.for_(a.name, a.for_),
             "labels": {"severity": t.severity(a.name, a.severity), "class": a.cls, **extra},
             "annotations": {
@@ -65,17 +67,22 @@ def rule_groups(t: Thresholds) -> dict[str, Any]:
         "labels": {"class": c},
     } for c in CLASSES]
     return {"groups": [
-        {"name": "gpunet-recording", "rules": _labelled(recording(t), extra)},
+        {"name": "gpunet-recording", "rules": _labelled(recording(t), extra, t)},
         {"name": "gpunet-alerts", "rules": alerts},
-        {"name": "gpunet-health", "rules": _labelled(health, extra)},
+        {"name": "gpunet-health", "rules": _labelled(health, extra, t)},
     ]}
 
 
-def _labelled(rules: list[dict[str, Any]], extra: dict[str, str]) -> list[dict[str, Any]]:
-    """Recording rules with the static labels ``extra`` added to their own."""
-    if not extra:
-        return rules
-    return [{**r, "labels": {**r.get("labels", {}), **extra}} for r in rules]
+def _scoped(expr: str, t: Thresholds) -> str:
+    """``expr`` with the thresholds' ``selector`` on the exporters' series."""
+    return expr if t.selector is None else add_matchers(expr, t.selector, exporter_series)
+
+
+def _labelled(rules: list[dict[str, Any]], extra: dict[str, str],
+              t: Thresholds) -> list[dict[str, Any]]:
+    """Recording rules with the static labels ``extra`` added to their own, scoped."""
+    return [{**r, "expr": _scoped(r["expr"], t),
+             **({"labels": {**r.get("labels", {}), **extra}} if extra else {})} for r in rules]
 
 
 class _Dumper(yaml.SafeDumper):

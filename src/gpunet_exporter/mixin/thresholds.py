@@ -10,6 +10,7 @@ operator changes thresholds in one YAML file that names only what differs, for e
     severity: {GpunetGpuXidErrors: critical}
     enabled: {GpunetGpusNetworkBoundBand: false}
     cluster: prod-a
+    selector: env="prod"
 
 and regenerates rules and dashboards with ``python -m gpunet_exporter.mixin --thresholds FILE``
 (or only the rules with ``gpunet-rules --thresholds FILE``). Unknown keys, wrong types and bad
@@ -18,7 +19,9 @@ durations are refused with one line naming the key.
 Besides the thresholds, the file tunes each alert the way a kube-prometheus mixin's ``_config``
 does, keyed by alert name as ``for`` is: ``enabled`` (false leaves the alert out of the rules
 and its findings out of the doctor's report), ``severity`` (the alert's ``severity`` label, and
-the doctor's); and ``cluster``, a static label every alert and recording rule carries.
+the doctor's); ``cluster``, a static label every alert and recording rule carries;
+``selector``, label matchers on every selector of the exporters' series in the rules and the
+dashboards; and ``multi_cluster``, a ``cluster`` variable in the dashboards.
 
 Each section is a frozen dataclass declared with :func:`gpunet_exporter.config.setting`, as a
 collector's settings are (the ``for`` map, whose keys are the alert names, through
@@ -43,6 +46,7 @@ from gpunet_exporter.collectors.fabric import FabricSettings
 from gpunet_exporter.config import Settings, make_settings, parse_settings, setting, settings_items
 from gpunet_exporter.errors import ConfigError, short
 from gpunet_exporter.files import read_yaml
+from gpunet_exporter.mixin.promql import MATCHERS
 
 # Prometheus duration syntax, as `for:` and range selectors take it (one or more unit groups).
 _DURATION = re.compile(r"^(?:\d+(?:ms|s|m|h|d|w|y))+$")
@@ -237,6 +241,13 @@ class Sections(Settings):
     runbook_url: str = setting(
         "base address of the runbooks; each alert links to its section",
         f"{HOME}/blob/main/docs/runbooks.md")
+    selector: str | None = setting(
+        "label matchers every selector of the exporter's series carries, in the rules and the "
+        "dashboards, e.g. `env=\"prod\"` (unset: none)", None)
+    multi_cluster: bool = setting(
+        "the dashboards get a `cluster` variable and every query filters by it, for a data "
+        "source that sees several Prometheus servers (Thanos, Mimir) whose series carry a "
+        "`cluster` label", False)
     infiniband: Infiniband = setting(_help(Infiniband), Infiniband())
     link: Link = setting(_help(Link), Link())
     pfc: Pfc = setting(_help(Pfc), Pfc())
@@ -323,6 +334,9 @@ def load(path: str | None, alert_names: tuple[str, ...] = ()) -> Thresholds:
         # An empty label value is no label to Prometheus: say so rather than drop it.
         raise ConfigError(f"{where}: key 'cluster': expected a label value, got "
                           f"{short(items['cluster'])}")
+    if items["selector"] is not None and not MATCHERS.fullmatch(items["selector"]):
+        raise ConfigError(f"{where}: key 'selector': expected label matchers such as "
+                          f'env="prod", cluster=~"a|b", got {short(items["selector"])}')
     durations = {k: v for k, v in settings_items(items.pop("for")).items() if v is not None}
     severities = {k: v for k, v in settings_items(items.pop("severity")).items()
                   if v is not None}

@@ -28,6 +28,7 @@ from gpunet_exporter.mixin.dashboards.common import (
     iter_panels,
     queries,
     render,
+    scoped,
     substitute,
     variable_queries,
 )
@@ -46,6 +47,7 @@ __all__ = ["DEFAULT_VALUES", "PROBE_STATES", "PROBE_STATE_MAP", "VARIABLE", "Jso
 def dashboards(t: Thresholds | None = None) -> dict[str, Json]:
     """File name (in grafana/) -> dashboard, for thresholds ``t`` (default: the built-in)."""
     t = defaults() if t is None else t
-    return {"gpunet-fleet.json": fleet(t), "gpunet-node.json": node(t),
-            "gpunet-collectives.json": collectives(t), "gpunet-pairs.json": pairs(t),
-            "gpunet-fabric.json": fabric(t)}
+    built = {"gpunet-fleet.json": fleet(t), "gpunet-node.json": node(t),
+             "gpunet-collectives.json": collectives(t), "gpunet-pairs.json": pairs(t),
+             "gpunet-fabric.json": fabric(t)}
+    return {name: scoped(dash, t.selector, t.multi_cluster) for name, dash in built.items()}

@@ -12,6 +12,7 @@ from typing import Any
 
 from gpunet_exporter.collectors.fabric import FabricSettings
 from gpunet_exporter.mixin.alerts import ALERTS
+from gpunet_exporter.mixin.promql import add_matchers, exporter_series
 from gpunet_exporter.mixin.thresholds import Thresholds
 from gpunet_exporter.probe import run_options
 from gpunet_exporter.probe.idle import STATES as PROBE_STATES
@@ -600,6 +601,7 @@ DEFAULT_VALUES = {
     "scope": ".+",
     "size": ".+",
     "leaf": ".+",
+    "cluster": ".*",
     "datasource": "prometheus",
 }
 
@@ -618,6 +620,55 @@ def substitute(expr: str, variables: dict[str, str]) -> str:
         return values[name]
 
     return VARIABLE.sub(one, expr)
+
+
+CLUSTER = 'cluster=~"$cluster"'
+
+
+def cluster_variable() -> Json:
+    """The ``cluster`` variable of ``multi_cluster`` dashboards: several or all (any, and
+    none: ``.*`` also matches a series without the label)."""
+    return query_variable("cluster", "Cluster", "label_values(gpunet_exporter_build_info, "
+                          "cluster)", multi=True, include_all=True, all_value=".*")
+
+
+def scoped(dash: Json, selector: str | None, multi_cluster: bool) -> Json:
+    """``dash`` narrowed as a thresholds file says: its ``selector`` on every selector of the
+    exporters' series (the recorded ones were narrowed by the rules), and with
+    ``multi_cluster`` a ``cluster`` variable after the data source, ``cluster=~"$cluster"`` on
+    every selector and the variable carried by the links to the node view."""
+    if selector is None and not multi_cluster:
+        return dash
+
+    def expr(text: str, cluster: bool = True) -> str:
+        if selector is not None:
+            text = add_matchers(text, selector, exporter_series)
+        return add_matchers(text, CLUSTER) if multi_cluster and cluster else text
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: walk(v) for k, v in node.items()}
+        if isinstance(out.get("expr"), str):
+            out["expr"] = expr(out["expr"])
+        if out.get("type") == "query" and isinstance(out.get("query"), str):
+            m = re.fullmatch(r"label_values\((.+), *(\w+)\)", out["query"])
+            if m:  # the cluster variable's own values are not narrowed by it
+                out["query"] = out["definition"] = (
+                    f"label_values({expr(m.group(1), m.group(2) != 'cluster')}, "
+                    f"{m.group(2)})")
+        url = out.get("url")
+        if multi_cluster and isinstance(url, str) and "${datasource:queryparam}" in url:
+            out["url"] = url.replace("${datasource:queryparam}",
+                                     "${datasource:queryparam}&${cluster:queryparam}")
+        return out
+
+    if multi_cluster:
+        dash = {**dash, "templating": {**dash["templating"], "list": [
+            dash["templating"]["list"][0], cluster_variable(), *dash["templating"]["list"][1:]]}}
+    return walk(dash)  # type: ignore[no-any-return]
 
 
 def render(dash: Json) -> str:
