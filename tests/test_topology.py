@@ -37,7 +37,16 @@ from gpunet_exporter.sources.proc import parse_kernel_release, parse_nvidia_vers
 from gpunet_exporter.sources.sysfs import Root
 
 from support import sysfs_tree as st
-from support.metrics import Samples, collect, make_collector, parse, samples_of, series, value
+from support.metrics import (
+    Samples,
+    collect,
+    make_collector,
+    parse,
+    samples_of,
+    scrape_and_page,
+    series,
+    value,
+)
 
 P = "gpunet_topology_"
 NIC_NUMA = {f"mlx5_{i}": 0 if i < 4 else 1 for i in range(8)} | {"mlx5_8": 0, "mlx5_9": 1}
@@ -395,8 +404,27 @@ def test_acs_unknown_without_root(dgx: Path, caplog: pytest.LogCaptureFixture) -
     assert not [k for k in got if k[0] == "0"]
     assert len(got) == 70 and got[("1", "mlx5_0")] == 0
     assert len(paths(s)) == 80  # the distances do not need config space
-    messages = [r.getMessage() for r in caplog.records if "root only" in r.getMessage()]
+    messages = [r.getMessage() for r in caplog.records
+                if "with CAP_SYS_ADMIN only" in r.getMessage()]
     assert len(messages) == 1 and bridge.name in messages[0]
+    # Not checked, and said: gpunet_check_unknown and the landing page, through the registry.
+    got_s, page = scrape_and_page(topology(dgx))
+    assert series(got_s, "gpunet_check_unknown") == {frozenset(
+        {("collector", "topology"), ("check", "acs"), ("reason", "privilege_missing")}): 1}
+    assert ("UNKNOWN: acs not checked (it needs a capability the exporter was not given)"
+            in page)
+
+
+def test_acs_audit_switched_off(dgx: Path) -> None:
+    """``acs_audit: false`` (ACS checked another way): no config space read, no ACS series and
+    nothing unknown, though the bridges would refuse it; the distances stay."""
+    st.make_acs_unreadable(dgx, gpu_bus=0x1B)
+    root = BytesErrnoRoot(str(dgx), "/never", errno.EIO)
+    c = topology(dgx, config={"acs_audit": False}, root=root)
+    s, page = scrape_and_page(c)
+    assert not acs(s) and not [r for r in root.reads if r.endswith("/config")]
+    assert len(paths(s)) == 80
+    assert not series(s, "gpunet_check_unknown") and "UNKNOWN" not in page
 
 
 class BytesErrnoRoot(Root):
@@ -841,12 +869,13 @@ def test_nccl_audit_eacces_for_real_as_unprivileged_user() -> None:
             "      value(s, p + 'nccl_env_processes', result='inspected'),\n"
             "      value(s, p + 'nccl_env_findings', variable='NCCL_NET', issue='socket_forced'),\n"
             "      value(s, p + 'nccl_env_findings', variable='NCCL_IB_DISABLE',\n"
-            "            issue='ib_disabled'))\n")
+            "            issue='ib_disabled'), int(c.unknown() == {'nccl_env': "
+            "'privilege_missing'}))\n")
         res = subprocess.run([sys.executable, "-c", code, str(sysfs), str(proc),
                               str(Path(__file__).parent)],
                              capture_output=True, text=True, timeout=60)
         assert res.returncode == 0, res.stderr
-        assert [float(v) for v in res.stdout.split()] == [0, 1, 1, 1, 0]
+        assert [float(v) for v in res.stdout.split()] == [0, 1, 1, 1, 0, 1]
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -219,6 +219,7 @@ UNKNOWN_REASONS: Mapping[str, str] = {
     "init_failed": "it fails to initialise",
     "tool_missing": "its command-line tool is not installed",
     "tool_failing": "its command-line tool has not succeeded once",
+    "privilege_missing": "it needs a capability the exporter was not given",
 }
 
 

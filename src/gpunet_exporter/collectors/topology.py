@@ -161,7 +161,12 @@ class TopologySettings(Settings):
                                                      "covered by the GPU-NIC series")
     nccl_env_audit: bool = setting(
         "read the environment of GPU compute processes for NCCL settings, and those that turn "
-        "off InfiniBand, GPUDirect RDMA or P2P", default=True)
+        "off InfiniBand, GPUDirect RDMA or P2P (other users' processes need CAP_SYS_PTRACE and "
+        "CAP_DAC_READ_SEARCH; without them the check is unknown while they run)", default=True)
+    acs_audit: bool = setting(
+        "read the ACS Control register of the PCIe bridges between GPUs and RDMA devices "
+        "(needs CAP_SYS_ADMIN; without it the check is unknown); false where ACS is checked "
+        "another way", default=True)
     rail_devices: re.Pattern[str] | None = setting(
         "RDMA devices that are compute rails, the NICs NCCL uses for GPU traffic (unset: every "
         "device the collector covers); the NUMA mismatch is judged against each GPU's nearest "
@@ -190,14 +195,24 @@ class TopologyCollector(Collector):
     # (drivers/pci/pci-sysfs.c, pci_read_config); /proc/PID/environ of another user's process is
     # mode 0400 (CAP_DAC_READ_SEARCH) and opening it needs ptrace read access (CAP_SYS_PTRACE).
     privileges = (
-        Privilege("ACS redirect of PCIe bridges", ("CAP_SYS_ADMIN",)),
+        Privilege("ACS redirect of PCIe bridges", ("CAP_SYS_ADMIN",), option="acs_audit"),
         Privilege("NCCL environment audit of other users' GPU processes",
                   ("CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH"), option="nccl_env_audit"),
     )
 
+    unknown_checks: ClassVar[Mapping[str, str]] = {
+        "acs": "whether ACS on the PCIe bridges between GPUs and RDMA devices redirects their "
+               "peer-to-peer traffic (`gpunet_topology_gpu_nic_acs_redirect_bridges`): reading "
+               "the ACS Control register needs CAP_SYS_ADMIN",
+        "nccl_env": "the NCCL settings of other users' GPU processes "
+                    "(`gpunet_topology_nccl_env_findings`): reading their /proc/PID/environ "
+                    "needs CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH"}
+
     def __init__(self, ctx: CollectorContext) -> None:
         super().__init__(ctx)
         self.nvml = nvml.session(ctx.nvml_module)
+        self._unknown: dict[str, str] = {}
+        self._denied = 0  # processes whose environment this scrape was refused
         # pid -> (starttime, the process's NCCL variables); only processes NVML still lists.
         self._env_cache: dict[int, tuple[int, dict[str, str]]] = {}
         # Endpoints of the last scrape by (label, path, symlink targets): resolving a path
@@ -215,11 +230,23 @@ class TopologyCollector(Collector):
         self._gdr(fams, bool(gpus))
         nics = self._nics(scrape)
         self._endpoints = self._endpoints_now  # only what this scrape saw stays cached
+        self._unknown = {}
         self._pairs(fams, gpus, nics)
         self._nic_links(fams, nics)
         if self.settings.nccl_env_audit:
+            self._denied = 0
             self._nccl_audit(fams, scrape)
+            if self._denied:
+                self._unknown["nccl_env"] = "privilege_missing"
         return iter(fams)
+
+    def unknown(self) -> Mapping[str, str]:
+        """``acs`` (``privilege_missing``) while a bridge between a GPU and an RDMA device shows
+        only the first 64 bytes of its config space, as the kernel does without CAP_SYS_ADMIN;
+        ``nccl_env`` while a GPU process's environment is refused (another user's, without
+        CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH). Neither while its audit is switched off
+        (``acs_audit``, ``nccl_env_audit``), nor on a node without such a bridge or process."""
+        return self._unknown
 
     # -- PCIe placement --------------------------------------------------------------------
 
@@ -312,6 +339,8 @@ class TopologyCollector(Collector):
                 if nic.name in rails and (best_rail is None or key < best_rail[0]):
                     best_rail = (key, nic)
                 redirects = 0
+                if not self.settings.acs_audit:
+                    continue
                 for bridge in rel.bridges:
                     if bridge not in acs:
                         acs[bridge] = self._acs_redirect(bridge)
@@ -395,7 +424,9 @@ class TopologyCollector(Collector):
             control = acs_control(lambda offset, size: self.ctx.sysfs.read_bytes(rel, offset, size))
         except EOFError:
             self.ctx.log_once(logging.DEBUG, "ACS of %s unknown: config space beyond 64 bytes is "
-                              "readable by root only; no ACS series for its GPU-NIC pairs", bridge)
+                              "readable with CAP_SYS_ADMIN only; no ACS series for its GPU-NIC "
+                              "pairs", bridge)
+            self._unknown["acs"] = "privilege_missing"
             return None
         except OSError as exc:
             self.ctx.log_once(logging.DEBUG, "cannot read ACS of %s: %s; no ACS series for its "
@@ -513,6 +544,8 @@ class TopologyCollector(Collector):
         except OSError as exc:
             if exc.errno not in _PROC_EXPECTED:
                 self.ctx.skip(rel, exc.strerror or exc)
+            elif exc.errno in (errno.EACCES, errno.EPERM):
+                self._denied += 1
             return None
         if len(cache) < ENV_CACHE_MAX:
             cache[pid] = (start, env)

@@ -11,7 +11,9 @@ CONFIRM = {"nvml": "nvidia-smi  # fails as NVML does when its library or driver 
            "ib_mtu": "ibv_devinfo | grep -E 'hca_id|active_mtu'",
            "allreduce": "python3 -c 'import torch'  # with the Python that runs gpunet-probe",
            "sweep": "command -v ibnetdiscover iblinkinfo ibqueryerrors dump_fts",
-           "pfc_config": "command -v mlnx_qos dcb  # then: mlnx_qos -i IF, or dcb pfc show dev IF"}
+           "pfc_config": "command -v mlnx_qos dcb  # then: mlnx_qos -i IF, or dcb pfc show dev IF",
+           "acs": "sudo lspci -vvv | grep -E 'ACSCtl' | grep -cE 'ReqRedir\\+|CmpltRedir\\+'",
+           "nccl_env": "systemctl show gpunet-exporter -p AmbientCapabilities"}
 
 
 @checks("GpunetCheckUnknown")
