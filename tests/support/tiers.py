@@ -48,7 +48,7 @@ SYSTEM_MODULES: frozenset[str] = frozenset({
     "test_fleet_rules_netns", "test_fleet_slurm", "test_golden", "test_grafana_fabric",
     "test_grafana_pairs", "test_hostile_http", "test_image", "test_isolation",
     "test_kubernetes_exporter", "test_load", "test_parity", "test_prometheus",
-    "test_slurm_healthcheck", "test_slurm_script", "test_web_config",
+    "test_slurm_healthcheck", "test_slurm_script", "test_unknown", "test_web_config",
 })
 
 # Modules that mix both: the system tests of each, by function name (without parameters).
