@@ -32,7 +32,7 @@ from support import sysfs_tree as st
 from support.metrics import Samples, make_collector, samples_of
 
 DEVICES = [f"mlx5_{i}" for i in range(10)]
-SCRAPE_FAMILIES = ("gpunet_scrape_", "gpunet_exporter_build_info")
+SCRAPE_FAMILIES = ("gpunet_scrape_", "gpunet_exporter_build_info", "gpunet_check_unknown")
 
 
 def in_scrape() -> bool:
