@@ -7,6 +7,7 @@ and listeners sharing a port as NCCL's processes do."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -92,6 +93,26 @@ def test_broken_json_is_a_value_error(text: str) -> None:
         ras.parse_json(text)
 
 
+def test_text_ranks_of_dead_processes() -> None:
+    """A rank listed under a communicator's INCOMPLETE error is dead when the DEAD error lists
+    its process (host and pid), else unreachable; ranks beyond those RAS lists (more than 10)
+    are dead when no process is merely unresponsive. Synthetic, from the real dead.txt."""
+    real = fixture("dead.txt")
+    st = ras.parse_text(real)
+    assert (st.missing_ranks, st.dead_ranks, st.unresponsive_processes) == (1, 1, 0)
+    other = real.replace("Rank 1 -- GPU 0 managed by process 434",
+                         "Rank 1 -- GPU 0 managed by process 999")
+    st = ras.parse_text(other)
+    assert (st.missing_ranks, st.dead_ranks) == (1, 0)
+    many = re.sub(r"Missing communicator data from 1 rank\n  Rank 1 -- .*\n",
+                  "Missing communicator data from 12 ranks\n", real)
+    assert (ras.parse_text(many).missing_ranks, ras.parse_text(many).dead_ranks) == (12, 12)
+    both = many.replace("DEAD\n", "INCOMPLETE\n  Missing communicator data from 1 job process\n"
+                        "  Process 7 on node 192.0.2.3 managing GPU 1\n\nDEAD\n")
+    st = ras.parse_text(both)
+    assert (st.missing_ranks, st.dead_ranks, st.unresponsive_processes) == (12, 0, 1)
+
+
 def test_text_that_is_no_report() -> None:
     with pytest.raises(ValueError):
         ras.parse_text("ERROR: Unknown command STATUS\n")
@@ -158,8 +179,9 @@ def test_slow_report_within_the_timeout() -> None:
 
 def test_misbehaving_servers() -> None:
     report = fixture("healthy.json")
+    # A report too slow is not a silent peer: it answered the handshake.
     with serving(Behaviour(json=report, chunk=100, delay=0.5)) as srv, \
-            pytest.raises(ras.Unanswered):
+            pytest.raises(ras.RasError, match="no whole report within 1.0 s"):
         ras.query("127.0.0.1", srv.port, timeout=1)
     with serving(Behaviour(json=report, cut=len(report) // 2)) as srv, \
             pytest.raises(ValueError):
@@ -257,6 +279,16 @@ def test_stuck_rank_alive() -> None:
         assert two["answering"] == 2 and two["missing"] == 0
 
 
+# Synthetic, from the real dead.txt: rank 1's process stopped but not yet dead, as NCCL's text
+# report words it (client_support.cc: the job-wide INCOMPLETE error lists the process that did
+# not answer; no DEAD error). No real text report of that moment was captured.
+STOPPED_TEXT = fixture("dead.txt").replace(
+    "DEAD\n  1 job process is considered dead (unreachable via the RAS network)\n"
+    "  Process 434 on node 192.0.2.2 managing GPU 0\n",
+    "INCOMPLETE\n  Missing communicator data from 1 job process\n"
+    "  Process 434 on node 192.0.2.2 managing GPU 0\n")
+
+
 @pytest.mark.parametrize("name, want", [
     ("stopped.json", {"answering": 1, "unresponsive": 1, "dead": 0, "missing": 1,
                       "unreachable": 1, "dead_ranks": 0, "errored": 0}),
@@ -264,16 +296,20 @@ def test_stuck_rank_alive() -> None:
                    "unreachable": 0, "dead_ranks": 1, "errored": 0}),
     ("killed.json", {"answering": 1, "unresponsive": 0, "dead": 1, "missing": 1,
                      "unreachable": 0, "dead_ranks": 1, "errored": 1}),
-    ("dead.txt", {"answering": 1, "unresponsive": None, "dead": 1, "missing": 1,
-                  "unreachable": 1, "dead_ranks": None, "errored": 0}),
-    ("killed.txt", {"answering": 1, "unresponsive": None, "dead": 1, "missing": 1,
-                    "unreachable": 1, "dead_ranks": None, "errored": 1}),
-    ("healthy.txt", {"answering": 2, "unresponsive": None, "dead": 0, "missing": 0,
-                     "unreachable": 0, "dead_ranks": None, "errored": 0}),
+    # The text reports give the JSON's verdicts where they carry them: the DEAD error names
+    # the process whose rank the communicator's INCOMPLETE error lists.
+    ("dead.txt", {"answering": 1, "unresponsive": 0, "dead": 1, "missing": 1,
+                  "unreachable": 0, "dead_ranks": 1, "errored": 0}),
+    ("killed.txt", {"answering": 1, "unresponsive": 0, "dead": 1, "missing": 1,
+                    "unreachable": 0, "dead_ranks": 1, "errored": 1}),
+    ("healthy.txt", {"answering": 2, "unresponsive": 0, "dead": 0, "missing": 0,
+                     "unreachable": 0, "dead_ranks": 0, "errored": 0}),
+    ("stopped.txt", {"answering": 1, "unresponsive": 1, "dead": 0, "missing": 1,
+                     "unreachable": 1, "dead_ranks": 0, "errored": 0}),
 ])
 def test_faults(name: str, want: dict[str, float | None]) -> None:
-    b = Behaviour(json=fixture(name)) if name.endswith("json") else \
-        Behaviour(json=None, text=fixture(name))
+    text = STOPPED_TEXT if name == "stopped.txt" else fixture(name)
+    b = Behaviour(json=text) if name.endswith("json") else Behaviour(json=None, text=text)
     with serving(b) as srv, collector([srv.port]) as c:
         got = job(scrape(c), srv.port)
     assert got["success"] == 1 and got["running"] == 1
@@ -292,6 +328,20 @@ def test_a_stopped_process_shares_the_port() -> None:
         got = job(scrape(c), stopped.port)
     assert got["listeners"] == 2  # read from the real /proc/net/tcp
     assert got["success"] == 1 and got["unresponsive"] == 1
+
+
+def test_timeout_bounds_the_whole_query() -> None:
+    """Five connections taken by a stopped process, then one by a process whose report
+    trickles: the query ends at nccl.timeout_seconds, not a handshake wait per silent
+    connection plus a whole timeout for the last (3.5 s here before the fix)."""
+    trickle = Behaviour(json=fixture("healthy.json") * 40, chunk=256, delay=0.05,
+                        mute_first=5)
+    with serving(trickle) as srv, collector([srv.port], attempts=6, timeout_seconds=2) as c:
+        got = job(s := scrape(c), srv.port)
+        assert srv.connections == 6
+    took = value(s, "gpunet_nccl_ras_query_duration_seconds", port=str(srv.port))
+    assert (got["success"], got["unanswered"]) == (0, 5)
+    assert took is not None and 1.5 <= took <= 2.0 + 0.25, took
 
 
 def test_only_a_silent_listener() -> None:

@@ -26,6 +26,9 @@ class Behaviour:
     cut: int | None = None  # close after this many bytes of the report
     garbage: bytes | None = None  # send this instead of the handshake answer
     endless: bool = False  # the report never ends (bounded only by the client)
+    # The first this many connections are accepted and never answered (a stopped process of
+    # the job, sharing the port, took them), the later ones served as above.
+    mute_first: int = 0
     version: str = "2"
 
 
@@ -40,6 +43,7 @@ class Server:
     _sock: socket.socket | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
+    _muted: list[socket.socket] = field(default_factory=list)
 
     def start(self) -> Server:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -62,6 +66,8 @@ class Server:
             t.join(timeout=5)
         if self._sock is not None:
             self._sock.close()
+        for conn in self._muted:
+            conn.close()
 
     def _accept(self) -> None:
         assert self._sock is not None
@@ -77,6 +83,9 @@ class Server:
             except OSError:
                 return
             self.connections += 1
+            if self.connections <= self.behaviour.mute_first:
+                self._muted.append(conn)  # held open, never read
+                continue
             t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
             t.start()
             self._threads.append(t)

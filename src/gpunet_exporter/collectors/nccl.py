@@ -247,11 +247,15 @@ class NcclCollector(Collector):
         status: ras.Status | None = None
         listeners = -1
         error: Exception | None = None
+        deadline = start + float(cfg.timeout_seconds)  # for the whole query, every attempt
         for _ in range(cfg.attempts):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
             try:
                 status = ras.query(
-                    cfg.host, port, timeout=float(cfg.timeout_seconds),
-                    handshake_timeout=float(cfg.handshake_seconds),
+                    cfg.host, port, timeout=left,
+                    handshake_timeout=min(float(cfg.handshake_seconds), left),
                     max_bytes=int(cfg.max_reply_bytes), json_format=bool(cfg.json))
                 break
             except ras.Unanswered as exc:
@@ -263,8 +267,6 @@ class NcclCollector(Collector):
                 break
             except (OSError, ras.RasError, ValueError) as exc:
                 error = exc
-                break
-            if time.monotonic() - start >= cfg.timeout_seconds:
                 break
         if listeners < 0:
             listeners = self._listeners(port)
@@ -415,13 +417,19 @@ def _export(add: Callable[[MetricSpec, list[str], float], None], lbl: str, st: r
         for n, size, status, _errors in st.groups:
             by_status[status if status in by_status else "running"] += n
             expected += n * size
+        # The text report's verdicts, as the JSON's where the text carries them: a missing
+        # rank of a process the DEAD error names is dead, another unreachable (ras.parse_text).
         missing_total = st.missing_ranks or 0
         seen = expected - missing_total
-        add(MISSING, [lbl, "unreachable"], float(missing_total))
+        dead_ranks = st.dead_ranks or 0
+        add(MISSING, [lbl, "unreachable"], float(missing_total - dead_ranks))
+        add(MISSING, [lbl, "dead"], float(dead_ranks))
         add(ERRORED, [lbl], float(st.errored_ranks or 0))
         if st.processes is not None:
             dead = st.dead_processes or 0
-            add(PROCESSES, [lbl, "answering"], float(max(0, st.processes - dead)))
+            unresponsive = st.unresponsive_processes or 0
+            add(PROCESSES, [lbl, "answering"], float(max(0, st.processes - dead - unresponsive)))
+            add(PROCESSES, [lbl, "unresponsive"], float(unresponsive))
             add(PROCESSES, [lbl, "dead"], float(dead))
         if st.nodes is not None:
             add(NODES, [lbl], float(st.nodes))

@@ -103,7 +103,9 @@ class Status:
     nodes: int | None = None
     gpus: int | None = None
     dead_processes: int | None = None  # the text report's DEAD error
+    unresponsive_processes: int | None = None  # its job-wide INCOMPLETE error
     missing_ranks: int | None = None  # the text report's INCOMPLETE communicators, summed
+    dead_ranks: int | None = None  # of those, the ranks of the DEAD processes
     errored_ranks: int | None = None  # the text report's ERROR communicators, summed
 
 
@@ -179,8 +181,8 @@ def query(host: str, port: int, *, timeout: float, handshake_timeout: float = 2.
     2.28.7). ``ras_timeout``: the TIMEOUT command (how long RAS waits for each leg of its own
     collection). An answer longer than ``max_bytes`` is refused. Raises OSError when nothing
     listens, Unanswered when the server is silent (or its accept queue is full), RasError when
-    it says something else, and
-    ValueError when the report does not parse.
+    it says something else or its report does not end within ``timeout``, and ValueError
+    when the report does not parse.
     """
     record = record if record is not None else Exchange()
     start = time.monotonic()
@@ -198,24 +200,33 @@ def query(host: str, port: int, *, timeout: float, handshake_timeout: float = 2.
         answer = conn.line(shake)
         if not answer.upper().startswith("SERVER PROTOCOL "):
             raise RasError(f"unexpected handshake answer {answer[:80]!r}")
-        if ras_timeout is not None:
-            conn.send(f"TIMEOUT {ras_timeout}")
-            answer = conn.line(deadline)
-            if answer.upper() != "OK":
-                raise RasError(f"TIMEOUT refused: {answer[:80]!r}")
-        fmt = "text"
-        if json_format:
-            conn.send("SET FORMAT json")
-            answer = conn.line(deadline)
-            if answer.upper() == "OK":
-                fmt = "json"
-            elif not answer.upper().startswith("ERROR"):
-                raise RasError(f"unexpected answer to SET FORMAT: {answer[:80]!r}")
-        conn.send("STATUS")
-        body = conn.rest().decode("utf-8", "replace")
+        try:
+            fmt, body = _converse(conn, deadline, json_format, ras_timeout)
+        except Unanswered:  # it answered the handshake: a report too slow, not a silent peer
+            raise RasError(f"no whole report within {timeout:.1f} s") from None
     if not body.strip():
         raise RasError("the server closed the connection without a report")
     return parse_json(body) if fmt == "json" else parse_text(body)
+
+
+def _converse(conn: _Conn, deadline: float, json_format: bool,
+              ras_timeout: int | None) -> tuple[str, str]:
+    """After the handshake: the settings, STATUS, and the report (its format, its text)."""
+    if ras_timeout is not None:
+        conn.send(f"TIMEOUT {ras_timeout}")
+        answer = conn.line(deadline)
+        if answer.upper() != "OK":
+            raise RasError(f"TIMEOUT refused: {answer[:80]!r}")
+    fmt = "text"
+    if json_format:
+        conn.send("SET FORMAT json")
+        answer = conn.line(deadline)
+        if answer.upper() == "OK":
+            fmt = "json"
+        elif not answer.upper().startswith("ERROR"):
+            raise RasError(f"unexpected answer to SET FORMAT: {answer[:80]!r}")
+    conn.send("STATUS")
+    return fmt, conn.rest().decode("utf-8", "replace")
 
 
 # -- JSON (NCCL 2.28.7 and later) ----------------------------------------------------------------
@@ -311,8 +322,15 @@ _SUMMARY = re.compile(
 _GROUP = re.compile(
     r"^\s*\d+\s+(\d+)\s+\d+\s+[\d-]+\s+(\d+)\s+\d+\s+([A-Z]+)\s+([A-Z,]+)\s*$", re.M)
 _DEAD = re.compile(r"^DEAD\n\s+(\d+) job process(?:es)? (?:is |are )?considered dead", re.M)
+_UNRESPONSIVE = re.compile(r"^INCOMPLETE\n\s+Missing communicator data from (\d+) job process",
+                           re.M)
 _MISSING = re.compile(r"^#\d+-\d+ \(\w+\) INCOMPLETE\n\s+Missing communicator data from (\d+) "
                       r"rank", re.M)
+# A process named in the DEAD error, and a rank named under a communicator's INCOMPLETE one
+# (client_support.cc; up to RAS_CLIENT_DETAIL_THRESHOLD, 10, of each are listed).
+_PROCESS = re.compile(r"^\s+Process (\d+) on node (\S+) managing GPU", re.M)
+_RANK = re.compile(r"^\s+Rank \d+ -- (?:GPU .* managed by process (\d+) on node (\S+)|\[)",
+                   re.M)
 _COLLECTED = re.compile(r"^Communicators\.\.\. \((\d+(?:\.\d+)?)s\)", re.M)
 _TIMEOUTS = re.compile(r"Encountered (\d+) communication timeouts?")
 _ERRORED = re.compile(r"^\s+(?:Initialization|Asynchronous) errors? on (\d+) ranks?$", re.M)
@@ -337,11 +355,44 @@ def parse_text(text: str) -> Status:
         out.collection_seconds = float(m.group(1))
     m = _DEAD.search(text)
     out.dead_processes = int(m.group(1)) if m else 0
-    out.missing_ranks = sum(int(n) for n in _MISSING.findall(text))
+    m = _UNRESPONSIVE.search(text)
+    out.unresponsive_processes = int(m.group(1)) if m else 0
+    out.missing_ranks, out.dead_ranks = _missing_ranks(text, out.dead_processes,
+                                                       out.unresponsive_processes)
     out.errored_ranks = sum(int(n) for n in _ERRORED.findall(text))
     m = _TIMEOUTS.search(text)
     out.timeouts = int(m.group(1)) if m else 0
     return out
+
+
+def _blocks(text: str) -> list[str]:
+    """The entries of the Errors section, each from its heading line to the blank line."""
+    errors = text.split("\nErrors\n", 1)[1] if "\nErrors\n" in text else ""
+    errors = errors.split("\nWarnings\n", 1)[0]
+    return [b for b in errors.split("\n\n") if b.strip() and not b.startswith("=")]
+
+
+def _missing_ranks(text: str, dead: int, unresponsive: int) -> tuple[int, int]:
+    """(missing ranks, of those the dead processes') from the communicators' INCOMPLETE entries:
+    a rank listed with the process and node of one the DEAD entry lists is dead, as the JSON
+    report would say; another listed rank is unreachable. Ranks beyond those listed (more than
+    RAS lists) are dead when the job has dead processes and no unresponsive ones, else
+    unreachable (the report cannot tell)."""
+    blocks = _blocks(text)
+    dead_procs = {(node, pid) for b in blocks if b.startswith("DEAD\n")
+                  for pid, node in _PROCESS.findall(b)}
+    missing = dead_ranks = 0
+    for b in blocks:
+        m = _MISSING.match(b)
+        if not m:
+            continue
+        n = int(m.group(1))
+        listed = _RANK.findall(b)[:n]
+        missing += n
+        dead_ranks += sum((node, pid) in dead_procs for pid, node in listed)
+        if dead and not unresponsive:
+            dead_ranks += n - len(listed)
+    return missing, dead_ranks
 
 
 # -- listeners -----------------------------------------------------------------------------------
