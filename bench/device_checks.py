@@ -7,6 +7,7 @@
     python3 bench/device_checks.py job [--job-seconds 60] [--beside-seconds 60] [--out DIR]
                                                      (every GPU of the machine, 1 or more)
     python3 bench/device_checks.py renew [--rounds 3] [--out DIR]      (one GPU is enough)
+    python3 bench/device_checks.py fabric [--monitor-seconds 40] [--nccl-lib DIR] [--out DIR]
 
 gpu: installs this checkout into a temporary directory, starts the exporter with the gpu and
 topology collectors on the machine's real /sys and NVML, puts load on GPU 0 with PyTorch (so
@@ -64,6 +65,16 @@ here, takes sockets, which beside an ACTIVE port is a fallback. Every round must
 successful result with Socket among its NET transports and end its group ("starts anew"), and
 the launcher exit 0. Then the copy's ports are set DOWN (the cause gone, as far as the probe
 can tell): the same run must measure every round with one group, renewing none.
+
+fabric (issue 34): per GPU, every version of NVML's fabric call (state, status, clique, cluster
+UUID, health mask and summary where the driver has them), per NVLink link its state, version,
+remote end and the speed and state field values, nvidia-smi's topology, NVLink status and
+FABRIC section, and whether nvidia-fabricmanager runs; then NCCL RAS's MONITOR stream (NCCL
+2.29.2 and later): a two-rank job on GPU 0 with its own RAS port, a text and a JSON monitoring
+client (every event group), rank 1 killed, and every chunk each client receives for
+--monitor-seconds. On an older NCCL the record holds what RAS answered to MONITOR; --nccl-lib
+runs the job on another libnccl.so.2. Versions (driver, NVML, nvidia-ml-py, torch, NCCL) go
+into the summary.
 
 Needs: python3 with nvidia-ml-py, prometheus_client, PyYAML and (for the load and the probe)
 torch, which the device image has. Every environment this script starts has NCCL_NVLS_ENABLE=0,
@@ -2215,6 +2226,238 @@ def renew(args: argparse.Namespace) -> int:
     return finish(out, checks, args.out, "renew_check.json")
 
 
+# -- fabric (issue 34): what NVML says of the NVLink fabric, and NCCL RAS's MONITOR stream ----
+
+def _nvml_struct(nv: Any, st: Any) -> dict[str, Any]:
+    """A ctypes structure as plain values (byte arrays as hex)."""
+    out: dict[str, Any] = {}
+    for name, _ in st._fields_:
+        v = getattr(st, name)
+        if hasattr(v, "_length_"):
+            try:
+                v = bytes(v).hex()
+            except TypeError:
+                v = [_nvml_struct(nv, x) if hasattr(x, "_fields_") else x for x in v]
+        elif hasattr(v, "_fields_"):
+            v = _nvml_struct(nv, v)
+        out[name] = v
+    return out
+
+
+def _nvml_call(nv: Any, fn: str, *args: Any) -> dict[str, Any]:
+    """One NVML call: its value, or the error's class name (NVMLError_NotSupported, ...)."""
+    call = getattr(nv, fn, None)
+    if call is None:
+        return {"error": f"not in nvidia-ml-py {getattr(nv, '__version__', '?')}"}
+    try:
+        value = call(*args)
+    except nv.NVMLError as exc:
+        return {"error": type(exc).__name__, "text": str(exc)}
+    except Exception as exc:  # ctypes or a missing symbol in an older driver
+        return {"error": type(exc).__name__, "text": str(exc)}
+    if hasattr(value, "_fields_"):
+        value = _nvml_struct(nv, value)
+    elif isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    elif hasattr(value, "busId"):
+        value = _nvml_struct(nv, value)
+    return {"value": value}
+
+
+def _fabric_info(nv: Any, handle: Any) -> dict[str, Any]:
+    """Every version of the fabric info call the bindings and driver have."""
+    out: dict[str, Any] = {}
+    for fn, struct in (("nvmlDeviceGetGpuFabricInfo", "c_nvmlGpuFabricInfo_t"),
+                       ("nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfo_v2_t"),
+                       ("nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfo_v3_t")):
+        cls = getattr(nv, struct, None)
+        if cls is None:
+            out[f"{fn}/{struct}"] = {"error": "no such structure in these bindings"}
+            continue
+        info = cls()
+        res = _nvml_call(nv, fn, handle, info)
+        if "error" not in res:
+            res = {"value": _nvml_struct(nv, info)}
+        out[f"{fn}/{struct}"] = res
+    return out
+
+
+def nvlink_capture(nv: Any) -> dict[str, Any]:
+    """Per GPU: the fabric info, and per NVLink link its state, version, remote end and speed
+    (field values), as NVML answers on this machine."""
+    gpus = []
+    for i in range(nv.nvmlDeviceGetCount()):
+        h = nv.nvmlDeviceGetHandleByIndex(i)
+        g: dict[str, Any] = {"index": i, "name": _nvml_call(nv, "nvmlDeviceGetName", h),
+                             "uuid": _nvml_call(nv, "nvmlDeviceGetUUID", h),
+                             "fabric": _fabric_info(nv, h), "links": []}
+        fields = {"speed_common_mbps": getattr(nv, "NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON", 90),
+                  "link_count": getattr(nv, "NVML_FI_DEV_NVLINK_LINK_COUNT", 91)}
+        try:
+            vals = nv.nvmlDeviceGetFieldValues(h, list(fields.values()))
+            g["fields"] = {k: {"ret": int(v.nvmlReturn), "value": _field(v)}
+                           for k, v in zip(fields, vals, strict=False)}
+        except Exception as exc:
+            g["fields"] = {"error": f"{type(exc).__name__}: {exc}"}
+        for link in range(int(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18))):
+            state = _nvml_call(nv, "nvmlDeviceGetNvLinkState", h, link)
+            if state.get("error") == "NVMLError_InvalidArgument":
+                break
+            rec = {"link": link, "state": state,
+                   "version": _nvml_call(nv, "nvmlDeviceGetNvLinkVersion", h, link),
+                   "remote_type": _nvml_call(nv, "nvmlDeviceGetNvLinkRemoteDeviceType", h, link),
+                   "remote_pci": _nvml_call(nv, "nvmlDeviceGetNvLinkRemotePciInfo_v2", h, link)}
+            for key, fid in (("get_speed", getattr(nv, "NVML_FI_DEV_NVLINK_GET_SPEED", 164)),
+                             ("get_state", getattr(nv, "NVML_FI_DEV_NVLINK_GET_STATE", 165))):
+                try:
+                    rec[key] = _field_scoped(nv, h, fid, link)
+                except Exception as exc:
+                    rec[key] = {"error": f"{type(exc).__name__}: {exc}"}
+            g["links"].append(rec)
+        gpus.append(g)
+    return {"gpus": gpus}
+
+
+def _field(v: Any) -> Any:
+    kinds = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal",
+             6: "usVal"}
+    return getattr(v.value, kinds.get(int(v.valueType), "ullVal"))
+
+
+def _field_scoped(nv: Any, handle: Any, field: int, scope: int) -> dict[str, Any]:
+    """A field value with a scope ID (the link), through the raw call."""
+    import ctypes
+    arr = (nv.c_nvmlFieldValue_t * 1)()
+    arr[0].fieldId, arr[0].scopeId = field, scope
+    fn = nv._nvmlGetFunctionPointer("nvmlDeviceGetFieldValues")
+    ret = fn(handle, ctypes.c_int32(1), arr)
+    return {"call_ret": int(ret), "ret": int(arr[0].nvmlReturn), "value": _field(arr[0])}
+
+
+def monitor_capture(seconds: float, nccl_lib: str | None) -> dict[str, Any]:
+    """NCCL RAS's MONITOR stream (NCCL 2.29.2 and later): a two-rank job (RAS_JOB, its rank 0
+    kept alive as job C's is), two monitoring clients (text and JSON, every event group), then
+    rank 1 killed; every chunk each client receives, with its time, until ``seconds`` after the
+    kill. On an older NCCL the record holds what RAS answered to MONITOR instead."""
+    import socket
+    port, out = 28040, {"port": 28040, "clients": {}, "job": []}
+    env_base = {**os.environ, **NO_MULTICAST, "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                "PYTHONUNBUFFERED": "1", "NCCL_RAS_ADDR": f"localhost:{port}",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    if nccl_lib:
+        env_base["LD_LIBRARY_PATH"] = nccl_lib + ":" + os.environ.get("LD_LIBRARY_PATH", "")
+        env_base["LD_PRELOAD"] = os.path.join(nccl_lib, "libnccl.so.2")
+    ranks = [subprocess.Popen([sys.executable, "-c", RAS_JOB],
+                              env={**env_base, "RANK": str(r), "NCCL_HOSTID": f"mon-{r}"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    socks: dict[str, Any] = {}
+    t0 = time.monotonic()
+    try:
+        for r, pr in enumerate(ranks):
+            assert pr.stdout is not None
+            out["job"].append({"rank": r, "line": pr.stdout.readline().strip()})
+        for name, cmds in (("text", ["CLIENT PROTOCOL 2", "MONITOR all"]),
+                           ("json", ["CLIENT PROTOCOL 2", "SET FORMAT json", "MONITOR all"])):
+            rec: dict[str, Any] = {"commands": cmds, "chunks": []}
+            out["clients"][name] = rec
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            except OSError as exc:
+                rec["error"] = repr(exc)
+                continue
+            socks[name] = s
+            for cmd in cmds:
+                s.sendall(cmd.encode() + b"\n")
+                s.settimeout(5)
+                try:
+                    data = s.recv(65536)
+                except OSError as exc:
+                    rec["chunks"].append({"t": round(time.monotonic() - t0, 3), "sent": cmd,
+                                          "error": repr(exc)})
+                    break
+                rec["chunks"].append({"t": round(time.monotonic() - t0, 3), "sent": cmd,
+                                      "data": data.decode("utf-8", "replace")})
+        time.sleep(2)
+        out["killed_at"] = round(time.monotonic() - t0, 3)
+        ranks[1].kill()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and socks:
+            for name, s in list(socks.items()):
+                s.settimeout(0.2)
+                try:
+                    data = s.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError as exc:
+                    out["clients"][name]["chunks"].append(
+                        {"t": round(time.monotonic() - t0, 3), "error": repr(exc)})
+                    del socks[name]
+                    continue
+                if not data:
+                    out["clients"][name]["chunks"].append(
+                        {"t": round(time.monotonic() - t0, 3), "closed": True})
+                    del socks[name]
+                    continue
+                out["clients"][name]["chunks"].append(
+                    {"t": round(time.monotonic() - t0, 3),
+                     "data": data.decode("utf-8", "replace")})
+    finally:
+        for s in socks.values():
+            s.close()
+        for pr in ranks:
+            pr.kill()
+        for r, pr in enumerate(ranks):
+            _, err = pr.communicate(timeout=30)
+            out["job"].append({"rank": r, "stderr_tail": err[-3000:]})
+    return out
+
+
+def fabric(args: argparse.Namespace) -> int:
+    """NVML's NVLink fabric answers on every GPU, versions, nvidia-smi's view, and a MONITOR
+    stream; everything into fabric_check.json (tests/fixtures/nvml/ keeps the NVML part)."""
+    import pynvml as nv
+    checks = Checks()
+    out: dict[str, Any] = {"versions": {}, "nvidia_smi": {}}
+    nv.nvmlInit()
+    try:
+        out["versions"] = {"driver": _nvml_call(nv, "nvmlSystemGetDriverVersion"),
+                           "nvml": _nvml_call(nv, "nvmlSystemGetNVMLVersion"),
+                           "cuda_driver": _nvml_call(nv, "nvmlSystemGetCudaDriverVersion_v2"),
+                           "nvidia_ml_py": getattr(nv, "__version__", "?")}
+        out["nvml"] = nvlink_capture(nv)
+    finally:
+        nv.nvmlShutdown()
+    for what, argv in (("topo", ["nvidia-smi", "topo", "-m"]),
+                       ("nvlink_status", ["nvidia-smi", "nvlink", "-s"]),
+                       ("query_fabric", ["nvidia-smi", "-q", "-d", "FABRIC"]),
+                       ("fabricmanager", ["systemctl", "is-active", "nvidia-fabricmanager"])):
+        try:
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            out["nvidia_smi"][what] = {"rc": res.returncode, "out": res.stdout[-20000:],
+                                       "err": res.stderr[-2000:]}
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            out["nvidia_smi"][what] = {"error": repr(exc)}
+    try:
+        import torch
+        out["versions"]["torch"] = torch.__version__
+        out["versions"]["nccl_torch"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception as exc:
+        out["versions"]["torch"] = repr(exc)
+    gpus = out["nvml"]["gpus"]
+    checks.eq("GPUs whose fabric call answered in some version (a value or an NVML error)",
+              sum(any("value" in r or r.get("error", "").startswith("NVMLError")
+                      for r in g["fabric"].values()) for g in gpus), len(gpus))
+    out["monitor"] = monitor_capture(args.monitor_seconds, args.nccl_lib)
+    out["monitor"]["nccl_lib"] = args.nccl_lib or "PyTorch's own"
+    text = "".join(c.get("data", "") for c in out["monitor"]["clients"].get("text", {})
+                   .get("chunks", []))
+    out["monitor"]["answered_ok"] = "\nOK\n" in "\n" + text
+    out["monitor"]["peer_dead_seen"] = "PEER_DEAD" in text
+    return finish(out, checks, args.out, "fabric_check.json")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -2270,13 +2513,19 @@ def main() -> int:
     jb.add_argument("--scrape-interval", type=float, default=1.0,
                     help="scrape period while a job runs (1.0; 0.5 otherwise)")
     jb.add_argument("--out", help="directory for job_check.json")
+    fb = sub.add_parser("fabric", help="NVML's NVLink fabric answers, and RAS's MONITOR stream")
+    fb.add_argument("--monitor-seconds", type=float, default=40,
+                    help="how long the MONITOR clients listen after rank 1 is killed (40)")
+    fb.add_argument("--nccl-lib", help="a directory with another libnccl.so.2 for the job's "
+                    "ranks (LD_PRELOAD), e.g. one built from NCCL's sources")
+    fb.add_argument("--out", help="directory for fabric_check.json")
     rn = sub.add_parser("renew", help="a group that fell back to sockets starts anew")
     rn.add_argument("--rounds", type=int, default=3)
     rn.add_argument("--out", help="directory for renew_check.json")
     args = p.parse_args()
     os.environ.update(NO_MULTICAST)  # every child inherits it: NVLink multicast stays off
     return {"gpu": gpu, "probe": probe, "fleet": fleet, "ras": ras, "job": job,
-            "renew": renew}[args.cmd](args)
+            "renew": renew, "fabric": fabric}[args.cmd](args)
 
 
 if __name__ == "__main__":
