@@ -2266,6 +2266,7 @@ def _nvml_call(nv: Any, fn: str, *args: Any) -> dict[str, Any]:
 
 def _fabric_info(nv: Any, handle: Any) -> dict[str, Any]:
     """Every version of the fabric info call the bindings and driver have."""
+    import ctypes
     out: dict[str, Any] = {}
     for fn, struct in (("nvmlDeviceGetGpuFabricInfo", "c_nvmlGpuFabricInfo_t"),
                        ("nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfo_v2_t"),
@@ -2275,7 +2276,9 @@ def _fabric_info(nv: Any, handle: Any) -> dict[str, Any]:
             out[f"{fn}/{struct}"] = {"error": "no such structure in these bindings"}
             continue
         info = cls()
-        res = _nvml_call(nv, fn, handle, info)
+        # The bindings hand the argument to C as it is: the structure by reference, or the call
+        # receives it by value and NVML writes through garbage (a segmentation fault).
+        res = _nvml_call(nv, fn, handle, ctypes.byref(info))
         if "error" not in res:
             res = {"value": _nvml_struct(nv, info)}
         out[f"{fn}/{struct}"] = res
