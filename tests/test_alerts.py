@@ -217,7 +217,8 @@ def test_alerts_are_well_formed() -> None:
             "GpunetGpuLost", "GpunetNvmlDown", "GpunetProbeFailing", "GpunetProbeIdleUnknown",
             "GpunetCollectorFailing", "GpunetCheckUnknown",
             "GpunetExporterDown", "GpunetPauseStorm", "GpunetPfcDisabledOnRocePriority",
-            "GpunetPfcTrustNotExpected", "GpunetFabricSweepFailing"), (
+            "GpunetPfcTrustNotExpected", "GpunetFabricSweepFailing",
+            "GpunetGpuFabricNotReady", "GpunetGpuFabricUnhealthy"), (
             f"{name}: the description should show the value")
         url = ann["runbook_url"]
         assert url.startswith(thresholds.defaults().runbook_url + "#")

@@ -208,6 +208,7 @@ EXPECTED = {
     "GpunetGpuPcieLinkDegraded": ("/ticket", {"gpu": "0"}),
     "GpunetGpuXidErrors": ("/ticket", {"gpu": "0", "xid": "13"}),
     "GpunetGpuLost": ("/pager", {"gpu": "1"}),
+    "GpunetGpuFabricNotReady": ("/pager", {"gpu": "0", "state": "in_progress"}),
     "GpunetInterfacePhyErrors": ("/ticket", {}),  # on the QoS netdev, asserted below
     # One netdev, two alerts: below the RoCE minimum and not the configured 9000.
     "GpunetRoceMtuTooSmall": ("/ticket", {}),
@@ -318,7 +319,7 @@ def test_health_matrix_records_every_node_and_class(bundle: Bundle) -> None:
     assert set(got) == {(n, c) for n in (HEALTHY, FAULTY) for c in rules.CLASSES}
     assert all(v == 0 for (n, _), v in got.items() if n == HEALTHY)
     assert got[(FAULTY, "link")] == 8 and got[(FAULTY, "congestion")] == 2
-    assert got[(FAULTY, "gpu")] == 4 and got[(FAULTY, "topology")] == 1
+    assert got[(FAULTY, "gpu")] == 5 and got[(FAULTY, "topology")] == 1
     assert got[(FAULTY, "exporter")] == 0 and got[(FAULTY, "transport")] == 4
 
 

@@ -57,7 +57,7 @@ def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]
     out = run(*args, env=env)
     assert out.returncode == 1, out.stderr
     text = out.stdout
-    assert text.startswith("22 findings on this node:")
+    assert text.startswith("23 findings on this node:")
     # Causes in the report's order, each with its findings, device and confirming command.
     positions = [text.index(title) for title in (
         "NCCL on TCP sockets", "GPUDirect RDMA off", "Degraded or flapping link",
@@ -72,6 +72,8 @@ def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]
     assert "/sys/class" not in text.replace(sysfs, "SYSFS")
     assert "[critical] enp170s0f0np0: PFC off on priority 3, the one RoCE uses" in text
     assert "[warning] GPU 0: PCIe Gen5 x8, capable of Gen5 x16" in text
+    assert "[critical] GPU 0: NVLink fabric registration in progress\n      confirm: nvidia-smi" \
+        in text
     assert ("[warning] mlx5_7: PCIe link at 32 GT/s x8, both ends allow 32 GT/s x16\n"
             "      confirm: sudo lspci -vv -s 0000:dc:00.0 | grep -E 'LnkCap|LnkSta'") in text
     assert "docs/runbooks.md#gpunetgdrnotready (alert GpunetGdrNotReady)" in text
@@ -93,7 +95,7 @@ def test_thresholds_file_changes_the_verdict(faulty: tuple[list[str], dict[str, 
     out = run(*args, "--json", f"--thresholds={tmp_path / 't.yml'}", env=env)
     result: dict[str, Any] = json.loads(out.stdout)
     alerts = {f["alert"] for f in result["findings"]}
-    assert len(alerts) == 20
+    assert len(alerts) == 21
     assert "GpunetPfcDisabledOnRocePriority" not in alerts
     assert "GpunetAllreduceLatencyHigh" not in alerts
     assert result["exit_code"] == out.returncode == 1
@@ -180,7 +182,7 @@ def test_checks_name_real_alerts_and_causes() -> None:
     knows, and is among those its check declares (``@checks``) in the module of its class."""
     names = set(doctor_module.SEVERITY)
     checked = alerts_module.checked()
-    assert set(checked) <= names and len(checked) == 51
+    assert set(checked) <= names and len(checked) == 53
     for m in alerts_module.MODULES:
         source = Path(m.__file__ or "").read_text()
         reported = set(re.findall(r'c\.add\("\w+", "(Gpunet[A-Za-z]+)"', source))

@@ -156,6 +156,67 @@ def test_nvlink_links_states_and_errors(gpu: Gpu) -> None:
     assert len(series(s, "gpunet_gpu_nvlink_errors_total")) == 2 * 18 * 5
 
 
+def with_fabric(*changes: dict[str, Any]) -> dict[str, Any]:
+    """The capture's two GPUs answering the fabric call as the 4 x H100 machine's first two
+    did (tests/fixtures/nvml/fabric_h100x4.json: completed, status 0, every health field and
+    the summary not reported), each with ``changes`` applied."""
+    scenario = fake_nvml.h200x2()
+    for dev, fabric, change in zip(scenario["devices"], fake_nvml.fabric_h100x4(),
+                                   changes or ({}, {}), strict=False):
+        dev["fabric"] = {**fabric, **change}
+    return scenario
+
+
+def test_fabric_as_recorded_on_h100s(sysfs: Path) -> None:
+    s = scrape_once(sysfs, with_fabric())
+    for g in ("0", "1"):
+        states = {dict(lbl)["state"]: v for lbl, v in series(s, "gpunet_gpu_fabric_state").items()
+                  if dict(lbl)["gpu"] == g}
+        assert states == {"not_supported": 0, "not_started": 0, "in_progress": 0,
+                          "completed": 1}
+        assert value(s, "gpunet_gpu_fabric_status_code", gpu=g) == 0
+        assert value(s, "gpunet_gpu_fabric_info", gpu=g, clique_id="0",
+                     cluster_uuid="00000000-0000-0000-0000-000000000000") == 1
+    # healthMask 0 and healthSummary 0: the driver reports no health check, none is exported
+    assert not series(s, "gpunet_gpu_fabric_health")
+    assert not series(s, "gpunet_gpu_fabric_health_summary")
+
+
+def test_fabric_not_ready_unhealthy_and_old_drivers(sysfs: Path) -> None:
+    """GPU 0 still registering with the Fabric Manager; GPU 1 registered but its health mask
+    says degraded bandwidth (1 << 0), route recovery passing (2 << 2) and an incorrect
+    configuration (insufficient NVLinks, 5 << 8), summary limited capacity. Synthetic, on the
+    recorded answers: no machine at hand had a failing fabric."""
+    s = scrape_once(sysfs, with_fabric(
+        {"state": 2, "status": 0},
+        {"healthMask": 1 | 2 << 2 | 5 << 8, "healthSummary": 3, "cliqueId": 7,
+         "clusterUuid": "0123456789abcdef0123456789abcdef"}))
+    assert value(s, "gpunet_gpu_fabric_state", gpu="0", state="in_progress") == 1
+    assert value(s, "gpunet_gpu_fabric_state", gpu="0", state="completed") == 0
+    assert value(s, "gpunet_gpu_fabric_status_code", gpu="0") is None  # only once completed
+    health = {dict(lbl)["check"]: v for lbl, v in series(s, "gpunet_gpu_fabric_health").items()
+              if dict(lbl)["gpu"] == "1"}
+    assert health == {"degraded_bandwidth": 1, "route_recovery": 0,
+                      "incorrect_configuration": 1}
+    assert value(s, "gpunet_gpu_fabric_health_summary", gpu="1", summary="limited_capacity") == 1
+    assert value(s, "gpunet_gpu_fabric_health_summary", gpu="1", summary="healthy") == 0
+    assert value(s, "gpunet_gpu_fabric_info", gpu="1", clique_id="7",
+                 cluster_uuid="01234567-89ab-cdef-0123-456789abcdef") == 1
+    # A driver with only the v2 structure: v3 is refused, v2 answers (no summary).
+    v2 = with_fabric({"version": 0x02000024}, {"version": 0x02000024})
+    s = scrape_once(sysfs, v2)
+    assert value(s, "gpunet_gpu_fabric_state", gpu="1", state="completed") == 1
+    assert not series(s, "gpunet_gpu_fabric_health_summary")
+    # No fabric call at all (the recorded H200 capture has none): no fabric series, no error.
+    g = Gpu(sysfs)
+    try:
+        fake_nvml.load(fake_nvml.h200x2())
+        s = g.scrape()
+        assert not series(s, "gpunet_gpu_fabric_state") and g.unreadable == 0
+    finally:
+        g.close()
+
+
 def test_background_pcie_counters(gpu: Gpu) -> None:
     wait_for(lambda: value(gpu.scrape(), "gpunet_gpu_counters_refresh_success", gpu="1") == 1)
     s = gpu.scrape()

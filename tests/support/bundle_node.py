@@ -170,7 +170,8 @@ def build_node(root: Path, faulty: bool, ras_ports: Sequence[int] = (1,)
 
     Faults of the faulty node, beyond the four the issue names: a port down, an IB port with a
     2048-byte active MTU, GPU 0 on a x8 link, on the other NUMA node than its NIC and with an
-    XID 13, GPU 0 65 % busy with a compute process (the network-bound band), GPU 1 lost,
+    XID 13, GPU 0 65 % busy with a compute process (the network-bound band) and not yet
+    registered with its NVLink fabric (state in progress), GPU 1 lost,
     mlx5_7's own PCIe link trained down to x8, and the RoCE netdev of mlx5_8 at MTU 1500 (below
     the RoCE minimum and not the expected 9000: two alerts) whose QoS configuration cannot be
     read and whose out_of_sequence counter rises while the bundle runs, and an RDMA device
@@ -181,8 +182,10 @@ def build_node(root: Path, faulty: bool, ras_ports: Sequence[int] = (1,)
     sysfs = st.build_dgx_h100_gpus(root)
     qos_netdev = st.make_ofed_qos(sysfs, QOS_DEVICE)  # its netdev's name; ECN files for panels
     scenario = fake_nvml.h200x2()
-    for dev, bus in zip(scenario["devices"], st.DGX_GPU_BUSES, strict=False):
+    for dev, bus, fabric in zip(scenario["devices"], st.DGX_GPU_BUSES, fake_nvml.fabric_h100x4(),
+                                strict=False):
         dev["nvmlDeviceGetPciInfo"]["ok"]["busId"] = f"00000000:{bus:02X}:00.0"
+        dev["fabric"] = fabric  # registered with the NVLink fabric, as recorded on 4 H100s
     devinfo = st.DGX_IBV_DEVINFO.replace("2048 (4)", "4096 (5)")
     if faulty:
         st.make_port_degraded(sysfs, DEGRADED_PORT)
@@ -192,6 +195,7 @@ def build_node(root: Path, faulty: bool, ras_ports: Sequence[int] = (1,)
         st.set_numa_node(sysfs, f"0000:{st.DGX_GPU_BUSES[0]:02x}:00.0", 1)
         scenario["devices"][0]["nvmlDeviceGetCurrPcieLinkWidth"] = {"ok": 8}
         scenario["devices"][1]["lost"] = True
+        scenario["devices"][0]["fabric"]["state"] = 2  # still registering with the fabric
         st.make_nic_pcie_downtrained(sysfs, NIC_PCIE_DEGRADED)
         # GPU 0 runs a training process at 65 %: the network-bound band (an info alert).
         scenario["devices"][0]["nvmlDeviceGetUtilizationRates"] = {

@@ -14,6 +14,13 @@ error handling meets the real classes. Scenario keys beyond the capture:
     devices[i]["nvmlDeviceGetMemoryInfo_v2"]: {"ok": {...}}   the v2 memory struct
     devices[i]["sleep"]: {<function name>: seconds}   the call blocks that long, then answers
                                                       (a hung driver; tests/test_load.py)
+    devices[i]["fabric"]: {"state": 3, ...}  nvmlDeviceGetGpuFabricInfoV's answer (the v3
+                                             structure's fields, clusterUuid in hex); without
+                                             it the call is FunctionNotFound (not recorded)
+    devices[i]["fabric"]: {"exc": "NVMLError_..."}   the call fails
+
+:func:`fabric_h100x4` gives the fabric answers recorded on 4 H100s
+(tests/fixtures/nvml/fabric_h100x4.json), to put into a scenario's devices.
 
 Tests call :func:`load`, :func:`push_event` and :func:`reload_driver`. An exporter started as
 a subprocess loads this module with ``--nvml.module support.fake_nvml`` (:data:`MODULE`, with
@@ -46,7 +53,7 @@ FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "nvml" / "nvml_prob
 MODULE = "support.fake_nvml"
 TESTS = Path(__file__).resolve().parents[1]
 NVMLError = _real.NVMLError
-_PASSTHROUGH = ("NVML_", "NVMLError", "nvmlEventType", "nvmlMemory")
+_PASSTHROUGH = ("NVML_", "NVMLError", "nvmlEventType", "nvmlMemory", "c_nvml")
 
 
 def __getattr__(name: str) -> Any:
@@ -318,6 +325,43 @@ def nvmlDeviceGetFieldValues(h: _Handle, field_ids: list[Any]) -> list[Any]:
                                    valueType=entry.get("valueType", 1),
                                    nvmlReturn=entry.get("nvmlReturn", 0), value=value))
     return out
+
+
+FABRIC_FIXTURE = FIXTURE.parent / "fabric_h100x4.json"
+
+
+def fabric_h100x4() -> list[dict[str, Any]]:
+    """Per GPU, what nvmlDeviceGetGpuFabricInfoV answered with the v3 structure on 4 H100s."""
+    gpus = json.loads(FABRIC_FIXTURE.read_text())["nvml"]["gpus"]
+    return [g["fabric"]["nvmlDeviceGetGpuFabricInfoV/c_nvmlGpuFabricInfo_v3_t"]["value"]
+            for g in gpus]
+
+
+def nvmlDeviceGetGpuFabricInfoV(h: _Handle, ref: Any) -> int:
+    """Fills the structure ``ref`` points to (ctypes.byref), as the real call does; a
+    structure passed by value is refused (the real call would crash the process)."""
+    dev = _dev(h, "nvmlDeviceGetGpuFabricInfoV")
+    entry = dev.get("fabric")
+    if entry is None:
+        raise _error("NVMLError_FunctionNotFound")
+    if "exc" in entry:
+        _answer(entry)
+    info = getattr(ref, "_obj", None)
+    if info is None:
+        raise TypeError("nvmlDeviceGetGpuFabricInfoV takes ctypes.byref(structure)")
+    version = entry.get("version")
+    if version is not None and getattr(info, "version", version) != version:
+        raise _error("NVMLError_ArgumentVersionMismatch")
+    for name, _ in info._fields_:
+        if name == "version" or name not in entry:
+            continue
+        if name == "clusterUuid":
+            raw = bytes.fromhex(entry[name])
+            for i, b in enumerate(raw[:len(info.clusterUuid)]):
+                info.clusterUuid[i] = b
+        else:
+            setattr(info, name, entry[name])
+    return 0
 
 
 def _link(h: _Handle, fn: str, link: int) -> dict[str, Any]:

@@ -10,6 +10,7 @@ design notes: docs/architecture.md, "collectors"; real-GPU runs: docs/gpu.md.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import threading
 import time
@@ -92,6 +93,27 @@ PCIE_DEGRADED = MetricSpec(
 NVLINK_ACTIVE = MetricSpec(
     "gpunet_gpu_nvlink_active", "gauge", "1 when the NVLink link is active, else 0",
     ("gpu", "link"), "boolean", "nvmlDeviceGetNvLinkState")
+_FABRIC_SRC = "nvmlDeviceGetGpuFabricInfoV"
+FABRIC_STATE = MetricSpec(
+    "gpunet_gpu_fabric_state", "gauge",
+    "1 for the state of the GPU's registration with its NVLink fabric, 0 for the others",
+    ("gpu", "state"), "boolean", f"{_FABRIC_SRC} state")
+FABRIC_STATUS = MetricSpec(
+    "gpunet_gpu_fabric_status_code", "gauge",
+    "NVML return code of the GPU's completed fabric registration (0: success)", _G,
+    "NVML return code", f"{_FABRIC_SRC} status")
+FABRIC_INFO = MetricSpec(
+    "gpunet_gpu_fabric_info", "gauge",
+    "Always 1: the NVLink domain (cluster UUID) and clique the GPU's fabric registration gave it",
+    ("gpu", "cluster_uuid", "clique_id"), "", f"{_FABRIC_SRC} clusterUuid, cliqueId")
+FABRIC_HEALTH = MetricSpec(
+    "gpunet_gpu_fabric_health", "gauge",
+    "1 when a health check of the GPU's NVLink fabric fails, 0 when it passes (as the driver "
+    "reports it)", ("gpu", "check"), "boolean", f"{_FABRIC_SRC} healthMask")
+FABRIC_SUMMARY = MetricSpec(
+    "gpunet_gpu_fabric_health_summary", "gauge",
+    "1 for the driver's summary of the GPU's NVLink fabric health, 0 for the others",
+    ("gpu", "summary"), "boolean", f"{_FABRIC_SRC} healthSummary (v3)")
 # Background counters -------------------------------------------------------------------------
 # Read in the background every counters_interval_seconds (docs/reading-metrics.md).
 PCIE_THROUGHPUT = MetricSpec(
@@ -326,6 +348,7 @@ class GpuCollector(Collector):
     metrics = (INFO, NVML_UP, LOST, MISSING, UTIL, MEM_UTIL, MEM_USED, MEM_RESERVED, MEM_TOTAL,
                PROCS, PCIE_GEN,
                PCIE_GEN_MAX, PCIE_WIDTH, PCIE_WIDTH_MAX, PCIE_DEGRADED, NVLINK_ACTIVE,
+               FABRIC_STATE, FABRIC_STATUS, FABRIC_INFO, FABRIC_HEALTH, FABRIC_SUMMARY,
                PCIE_THROUGHPUT, PCIE_REPLAYS, PCIE_REPLAY_ROLLOVERS, PCIE_RECOVERIES,
                PCIE_ERRORS, NVLINK_ERRORS, COUNTERS_SUCCESS, COUNTERS_LAST_SUCCESS, XID_MONITORING,
                XID_ERRORS, XID_LAST, XID_LAST_CODE)
@@ -522,6 +545,7 @@ class GpuCollector(Collector):
             links = [(link, self._call(st, "nvmlDeviceGetNvLinkState", link,
                                        key=f"nvmlDeviceGetNvLinkState/{link}"))
                      for link in range(self._nvlinks(st))]
+            fabric = self._fabric(st)
         except _Lost:
             fams.add(LOST, [gpu], 1)
             return True
@@ -549,7 +573,28 @@ class GpuCollector(Collector):
         for link, state in links:
             if state is not None:
                 fams.add(NVLINK_ACTIVE, [gpu, str(link)], int(state == nv.NVML_FEATURE_ENABLED))
+        if fabric is not None:
+            _add_fabric(fams, gpu, fabric)
         return False
+
+    def _fabric(self, st: _GpuState) -> Any:
+        """The GPU's fabric info: the v3 structure (with the health summary), else v2, where the
+        bindings and the driver have the call; None otherwise, or when it fails."""
+        nv = self.session.nv
+        for struct in ("c_nvmlGpuFabricInfo_v3_t", "c_nvmlGpuFabricInfo_v2_t"):
+            cls = getattr(nv, struct, None)
+            key = f"nvmlDeviceGetGpuFabricInfoV/{struct}"
+            if cls is None or key in st.unsupported:
+                continue
+            info = cls()
+            # By reference: handed over as it is, the structure goes to C by value and NVML
+            # writes through garbage (a segmentation fault; tests/fixtures/nvml/SOURCES.md).
+            if self._call(st, "nvmlDeviceGetGpuFabricInfoV", ctypes.byref(info),
+                          key=key) is not None:
+                return info
+            if key not in st.unsupported:  # failed, not unsupported: one unreadable value
+                return None
+        return None
 
     # -- background counters and XID events ----------------------------------------------------
 
@@ -660,6 +705,27 @@ class GpuCollector(Collector):
     def close(self) -> None:
         self._refresher.stop()
         self.xid.stop()
+
+
+def _add_fabric(fams: Families, gpu: str, info: Any) -> None:
+    """One GPU's fabric series from its fabric info (nvml.FABRIC_* say what each value is)."""
+    index = int(info.state)
+    state = nvml.FABRIC_STATES[index] if 0 <= index < len(nvml.FABRIC_STATES) else None
+    for name in nvml.FABRIC_STATES:
+        fams.add(FABRIC_STATE, [gpu, name], int(name == state))
+    if state in (None, "not_supported"):
+        return
+    if state == "completed":
+        fams.add(FABRIC_STATUS, [gpu], int(info.status))
+        uuid = bytes(info.clusterUuid).hex()
+        uuid = f"{uuid[:8]}-{uuid[8:12]}-{uuid[12:16]}-{uuid[16:20]}-{uuid[20:32]}"
+        fams.add(FABRIC_INFO, [gpu, uuid, str(int(info.cliqueId))], 1)
+    for check, failing in nvml.fabric_health(int(info.healthMask)).items():
+        fams.add(FABRIC_HEALTH, [gpu, check], failing)
+    summary = nvml.FABRIC_SUMMARIES.get(int(getattr(info, "healthSummary", 0)))
+    if summary is not None:
+        for name in nvml.FABRIC_SUMMARIES.values():
+            fams.add(FABRIC_SUMMARY, [gpu, name], int(name == summary))
 
 
 def _field_value(fv: Any) -> float:

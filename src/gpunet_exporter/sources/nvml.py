@@ -64,6 +64,33 @@ class Gpu:
     handle: Any
 
 
+# The NVLink fabric of a GPU (nvmlDeviceGetGpuFabricInfoV; nvml.h NVML_GPU_FABRIC_*): its
+# state by index, its health summary by value (0: not reported), and the fields of its health
+# mask: check -> (shift, width, the values that mean failing, those that mean passing); any
+# other value (0) means the driver does not report the check. Docs: docs/formats.md §6.
+FABRIC_STATES = ("not_supported", "not_started", "in_progress", "completed")
+FABRIC_SUMMARIES = {1: "healthy", 2: "unhealthy", 3: "limited_capacity"}
+FABRIC_HEALTH: dict[str, tuple[int, int, frozenset[int], frozenset[int]]] = {
+    "degraded_bandwidth": (0, 0x3, frozenset({1}), frozenset({2})),
+    "route_recovery": (2, 0x3, frozenset({1}), frozenset({2})),
+    "route_unhealthy": (4, 0x3, frozenset({1}), frozenset({2})),
+    "access_timeout_recovery": (6, 0x3, frozenset({1}), frozenset({2})),
+    "incorrect_configuration": (8, 0xF, frozenset(range(2, 16)), frozenset({1})),
+    "fabric_manager_disconnected": (14, 0x3, frozenset({2}), frozenset({1})),
+}
+
+
+def fabric_health(mask: int) -> dict[str, int]:
+    """The health checks a fabric health mask reports: 1 failing, 0 passing; the checks the
+    driver does not report are left out."""
+    out = {}
+    for check, (shift, width, bad, good) in FABRIC_HEALTH.items():
+        v = (mask >> shift) & width
+        if v in bad or v in good:
+            out[check] = int(v in bad)
+    return out
+
+
 def error_name(exc: BaseException) -> str:
     """The pynvml exception class name (``NVMLError_NotSupported``), also for stand-ins."""
     return type(exc).__name__

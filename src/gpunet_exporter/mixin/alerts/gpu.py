@@ -110,6 +110,45 @@ def check_gpu_utilization(c: Check) -> None:
               "nvidia-smi dmon -s u -c 30  # and the job's other nodes")
 
 
+# GPUs whose NVLink fabric registration has not finished, or finished with an error (the
+# status is read only once the state is completed).
+FABRIC_NOT_READY = ('gpunet_gpu_fabric_state{state=~"not_started|in_progress"} == 1\n'
+                    "or on (instance, job, gpu)\n"
+                    "gpunet_gpu_fabric_status_code != 0")
+FABRIC_UNHEALTHY = ("max by (instance, job, gpu) (gpunet_gpu_fabric_health == 1)\n"
+                    "or on (instance, job, gpu)\n"
+                    'max by (instance, job, gpu) (gpunet_gpu_fabric_health_summary'
+                    '{summary!="healthy"} == 1)')
+FABRIC_CONFIRM = "nvidia-smi -q -i {gpu} | sed -n '/Fabric/,/^    [A-Z]/p'; " \
+    "systemctl status nvidia-fabricmanager"
+
+
+@checks("GpunetGpuFabricNotReady", "GpunetGpuFabricUnhealthy")
+def check_fabric(c: Check) -> None:
+    """The two fabric alerts on the second snapshot."""
+    b = c.b
+    for lbl, v in b.all("gpunet_gpu_fabric_state"):
+        if v == 1 and lbl["state"] in ("not_started", "in_progress"):
+            c.add("gpu", "GpunetGpuFabricNotReady", f"GPU {lbl['gpu']}",
+                  f"NVLink fabric registration {lbl['state'].replace('_', ' ')}",
+                  FABRIC_CONFIRM.format(gpu=lbl["gpu"]))
+    for lbl, v in b.all("gpunet_gpu_fabric_status_code"):
+        if v != 0:
+            c.add("gpu", "GpunetGpuFabricNotReady", f"GPU {lbl['gpu']}",
+                  f"NVLink fabric registration failed (NVML status {v:.0f})",
+                  FABRIC_CONFIRM.format(gpu=lbl["gpu"]))
+    bad: dict[str, list[str]] = {}
+    for lbl, v in b.all("gpunet_gpu_fabric_health"):
+        if v == 1:
+            bad.setdefault(lbl["gpu"], []).append(lbl["check"].replace("_", " "))
+    for lbl, v in b.all("gpunet_gpu_fabric_health_summary"):
+        if v == 1 and lbl["summary"] != "healthy":
+            bad.setdefault(lbl["gpu"], []).append(lbl["summary"].replace("_", " "))
+    for gpu, what in sorted(bad.items()):
+        c.add("gpu", "GpunetGpuFabricUnhealthy", f"GPU {gpu}",
+              f"NVLink fabric health: {', '.join(sorted(what))}", FABRIC_CONFIRM.format(gpu=gpu))
+
+
 ALERTS: tuple[Alert, ...] = (
     Alert("GpunetGpuPcieLinkDegraded", "gpu", "warning", "10m",
           lambda t: "gpunet_gpu_pcie_link_degraded == 1",
@@ -148,6 +187,16 @@ ALERTS: tuple[Alert, ...] = (
           f"{{{{ $value | humanizePercentage }}}} of the GPUs running compute processes {NODE} "
           "have been busy, on average, more than starved GPUs but less than compute-bound ones: "
           "the band of training that waits on its collectives."),
+    Alert("GpunetGpuFabricNotReady", "gpu", "critical", "5m", lambda t: FABRIC_NOT_READY,
+          "GPU's NVLink fabric not ready",
+          f"{GPU} has not finished registering with its NVLink fabric, or its registration "
+          "failed: NVLink traffic through the NVSwitches cannot run (the Fabric Manager or the "
+          "NVLink subnet manager)."),
+    Alert("GpunetGpuFabricUnhealthy", "gpu", "warning", "10m", lambda t: FABRIC_UNHEALTHY,
+          "GPU's NVLink fabric unhealthy",
+          f"The driver reports the NVLink fabric of {GPU} unhealthy (degraded bandwidth, a "
+          "route recovery or fault, a wrong configuration or the fabric manager gone): "
+          "collectives across its NVLinks slow down or fail."),
     simple("GpunetNvmlDown", "gpu", "warning", "5m", NVML_DOWN,
            "NVML not answering",
            f"NVML fails {NODE}: no GPU metrics (driver reloading, failing or mismatched)."),
@@ -155,5 +204,5 @@ ALERTS: tuple[Alert, ...] = (
 
 # The doctor's checks, in steps (mixin.alerts.DOCTOR_ORDER).
 CHECKS: dict[str, tuple[DoctorCheck, ...]] = {
-    "gpus": (check_pcie_link, PCIE_REPLAYS, LOST, MISSING, NVML_DOWN, check_xids),
+    "gpus": (check_pcie_link, PCIE_REPLAYS, LOST, MISSING, NVML_DOWN, check_xids, check_fabric),
     "utilization": (check_gpu_utilization,)}
