@@ -218,7 +218,7 @@ def test_alerts_are_well_formed() -> None:
             "GpunetCollectorFailing", "GpunetCheckUnknown",
             "GpunetExporterDown", "GpunetPauseStorm", "GpunetPfcDisabledOnRocePriority",
             "GpunetPfcTrustNotExpected", "GpunetFabricSweepFailing",
-            "GpunetGpuFabricNotReady", "GpunetGpuFabricUnhealthy"), (
+            "GpunetGpuFabricNotReady", "GpunetGpuFabricUnhealthy", "GpunetGdrPeermemOnly"), (
             f"{name}: the description should show the value")
         url = ann["runbook_url"]
         assert url.startswith(thresholds.defaults().runbook_url + "#")

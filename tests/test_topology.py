@@ -476,6 +476,7 @@ def test_peermem_each_path(dgx: Path, tmp_path: Path, module: str) -> None:
     assert info == [{"module": module,
                      "version": "1.3-0" if module.startswith("nv_") else "580.159.04"}]
     assert value(s, P + "gdr_ready") == 1
+    assert gdr_path(s) == "peermem"  # the proprietary module: no DMA-BUF
 
 
 def test_peermem_unloaded(dgx: Path, tmp_path: Path) -> None:
@@ -486,6 +487,16 @@ def test_peermem_unloaded(dgx: Path, tmp_path: Path) -> None:
     assert not series(s, P + "gdr_peermem_info")
     assert value(s, P + "gdr_dmabuf_capable") == 0
     assert value(s, P + "gdr_ready") == 0
+    assert gdr_path(s) == "none"
+
+
+def gdr_path(s: Samples) -> str | None:
+    """The one path gpunet_topology_gdr_path says GPUDirect RDMA takes (None: no series)."""
+    got = {dict(lbl)["path"]: v for lbl, v in series(s, P + "gdr_path").items()}
+    if not got:
+        return None
+    assert sorted(got) == ["dmabuf", "none", "peermem"] and sum(got.values()) == 1, got
+    return next(p for p, v in got.items() if v == 1)
 
 
 def test_peermem_version_capped(dgx: Path) -> None:
@@ -522,6 +533,10 @@ def test_dmabuf(dgx: Path, tmp_path: Path, nvrm: str, release: str, flavor: str,
     assert value(s, P + "nvidia_kernel_module_info", flavor=flavor, version=version) == 1
     assert value(s, P + "gdr_dmabuf_capable") == capable
     assert value(s, P + "gdr_ready") == capable
+    assert gdr_path(s) == ("dmabuf" if capable else "none")
+    st.make_peermem(dgx, "nvidia_peermem")  # both: DMA-BUF first, as NCCL tries it
+    assert gdr_path(run(dgx, st.build_procfs(tmp_path / "tree2", nvrm, release))[0]) == (
+        "dmabuf" if capable else "peermem")
 
 
 def test_no_nvidia_driver(dgx: Path, tmp_path: Path) -> None:
@@ -541,11 +556,14 @@ def test_unreadable_driver_files(dgx: Path, tmp_path: Path) -> None:
     assert value(s, P + "nvidia_kernel_module_info", flavor="open", version="580.159.04") == 1
     assert value(s, P + "gdr_dmabuf_capable") is None
     assert value(s, P + "gdr_ready") is None  # neither yes nor no
+    assert gdr_path(s) is None
     (proc / "driver/nvidia/version").write_text("garbage\n")
     s, unreadable = run(dgx, proc)
     assert unreadable == 1 and not series(s, P + "nvidia_kernel_module_info")
     st.make_peermem(dgx, "nvidia_peermem")  # peermem alone decides then
-    assert value(run(dgx, proc)[0], P + "gdr_ready") == 1
+    s = run(dgx, proc)[0]
+    assert value(s, P + "gdr_ready") == 1
+    assert gdr_path(s) is None  # ready, but whether DMA-BUF would be taken is not known
 
 
 def test_version_parsers() -> None:

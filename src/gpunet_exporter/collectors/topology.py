@@ -91,6 +91,12 @@ GDR_READY = MetricSpec(
     "1 when the host side of GPUDirect RDMA is in place (peer memory or DMA-BUF), else 0", (),
     "boolean",
     "peer-memory version files, /proc/driver/nvidia/version, /proc/sys/kernel/osrelease")
+GDR_PATHS = ("dmabuf", "peermem", "none")
+GDR_PATH = MetricSpec(
+    "gpunet_topology_gdr_path", "gauge",
+    "1 for the way GPUDirect RDMA takes on this host (DMA-BUF first, as NCCL), 0 for the others",
+    ("path",), "boolean",
+    "peer-memory version files, /proc/driver/nvidia/version, /proc/sys/kernel/osrelease")
 GPU_NIC_PATH = MetricSpec(
     "gpunet_topology_gpu_nic_path", "gauge",
     "Always 1: the PCIe path between the GPU and the RDMA device, in nvidia-smi topo's terms",
@@ -181,7 +187,7 @@ class TopologyCollector(Collector):
     description = ("GPU-NIC PCIe distances, GPUDirect RDMA readiness, ACS redirect on the path, "
                    "NCCL environment audit of GPU processes")
     metrics = (PEERMEM_LOADED, PEERMEM_INFO, KERNEL_MODULE_INFO, DMABUF_CAPABLE, GDR_READY,
-               GPU_NIC_PATH, NEAREST_NIC, NUMA_MISMATCH, ACS_REDIRECT, NCCL_ENV_FINDINGS,
+               GDR_PATH, GPU_NIC_PATH, NEAREST_NIC, NUMA_MISMATCH, ACS_REDIRECT, NCCL_ENV_FINDINGS,
                NCCL_ENV_SETTINGS, NCCL_ENV_PROCESSES, NIC_PCIE_INFO, NIC_PCIE_SPEED,
                NIC_PCIE_WIDTH, NIC_PCIE_MAX_SPEED, NIC_PCIE_MAX_WIDTH, NIC_PCIE_DEGRADED,
                NEAREST_RAIL_NIC)
@@ -456,6 +462,13 @@ class TopologyCollector(Collector):
             ready = True if loaded else dmabuf
             if ready is not None:
                 fams.add(GDR_READY, [], int(ready))
+            # NCCL takes DMA-BUF where the driver and kernel allow it (NCCL_DMABUF_ENABLE, on by
+            # default), else the peer-memory module; unknown while DMA-BUF cannot be told.
+            path = ("dmabuf" if dmabuf else "peermem" if loaded and dmabuf is not None
+                    else "none" if dmabuf is not None else None)
+            if path is not None:
+                for name in GDR_PATHS:
+                    fams.add(GDR_PATH, [name], int(name == path))
 
     def _dmabuf(self, fams: Families) -> bool | None:
         """Whether DMA-BUF GPUDirect is possible: False without the NVIDIA driver, None when it

@@ -32,7 +32,7 @@ def note_nccl_settings(c: Check) -> None:
                                 f"({lbl['value_class']})" + (f": {note}" if note else "")))
 
 
-@checks("GpunetGdrNotReady", "GpunetGdrInactive")
+@checks("GpunetGdrNotReady", "GpunetGdrPeermemOnly", "GpunetGdrInactive")
 def check_gdr(c: Check) -> None:
     """GPUDirect RDMA, judged only while an RDMA port is ACTIVE (as the alerts' join)."""
     b = c.b
@@ -40,8 +40,14 @@ def check_gdr(c: Check) -> None:
         return
     if b.get("gpunet_topology_gdr_ready") == 0:
         c.add("gdr_off", "GpunetGdrNotReady", "node",
-              "no peer-memory module (nvidia_peermem) loaded and no DMA-BUF",
-              "lsmod | grep -E 'nvidia_peermem|nv_peer_mem'; cat /proc/driver/nvidia/version")
+              "no DMA-BUF (it needs the open kernel module and Linux 5.12 or later) and no "
+              "peer-memory module (nvidia_peermem) loaded",
+              "cat /proc/driver/nvidia/version; uname -r; "
+              "lsmod | grep -E 'nvidia_peermem|nv_peer_mem'")
+    if b.get("gpunet_topology_gdr_path", path="peermem") == 1:
+        c.add("gdr_off", "GpunetGdrPeermemOnly", "node",
+              "GPUDirect RDMA rests on nvidia_peermem alone: no DMA-BUF (proprietary kernel "
+              "module or a kernel before 5.12)", "cat /proc/driver/nvidia/version; uname -r")
     for lbl, v in b.all("gpunet_probe_gdr_active"):
         if v == 0:
             c.add("gdr_off", "GpunetGdrInactive", f"{lbl['scope']} probe",
@@ -119,6 +125,13 @@ ALERTS: tuple[Alert, ...] = (
           "nvidia_peermem not loaded and no DMA-BUF",
           f"GPUDirect RDMA cannot work {NODE}: no peer-memory module (nvidia_peermem) is "
           "loaded and the driver or kernel cannot use DMA-BUF."),
+    Alert("GpunetGdrPeermemOnly", "transport", "warning", "1h",
+          lambda t: ('gpunet_topology_gdr_path{path="peermem"} == 1\n'
+                     f"  and on (instance) {_ACTIVE_RDMA_PORT}"),
+          "GPUDirect RDMA on nvidia_peermem alone, without DMA-BUF",
+          f"GPUDirect RDMA {NODE} rests on the nvidia_peermem module alone: DMA-BUF, the way "
+          "NVIDIA recommends, is not possible (the proprietary kernel module, or a kernel before "
+          "5.12), and a driver or kernel update that drops the module turns GPUDirect RDMA off."),
     Alert("GpunetGpuJobRdmaIdle", "transport", "warning", "30m",
           lambda t: ("count by (instance) (\n"
                      "  avg_over_time(gpunet_gpu_utilization_ratio[10m]) < "
