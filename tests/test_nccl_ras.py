@@ -19,7 +19,7 @@ from gpunet_exporter.collector import Scrape
 from gpunet_exporter.collectors.nccl import NcclCollector
 from gpunet_exporter.sources import ras
 
-from support.metrics import make_collector, samples_of, value
+from support.metrics import make_collector, samples_of, series, value
 from support.paths import FIXTURES
 from support.ras_server import Behaviour, Server, serving
 from support.wait import wait_for
@@ -205,8 +205,10 @@ def test_misbehaving_servers() -> None:
 
 @contextmanager
 def collector(ports: list[int], **config: Any) -> Iterator[NcclCollector]:
+    # MONITOR off unless a test asks for it: its connection would count among the server's.
     c = make_collector(NcclCollector, "/sys", {"host": "127.0.0.1", "ports": ports,
-                                               "handshake_seconds": 0.3, **config})
+                                               "handshake_seconds": 0.3, "monitor": False,
+                                               **config})
     try:
         assert isinstance(c, NcclCollector)
         yield c
@@ -342,6 +344,74 @@ def test_timeout_bounds_the_whole_query() -> None:
     took = value(s, "gpunet_nccl_ras_query_duration_seconds", port=str(srv.port))
     assert (got["success"], got["unanswered"]) == (0, 5)
     assert took is not None and 1.5 <= took <= 2.0 + 0.25, took
+
+
+# -- MONITOR (NCCL 2.29.2 and later) -------------------------------------------------------------
+
+MONITOR = json.loads(fixture("monitor.json"))
+
+
+def monitor_events() -> list[str]:
+    """What NCCL 2.30.7's RAS sent the JSON monitoring client after rank 1 was killed."""
+    return [c["data"] for c in MONITOR["nccl_2.30.7"]["clients"]["json"]["chunks"]
+            if "data" in c and "sent" not in c]
+
+
+def test_monitor_stream_parses_in_any_pieces() -> None:
+    whole = "".join(monitor_events()).encode()
+    want = ["PEER_DISCONNECTED", "PEER_UNRESPONSIVE", "PEER_INIT_TIMEOUT", "PEER_INIT_TIMEOUT",
+            "PEER_TIMEOUT_DEAD", "PEER_DEAD"]
+    for step in (1, 7, 100, len(whole)):
+        got, buf = [], b""
+        for i in range(0, len(whole), step):
+            events, buf = ras.parse_events(buf + whole[i:i + step])
+            got += events
+        assert [e.event for e in got] == want and buf.strip() == b"", step
+    assert got[-1] == ras.Event("PEER_DEAD", "LIFECYCLE", "192.0.2.2", 15033)
+    assert ras.parse_events(b'{"event": "PEER_SOMETHING_NEW", "group": "TRACE"}\n')[0] == [
+        ras.Event("other", "TRACE")]
+    with pytest.raises(ras.RasError):
+        ras.parse_events(b"[2026-11-27 11:54:04] PEER_DEAD: text, not JSON\n")
+
+
+def test_monitor_counts_events_and_asks_for_a_status_at_once() -> None:
+    """With a MONITOR connection open, the status report is asked only every
+    monitor_status_interval_seconds (300 here, past the test), and at once after a peer died
+    or stopped answering: the stream replayed here is NCCL 2.30.7's."""
+    b = Behaviour(json=fixture("healthy.json"), monitor=monitor_events(), monitor_delay=0.2)
+    with serving(b) as srv, collector([srv.port], interval_seconds=3600, monitor=True) as c:
+        def done() -> dict[Any, float] | None:
+            s = samples_of(list(c.collect(Scrape())))
+            return s if value(s, "gpunet_nccl_ras_events_total", port=str(srv.port),
+                              event="PEER_DEAD") == 1 else None
+        s = wait_for(done, "the PEER_DEAD event counted", timeout=20)
+        p = str(srv.port)
+        events = {dict(lbl)["event"]: v for lbl, v in series(s, "gpunet_nccl_ras_events_total")
+                  .items()}
+        assert events == {"PEER_NEW": 0, "PEER_DEAD": 1, "PEER_TIMEOUT_DEAD": 1,
+                          "PEER_UNRESPONSIVE": 1, "PEER_DISCONNECTED": 1,
+                          "PEER_INIT_TIMEOUT": 2, "PEER_CONNECTING": 0, "other": 0}
+        assert value(s, "gpunet_nccl_ras_monitor_connected", port=p) == 1
+        # The first round's report, then one woken by the urgent events (the interval is
+        # an hour): each STATUS follows CLIENT PROTOCOL and SET FORMAT json.
+        wait_for(lambda: srv.commands.count("STATUS") >= 2, "a status report after the events",
+                 timeout=10)
+        assert srv.commands.count("MONITOR lifecycle,trace") == 1
+
+
+def test_monitor_refused_by_an_older_nccl() -> None:
+    """NCCL 2.28.9 answers MONITOR with the error recorded in monitor.json: the port is said
+    not to be monitored, and status reports go on at the interval."""
+    refused = MONITOR["nccl_2.28.9"]["clients"]["json"]["chunks"][-1]["data"]
+    assert refused == "ERROR: Unknown command MONITOR all\n"
+    with serving(Behaviour(json=fixture("healthy.json"))) as srv, \
+            collector([srv.port], monitor=True) as c:
+        s = wait_for(lambda: (lambda s: s if value(
+            s, "gpunet_nccl_ras_monitor_connected", port=str(srv.port)) == 0 else None)(
+                samples_of(list(c.collect(Scrape())))), "MONITOR refused", timeout=10)
+        assert not series(s, "gpunet_nccl_ras_events_total")
+        assert value(s, "gpunet_nccl_ras_query_success", port=str(srv.port)) == 1
+        assert "MONITOR lifecycle,trace" in srv.commands
 
 
 def test_only_a_silent_listener() -> None:

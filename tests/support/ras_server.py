@@ -29,6 +29,10 @@ class Behaviour:
     # The first this many connections are accepted and never answered (a stopped process of
     # the job, sharing the port, took them), the later ones served as above.
     mute_first: int = 0
+    # MONITOR (NCCL 2.29.2 and later): "OK", then these chunks, one every monitor_delay
+    # seconds, and the connection held open; None: refused as NCCL before 2.29.2 refuses it.
+    monitor: list[str] | None = None
+    monitor_delay: float = 0.05
     version: str = "2"
 
 
@@ -123,6 +127,14 @@ class Server:
                             conn.sendall(f"ERROR: Unknown command {cmd}\n".encode())
                         else:
                             conn.sendall(f"ERROR: Invalid format {cmd[11:]}\n".encode())
+                    elif low.startswith("monitor") and b.monitor is not None:
+                        conn.sendall(b"OK\n")
+                        for chunk in b.monitor:
+                            if self._stop.wait(b.monitor_delay):
+                                return
+                            conn.sendall(chunk.encode())
+                        self._stop.wait()
+                        return
                     elif low in ("status", "verbose status"):
                         self._report(conn, (b.json or "") if fmt == "json" else b.text)
                         return

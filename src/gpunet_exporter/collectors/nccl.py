@@ -137,9 +137,20 @@ UNLABELLED = MetricSpec(
     _SRC)
 PER_COMM = (C_EXPECTED, C_MISSING, C_STATUS, C_ERRORED, C_SKEW, C_STALLED, UNLABELLED)
 
-SPECS = (LISTENERS, QUERY_SUCCESS, QUERY_LAST_SUCCESS, QUERY_DURATION, UNANSWERED, INFO,
-         COLLECTION, TIMEOUTS, PROCESSES, NODES, GPUS, COMMS, RANKS, MISSING, ERRORED, SKEW,
-         SKEW_GROWING, STALLED, IDLE, *PER_COMM)
+MONITOR_CONNECTED = MetricSpec(
+    "gpunet_nccl_ras_monitor_connected", "gauge",
+    "1 while a MONITOR connection to the RAS port is open, 0 while the port's job refuses one",
+    _P, "boolean", "RAS MONITOR (NCCL 2.29.2 and later)")
+EVENTS = MetricSpec(
+    "gpunet_nccl_ras_events_total", "counter",
+    "Peer events RAS reported on the MONITOR connection, by event", ("port", "event"), "events",
+    "RAS MONITOR stream (JSON)")
+# Events after which the next status report is asked at once: a peer gone or not answering.
+URGENT_EVENTS = frozenset({"PEER_DEAD", "PEER_TIMEOUT_DEAD", "PEER_UNRESPONSIVE"})
+
+SPECS = (MONITOR_CONNECTED, EVENTS, LISTENERS, QUERY_SUCCESS, QUERY_LAST_SUCCESS, QUERY_DURATION,
+         UNANSWERED, INFO, COLLECTION, TIMEOUTS, PROCESSES, NODES, GPUS, COMMS, RANKS, MISSING,
+         ERRORED, SKEW, SKEW_GROWING, STALLED, IDLE, *PER_COMM)
 
 
 @dataclass(frozen=True)
@@ -171,6 +182,14 @@ class NcclSettings(Settings):
         "export one series per communicator of the JSON report too "
         "(`gpunet_nccl_communicator_*{communicator}`, labelled with its hash); off by default: "
         "a job may hold thousands of communicators, each hash a new series", default=False)
+    monitor: bool = setting(
+        "keep one MONITOR connection per port where NCCL offers it (2.29.2 and later): peer "
+        "events are counted as they happen, a status report is asked at once after a peer "
+        "died or stopped answering, and otherwise every `monitor_status_interval_seconds`",
+        default=True)
+    monitor_status_interval_seconds: float = setting(
+        "with a MONITOR connection open, how often a status report is asked without an event "
+        "(status reports are the expensive part of RAS)", default=300, minimum=1)
     max_communicators: int = setting(
         "with `per_communicator`, most communicators per port given series of their own: those "
         "with the most missing, stalled and errored ranks, then the widest skew (ties by hash); "
@@ -200,6 +219,10 @@ class _Port:
     unanswered: int = 0
     # communicator key -> (rank -> total count, skew) of the previous JSON report
     counts: dict[str, tuple[dict[int, int], int]] = field(default_factory=dict)
+    monitor: bool | None = None  # a MONITOR connection open; False: refused; None: no job
+    events: dict[str, int] = field(default_factory=dict)  # by event, once monitored
+    urgent: bool = False  # an event asks for a status report at once
+    queried: float = 0.0  # time.monotonic() of the latest status query
 
 
 class NcclCollector(Collector):
@@ -220,6 +243,8 @@ class NcclCollector(Collector):
         self._refresher: Refresher[None] = Refresher(
             "nccl", float(self.settings.interval_seconds), lambda: self.refresh(),
             self.ctx.log_once)
+        self._stop = threading.Event()
+        self._monitors: list[threading.Thread] = []
 
     # -- background ------------------------------------------------------------------------
 
@@ -228,7 +253,63 @@ class NcclCollector(Collector):
         which compares two reports, call it too: rounds never overlap)."""
         with self._round:
             for port, state in self._ports.items():
-                self._query(port, state)
+                with self._lock:
+                    skip = (state.monitor and not state.urgent and time.monotonic()
+                            - state.queried < self.settings.monitor_status_interval_seconds)
+                    state.urgent = False
+                if not skip:
+                    state.queried = time.monotonic()
+                    self._query(port, state)
+
+    def _monitor(self, port: int, state: _Port) -> None:
+        """One port's MONITOR connection, kept open while the job's RAS accepts it (a thread
+        per port): events counted, a status query woken after an urgent one. A refused port
+        (no job) is tried again every interval; an NCCL without MONITOR every ten."""
+        cfg = self.settings
+        interval = float(cfg.interval_seconds)
+        while not self._stop.is_set():
+            mon = ras.Monitor(cfg.host, port, handshake_timeout=float(cfg.handshake_seconds))
+            try:
+                mon.open()
+            except ConnectionRefusedError:
+                with self._lock:
+                    state.monitor = None
+                self._stop.wait(interval)
+                continue
+            except ras.MonitorUnsupported:
+                with self._lock:
+                    state.monitor = False
+                self._stop.wait(10 * interval)
+                continue
+            except (OSError, ras.RasError) as exc:
+                self.ctx.log_once(logging.DEBUG, "NCCL RAS MONITOR on port %d: %s", port, exc)
+                with self._lock:
+                    state.monitor = False
+                self._stop.wait(interval)
+                continue
+            with self._lock:
+                state.monitor = True
+                for name in (*ras.EVENTS, "other"):
+                    state.events.setdefault(name, 0)
+            try:
+                while not self._stop.is_set():
+                    events = mon.events(1.0)
+                    urgent = False
+                    with self._lock:
+                        for ev in events:
+                            state.events[ev.event] += 1
+                            urgent |= ev.event in URGENT_EVENTS
+                        state.urgent |= urgent
+                    if urgent:
+                        self._refresher.wake()
+            except (OSError, ras.RasError) as exc:
+                self.ctx.log_once(logging.DEBUG, "NCCL RAS MONITOR on port %d ended: %s",
+                                  port, exc)
+            finally:
+                mon.close()
+                with self._lock:
+                    state.monitor = False
+            self._stop.wait(1.0)  # the job's RAS went away: its port is refused next
 
     def _listeners(self, port: int) -> int:
         tables = []
@@ -340,13 +421,24 @@ class NcclCollector(Collector):
 
     def collect(self, scrape: Scrape) -> Iterator[Metric]:
         self._refresher.start()
+        if self.settings.monitor and not self._monitors:
+            for port, state in self._ports.items():
+                t = threading.Thread(target=self._monitor, args=(port, state),
+                                     name=f"nccl-monitor-{port}", daemon=True)
+                t.start()
+                self._monitors.append(t)
         self._refresher.wait_first(scrape.deadline)
         fams = Families()
         with self._lock:
-            ports = [(p, s.fresh, s.report, s.unanswered) for p, s in self._ports.items()]
-        for port, fresh, report, unanswered in ports:
+            ports = [(p, s.fresh, s.report, s.unanswered, s.monitor, dict(s.events))
+                     for p, s in self._ports.items()]
+        for port, fresh, report, unanswered, monitor, events in ports:
             lbl = str(port)
             fams.add(UNANSWERED, [lbl], float(unanswered))
+            if monitor is not None:
+                fams.add(MONITOR_CONNECTED, [lbl], float(monitor))
+            for name, n in events.items():
+                fams.add(EVENTS, [lbl, name], float(n))
             if report is None:
                 continue
             fams.add(LISTENERS, [lbl], float(report.listeners))
@@ -361,7 +453,10 @@ class NcclCollector(Collector):
         return iter(fams)
 
     def close(self) -> None:
+        self._stop.set()
         self._refresher.stop()
+        for t in self._monitors:
+            t.join(timeout=5)
 
 
 def _export(add: Callable[[MetricSpec, list[str], float], None], lbl: str, st: ras.Status,

@@ -229,6 +229,122 @@ def _converse(conn: _Conn, deadline: float, json_format: bool,
     return fmt, conn.rest().decode("utf-8", "replace")
 
 
+# -- MONITOR (NCCL 2.29.2 and later) ---------------------------------------------------------------
+
+# The events a MONITOR stream carries (src/ras: peers.cc, ras.cc, rasnet.cc), as
+# gpunet_nccl_ras_events_total's bounded label; any other is counted as "other".
+EVENTS = ("PEER_NEW", "PEER_DEAD", "PEER_TIMEOUT_DEAD", "PEER_UNRESPONSIVE", "PEER_DISCONNECTED",
+          "PEER_INIT_TIMEOUT", "PEER_CONNECTING")
+
+
+class MonitorUnsupported(RasError):
+    """The server does not know MONITOR (NCCL before 2.29.2)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event of a MONITOR stream (the JSON form)."""
+
+    event: str  # one of EVENTS, or "other"
+    group: str  # LIFECYCLE or TRACE
+    host: str = ""
+    pid: int = -1
+
+
+class Monitor:
+    """One long-lived MONITOR connection: ``open()`` speaks the protocol (CLIENT PROTOCOL, SET
+    FORMAT json, MONITOR ``groups``), then ``events(timeout)`` returns the events that arrived
+    within ``timeout`` seconds (none when nothing came). Raises OSError when nothing listens,
+    Unanswered when the handshake is not answered, MonitorUnsupported on an older NCCL,
+    RasError when the server closes the connection."""
+
+    def __init__(self, host: str, port: int, *, handshake_timeout: float = 2.0,
+                 groups: str = "lifecycle,trace", max_bytes: int = 1 << 20) -> None:
+        self.host, self.port, self.groups = host, port, groups
+        self.handshake_timeout, self.max_bytes = handshake_timeout, max_bytes
+        self.sock: socket.socket | None = None
+        self.buf = b""
+
+    def open(self) -> None:
+        start = time.monotonic()
+        try:
+            sock = socket.create_connection((self.host, self.port),
+                                            timeout=self.handshake_timeout)
+        except TimeoutError:
+            raise Unanswered("connection not accepted in time (a full accept queue)") from None
+        try:
+            conn = _Conn(sock, start + self.handshake_timeout, self.max_bytes, Exchange())
+            conn.send(f"CLIENT PROTOCOL {PROTOCOL}")
+            answer = conn.line(conn.deadline)
+            if not answer.upper().startswith("SERVER PROTOCOL "):
+                raise RasError(f"unexpected handshake answer {answer[:80]!r}")
+            for line in ("SET FORMAT json", f"MONITOR {self.groups}"):
+                conn.send(line)
+                answer = conn.line(conn.deadline)
+                if answer.upper() != "OK":
+                    if line.startswith("MONITOR") and "unknown command" in answer.lower():
+                        raise MonitorUnsupported(answer[:80])
+                    raise RasError(f"{line} refused: {answer[:80]!r}")
+        except BaseException:
+            sock.close()
+            raise
+        self.sock, self.buf = sock, conn.buf
+
+    def events(self, timeout: float) -> list[Event]:
+        assert self.sock is not None, "open() first"
+        self.sock.settimeout(timeout)
+        try:
+            chunk = self.sock.recv(65536)
+        except TimeoutError:
+            return []
+        if not chunk:
+            raise RasError("the server closed the MONITOR connection")
+        self.buf += chunk
+        if len(self.buf) > self.max_bytes:
+            raise RasError(f"an event longer than {self.max_bytes} bytes")
+        out, self.buf = parse_events(self.buf)
+        return out
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+_DECODER = json.JSONDecoder()
+
+
+def parse_events(buf: bytes) -> tuple[list[Event], bytes]:
+    """The whole JSON events at the start of ``buf`` (client_support.cc
+    rasClientsNotifyEvent), and the rest, which may be the start of the next one. Raises
+    RasError on something that is not an event."""
+    text = buf.decode("utf-8", "replace")
+    out: list[Event] = []
+    pos = 0
+    while True:
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        if pos >= len(text):
+            break
+        if text[pos] != "{":
+            raise RasError(f"not a MONITOR event: {text[pos:pos + 80]!r}")
+        try:
+            obj, end = _DECODER.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # the rest of it has not arrived yet
+        pos = end
+        if not isinstance(obj, dict):
+            raise RasError(f"not a MONITOR event: {obj!r:.80}")
+        name = str(obj.get("event", ""))
+        raw = obj.get("peer")
+        peer: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        pid = peer.get("pid", -1)
+        out.append(Event(name if name in EVENTS else "other", str(obj.get("group", ""))[:16],
+                         str(peer.get("host", peer.get("addr", "")))[:64],
+                         pid if isinstance(pid, int) else -1))
+    return out, text[pos:].encode()
+
+
 # -- JSON (NCCL 2.28.7 and later) ----------------------------------------------------------------
 
 def _int(obj: dict[str, Any], key: str, default: int = 0) -> int:
