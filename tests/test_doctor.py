@@ -182,7 +182,7 @@ def test_checks_name_real_alerts_and_causes() -> None:
     knows, and is among those its check declares (``@checks``) in the module of its class."""
     names = set(doctor_module.SEVERITY)
     checked = alerts_module.checked()
-    assert set(checked) <= names and len(checked) == 54
+    assert set(checked) <= names and len(checked) == 55
     for m in alerts_module.MODULES:
         source = Path(m.__file__ or "").read_text()
         reported = set(re.findall(r'c\.add\("\w+", "(Gpunet[A-Za-z]+)"', source))
@@ -488,6 +488,22 @@ def ib_tree(root: Path) -> tuple[Path, list[str]]:
     return sysfs, [f"--path.sysfs={sysfs}", "--collector.disable-defaults",
                    "--collector.infiniband", "--collector.link", "--json",
                    f"--config.file={cfg}", f"--state-file={root / 'state' / 'doctor.json'}"]
+
+
+def test_rail_nic_in_the_wrong_slot_is_a_finding(tmp_path: Path) -> None:
+    """GPU 0's rail NIC on the other socket (sysfs_tree.build_rail_misplaced), the storage NICs
+    excluded from the rails as the example configuration does: one finding, exit 1."""
+    sysfs = st.build_rail_misplaced(tmp_path / "tree")
+    cfg = tmp_path / "gpunet.yml"
+    cfg.write_text("topology:\n  rail_exclude: '^mlx5_(8|9)$'\n")
+    proc = st.build_procfs(tmp_path / "tree")
+    out = run(f"--path.sysfs={sysfs}", f"--path.procfs={proc}",
+              f"--config.file={cfg}", "--collector.disable-defaults", "--collector.infiniband",
+              "--collector.topology", "--json", "--nvml.module=no_such_nvml_module")
+    result = json.loads(out.stdout)
+    (found,) = [f for f in result["findings"] if f["alert"] == "GpunetRailMapShared"]
+    assert found["message"] == "mlx5_1 is the nearest rail of 2 GPUs, while mlx5_0 serves none"
+    assert out.returncode == 1, out.stdout + out.stderr
 
 
 def test_ib_mtu_without_ibv_devinfo_is_not_checked_exit_2(tmp_path: Path) -> None:

@@ -1111,6 +1111,30 @@ def test_rail_dgx_healthy(dgx: Path) -> None:
     assert set(series(s, P + "gpu_nearest_nic_numa_mismatch").values()) == {0}
 
 
+def rail_gpus(s: Samples) -> dict[str, float]:
+    return {dict(lbl)["device"]: v for lbl, v in series(s, P + "rail_nic_gpus").items()}
+
+
+def test_rail_map_one_gpu_per_rail(dgx: Path) -> None:
+    s, _ = run(dgx, config={"rail_exclude": "^mlx5_[89]$"})
+    assert rail_gpus(s) == {f"mlx5_{i}": 1 for i in range(8)}
+
+
+def test_rail_nic_in_the_wrong_slot(tmp_path: Path) -> None:
+    """GPU 0's rail NIC on a socket-1 root port (build_rail_misplaced): GPU 0 takes mlx5_1,
+    GPU 1's rail, on its own NUMA node (no NUMA finding), and mlx5_0 serves no GPU. With the
+    storage NICs left in the rails (the default), GPU 0 takes the RoCE mlx5_8 instead."""
+    sysfs = st.build_rail_misplaced(tmp_path)
+    s, unreadable = run(sysfs, config={"rail_exclude": "^mlx5_[89]$"})
+    assert unreadable == 0
+    assert rail(s)["0"] == ("mlx5_1", "NODE") and rail(s)["1"] == ("mlx5_1", "PIX")
+    assert rail_gpus(s) == {"mlx5_0": 0, "mlx5_1": 2, **{f"mlx5_{i}": 1 for i in range(2, 8)}}
+    assert set(series(s, P + "gpu_nearest_nic_numa_mismatch").values()) == {0}
+    s, _ = run(sysfs)
+    assert rail(s)["0"] == ("mlx5_8", "NODE")
+    assert rail_gpus(s)["mlx5_8"] == 1 and max(rail_gpus(s).values()) == 1
+
+
 def test_no_rail_no_mismatch(dgx: Path) -> None:
     s, _ = run(dgx, config={"rail_devices": "^nothing$"})
     assert rail(s) == {}

@@ -16,6 +16,7 @@ For the topology collector (PCIe layout, GPUs, bridges' ACS, GPUDirect RDMA, NCC
                                        PCIe switch with one IB NIC, and peermem loaded
     build_mixed_topology(root)         4 GPUs and 3 NICs at every distance (PIX PXB PHB NODE SYS)
     build_numa_wrong_side(root)        2 GPUs whose NICs both sit on NUMA node 1
+    build_rail_misplaced(root)         the DGX with GPU 0's rail NIC in a socket-1 slot
     build_procfs(root), write_process(proc, pid, environ)   a /proc with the NVIDIA driver
 
 Also what ibv_devinfo prints on the DGX node (DGX_IBV_DEVINFO), for its stand-ins.
@@ -823,6 +824,31 @@ def build_dgx_h100_gpus(root: Path) -> Path:
         port = _root_port(sys, root_bus, nic.numa)
         downstream = _switch(sys, port, root_bus + 1, (nic.bus, gpu_bus), nic.numa)
         nics[i] = replace(nic, parent=downstream[nic.bus])
+        _write_gpu(sys, downstream[gpu_bus], gpu_bus, nic.numa)
+    return _write_gpu_node(root, nics)
+
+
+# Where build_rail_misplaced puts mlx5_0: a root port of its own on NUMA node 1.
+RAIL_MISPLACED_BUS = 0xB0
+
+
+def build_rail_misplaced(root: Path) -> Path:
+    """build_dgx_h100_gpus with GPU 0's rail NIC in the wrong slot: mlx5_0 on a root port of
+    its own on NUMA node 1 (bus RAIL_MISPLACED_BUS) instead of GPU 0's PCIe switch, which holds
+    GPU 0 alone. GPU 0's nearest rail is then mlx5_1 (NODE, on GPU 0's NUMA node: the NUMA
+    check is satisfied), which is GPU 1's too; mlx5_0 is the nearest rail of no GPU."""
+    sys = root / "sys"
+    nics = list(DGX_NICS)
+    for i, gpu_bus in enumerate(DGX_GPU_BUSES):
+        nic = nics[i]
+        root_bus = nic.bus - 3
+        port = _root_port(sys, root_bus, nic.numa)
+        if i == 0:
+            downstream = _switch(sys, port, root_bus + 1, (gpu_bus,), nic.numa)
+            nics[i] = replace(nic, bus=RAIL_MISPLACED_BUS, numa=1)
+        else:
+            downstream = _switch(sys, port, root_bus + 1, (nic.bus, gpu_bus), nic.numa)
+            nics[i] = replace(nic, parent=downstream[nic.bus])
         _write_gpu(sys, downstream[gpu_bus], gpu_bus, nic.numa)
     return _write_gpu_node(root, nics)
 

@@ -158,6 +158,10 @@ NEAREST_RAIL_NIC = MetricSpec(
     "gpunet_topology_gpu_nearest_rail_nic", "gauge",
     "Always 1, for the rail RDMA device nearest the GPU (the one NCCL would use for it)", _GDP,
     "", _PCI_SOURCE)
+RAIL_GPUS = MetricSpec(
+    "gpunet_topology_rail_nic_gpus", "gauge",
+    "GPUs whose nearest rail RDMA device, the one NCCL would give them, this is",
+    ("device",), "GPUs", _PCI_SOURCE)
 _LINK_FILES = ("current_link_speed", "current_link_width", "max_link_speed", "max_link_width")
 @dataclass(frozen=True)
 class TopologySettings(Settings):
@@ -190,7 +194,7 @@ class TopologyCollector(Collector):
                GDR_PATH, GPU_NIC_PATH, NEAREST_NIC, NUMA_MISMATCH, ACS_REDIRECT, NCCL_ENV_FINDINGS,
                NCCL_ENV_SETTINGS, NCCL_ENV_PROCESSES, NIC_PCIE_INFO, NIC_PCIE_SPEED,
                NIC_PCIE_WIDTH, NIC_PCIE_MAX_SPEED, NIC_PCIE_MAX_WIDTH, NIC_PCIE_DEGRADED,
-               NEAREST_RAIL_NIC)
+               NEAREST_RAIL_NIC, RAIL_GPUS)
     settings_type = TopologySettings
     settings: TopologySettings
     flags: ClassVar[Mapping[str, tuple[str, str]]] = {
@@ -332,6 +336,7 @@ class TopologyCollector(Collector):
     def _pairs(self, fams: Families, gpus: list[Endpoint], nics: list[Endpoint]) -> None:
         acs: dict[str, bool | None] = {}  # bridge dir -> redirect, for this scrape
         rails = {nic.name for nic in nics if self._is_rail(nic.name)}
+        served = dict.fromkeys(sorted(rails), 0)  # rail -> GPUs it is the nearest rail of
         for gpu in gpus:
             best: tuple[int, int, str] | None = None
             best_nic: Endpoint | None = None
@@ -364,8 +369,12 @@ class TopologyCollector(Collector):
                 # hide a rail NIC across the sockets.
                 (rank, _, _), rail = best_rail
                 fams.add(NEAREST_RAIL_NIC, [gpu.name, rail.name, PATHS[rank]], 1)
+                served[rail.name] += 1
                 if gpu.numa >= 0 and rail.numa >= 0:
                     fams.add(NUMA_MISMATCH, [gpu.name], int(gpu.numa != rail.numa))
+        if gpus:
+            for rail_name, n in served.items():
+                fams.add(RAIL_GPUS, [rail_name], n)
 
     def _is_rail(self, name: str) -> bool:
         cfg = self.settings
