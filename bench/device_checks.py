@@ -2417,6 +2417,48 @@ def monitor_capture(seconds: float, nccl_lib: str | None) -> dict[str, Any]:
     return out
 
 
+def nvlink_ratio_runs(gpus: list[dict[str, Any]], checks: Checks) -> dict[str, Any]:
+    """The intra scope (one rank per GPU) through the node's launcher, three rounds at the
+    default sizes and three at 64 MiB and 256 MiB: each round's NVLink bandwidth (the runner's,
+    from NVML) against the sum of the capture's link speeds, and its bus bandwidth ratio."""
+    if len(gpus) < 2:
+        return {"skipped": "one GPU: no intra scope"}
+    want = min(sum(lk["get_speed"]["value"] * 1e6 for lk in g["links"]
+                   if lk["state"].get("value") == 1 and "value" in lk.get("get_speed", {}))
+               for g in gpus)
+    out: dict[str, Any] = {"nvlink_from_capture": want, "runs": []}
+    with tempfile.TemporaryDirectory() as tmp_:
+        tmp = Path(tmp_)
+        site = install(tmp)
+        for label, extra in (("defaults", []), ("large", ["--sizes", "64MiB,256MiB"])):
+            for i in range(3):
+                state = tmp / f"{label}{i}"
+                r = subprocess.run(
+                    [sys.executable, "-m", "gpunet_exporter.probe.cli", "run", "--state-dir",
+                     str(state), "--scopes", "intra", "--rounds", "1", *extra],
+                    capture_output=True, text=True, timeout=300,
+                    env={**os.environ, "PYTHONPATH": str(site)})
+                try:
+                    res = json.loads((state / "intra.json").read_text())
+                except (OSError, ValueError):
+                    out["runs"].append({"label": label, "error": r.stderr[-1500:]})
+                    continue
+                sizes = [x for x in res.get("sizes", []) if not x.get("skipped")]
+                largest = max(sizes, key=lambda x: x["bytes"], default=None)
+                nv = res.get("nvlink_bytes_per_second")
+                row = {"label": label, "nvlink": nv, "largest_bytes": largest and largest["bytes"],
+                       "busbw": largest and largest["busbw_bytes_per_second"],
+                       "transports": res.get("transports")}
+                if nv and largest:
+                    row["ratio"] = largest["busbw_bytes_per_second"] / nv
+                out["runs"].append(row)
+                print(f"  intra {label} round {i}: {row}", flush=True)
+    got = [r.get("nvlink") for r in out["runs"]]
+    checks.eq("the runner's NVLink bandwidth equals the capture's link speeds summed",
+              sorted(set(got)), [want])
+    return out
+
+
 def fabric(args: argparse.Namespace) -> int:
     """NVML's NVLink fabric answers on every GPU, versions, nvidia-smi's view, and a MONITOR
     stream; everything into fabric_check.json (tests/fixtures/nvml/ keeps the NVML part)."""
@@ -2452,6 +2494,9 @@ def fabric(args: argparse.Namespace) -> int:
     checks.eq("GPUs whose fabric call answered in some version (a value or an NVML error)",
               sum(any("value" in r or r.get("error", "").startswith("NVMLError")
                       for r in g["fabric"].values()) for g in gpus), len(gpus))
+    out["nvlink_ratio"] = nvlink_ratio_runs(gpus, checks)
+    if args.monitor_seconds <= 0:
+        return finish(out, checks, args.out, "fabric_check.json")
     out["monitor"] = monitor_capture(args.monitor_seconds, args.nccl_lib)
     out["monitor"]["nccl_lib"] = args.nccl_lib or "PyTorch's own"
     text = "".join(c.get("data", "") for c in out["monitor"]["clients"].get("text", {})
@@ -2518,7 +2563,8 @@ def main() -> int:
     jb.add_argument("--out", help="directory for job_check.json")
     fb = sub.add_parser("fabric", help="NVML's NVLink fabric answers, and RAS's MONITOR stream")
     fb.add_argument("--monitor-seconds", type=float, default=40,
-                    help="how long the MONITOR clients listen after rank 1 is killed (40)")
+                    help="how long the MONITOR clients listen after rank 1 is killed (40; 0: "
+                         "no MONITOR capture)")
     fb.add_argument("--nccl-lib", help="a directory with another libnccl.so.2 for the job's "
                     "ranks (LD_PRELOAD), e.g. one built from NCCL's sources")
     fb.add_argument("--out", help="directory for fabric_check.json")

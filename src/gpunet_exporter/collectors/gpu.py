@@ -189,7 +189,6 @@ NVLINK_COUNTERS = (("NVML_NVLINK_ERROR_DL_REPLAY", "replay"),
                    ("NVML_NVLINK_ERROR_DL_CRC_DATA", "crc_data"),
                    ("NVML_NVLINK_ERROR_DL_ECC_DATA", "ecc_data"))
 # nvmlFieldValue_t.valueType -> member of its value union (nvml.h nvmlValueType_t).
-_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 _OK = 0  # NVML_SUCCESS
 
 
@@ -638,7 +637,7 @@ class GpuCollector(Collector):
                                 background=True)
             for (const, _, spec, labels), fv in zip(wanted, values or (), strict=False):
                 if fv.nvmlReturn == _OK:
-                    out.append((spec, (gpu, *labels), _field_value(fv)))
+                    out.append((spec, (gpu, *labels), nvml.field_value(fv)))
                 elif fv.nvmlReturn == getattr(nv, "NVML_ERROR_NOT_SUPPORTED", 3):
                     st.unsupported.add(f"field/{const}")
                     self.ctx.log_once(logging.INFO, "GPU %s: %s not supported; skipped", gpu,
@@ -727,7 +726,3 @@ def _add_fabric(fams: Families, gpu: str, info: Any) -> None:
         for name in nvml.FABRIC_SUMMARIES.values():
             fams.add(FABRIC_SUMMARY, [gpu, name], int(name == summary))
 
-
-def _field_value(fv: Any) -> float:
-    member = _VALUE_MEMBERS[fv.valueType] if 0 <= fv.valueType < len(_VALUE_MEMBERS) else "ullVal"
-    return float(getattr(fv.value, member))

@@ -108,6 +108,14 @@ LINK_RATIO = MetricSpec(
     "gpunet_probe_bus_bandwidth_link_ratio", "gauge",
     "Bus bandwidth of the largest size over gpunet_probe_link_bandwidth_bytes_per_second", _S,
     "ratio", _FILE)
+NVLINK = MetricSpec(
+    "gpunet_probe_nvlink_bandwidth_bytes_per_second", "gauge",
+    "One direction of the active NVLinks of the ranks' GPUs, the least of them (intra scope)", _S,
+    "bytes per second", _FILE + ", from NVML's NVLink speed field per active link")
+NVLINK_RATIO = MetricSpec(
+    "gpunet_probe_bus_bandwidth_nvlink_ratio", "gauge",
+    "Bus bandwidth of the largest size over gpunet_probe_nvlink_bandwidth_bytes_per_second", _S,
+    "ratio", _FILE)
 HCA_RANKS = MetricSpec(
     "gpunet_probe_hca_ranks", "gauge",
     "This node's probe ranks whose NCCL used this RDMA port in the last round",
@@ -227,7 +235,8 @@ class ProbeCollector(Collector):
     default_enabled = False  # it puts work on the GPUs: an operator turns it on
     metrics = (SUCCESS, LAST_ROUND, LAST_SUCCESS, DURATION, FAILURES, RUNNING, STATE,
                STATE_SINCE, IDLE_SINCE, FOREIGN, YIELDS, LATENCY, ALGBW,
-               BUSBW, SKIPPED, STRAGGLER_WAIT, STRAGGLER_RATIO, STRAGGLER, LINK, LINK_RATIO,
+               BUSBW, SKIPPED, STRAGGLER_WAIT, STRAGGLER_RATIO, STRAGGLER, LINK, LINK_RATIO, NVLINK,
+               NVLINK_RATIO,
                HCA_RANKS, HCA_GDR, WORLD, INFO, TRANSPORT, GDR, SOCKET_FALLBACK, PROBLEM,
                *FLEET_METRICS)
     settings_type = ProbeSettings
@@ -367,12 +376,13 @@ class ProbeCollector(Collector):
                 fams.add(LATENCY, [scope, size, stat], v)
             fams.add(ALGBW, [scope, size], s.algbw_bytes_per_second)
             fams.add(BUSBW, [scope, size], s.busbw_bytes_per_second)
-        link = good.link_bytes_per_second
-        if link:
-            fams.add(LINK, [scope], link)
-            largest = max(good.sizes, key=lambda x: x.bytes, default=None)
-            if largest is not None and not largest.skipped:
-                fams.add(LINK_RATIO, [scope], largest.busbw_bytes_per_second / link)
+        largest = max(good.sizes, key=lambda x: x.bytes, default=None)
+        for spec, ratio, bandwidth in ((LINK, LINK_RATIO, good.link_bytes_per_second),
+                                       (NVLINK, NVLINK_RATIO, good.nvlink_bytes_per_second)):
+            if bandwidth:
+                fams.add(spec, [scope], bandwidth)
+                if largest is not None and not largest.skipped:
+                    fams.add(ratio, [scope], largest.busbw_bytes_per_second / bandwidth)
         for h in good.hcas:
             fams.add(HCA_RANKS, [scope, h.device, h.port], len(h.ranks))
             if h.gdr is not None:

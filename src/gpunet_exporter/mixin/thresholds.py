@@ -174,6 +174,9 @@ class Probe(Settings):
     link_ratio: float = setting(
         "fraction of the link rate under which the bus bandwidth through the NICs alerts", 0.8,
         minimum=0, maximum=1)
+    nvlink_ratio: float = setting(
+        "fraction of the GPUs' NVLink bandwidth under which the intra probe's bus bandwidth "
+        "alerts", 0.4, minimum=0, maximum=1)
     expected_bus_bandwidth_bytes_per_second: ExpectedBusBandwidth = setting(
         _help(ExpectedBusBandwidth), ExpectedBusBandwidth())
     straggler_wait_ratio: float = setting(

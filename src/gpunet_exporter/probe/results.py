@@ -90,6 +90,8 @@ class Result:
     skipped_busy: bool = False  # sizes were skipped because a GPU was busy with other work
     hcas: tuple[Hca, ...] = ()  # RDMA ports this node's ranks used
     link_bytes_per_second: float | None = None  # the link bandwidth a rank can expect
+    # intra scope: one direction of the NVLinks of the rank's GPU, the least over the ranks
+    nvlink_bytes_per_second: float | None = None
 
 
 def socket_fallback(scope: str, backend: str, transports: Sequence[str],
@@ -175,6 +177,7 @@ def parse(data: Any, where: str = "result") -> Result:
         raise BadResult(f"{where}: 'gdr' must be true, false or null")
     world = _num(data, "world_size", where) if "world_size" in data else 0
     link = _num(data, "link_bytes_per_second", where, allow_none=True)
+    nvlink = _num(data, "nvlink_bytes_per_second", where, allow_none=True)
     return Result(
         scope=scope, time=float(_num(data, "time", where)),
         started=float(_num(data, "started", where)), success=success, failure=failure,
@@ -186,7 +189,8 @@ def parse(data: Any, where: str = "result") -> Result:
         net_transports=_strs(data, "net_transports", where), gdr=gdr,
         problems=_strs(data, "problems", where),
         skipped_busy=data.get("skipped_busy") is True, hcas=_hcas(data.get("hcas"), where),
-        link_bytes_per_second=None if link is None else float(link))
+        link_bytes_per_second=None if link is None else float(link),
+        nvlink_bytes_per_second=None if nvlink is None else float(nvlink))
 
 
 def _index(d: Mapping[str, Any], key: str, where: str) -> int | None:

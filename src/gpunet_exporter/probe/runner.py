@@ -594,8 +594,17 @@ class _Probe:
         self.nvml: Any = None
         self.handle: Any = None
         self.rounds = 0
-        if self.cuda and args.skip_busy:
+        if self.cuda and (args.skip_busy or scope == "intra"):
             self._open_nvml(index)
+        # What this rank's GPU's NVLinks carry, the intra scope's measure (None elsewhere).
+        self.nvlink: float | None = None
+        if self.cuda and scope == "intra" and self.nvml is not None:
+            from gpunet_exporter.sources import nvml as nvml_source
+            try:
+                self.nvlink = nvml_source.nvlink_bandwidth(self.nvml, self.handle)
+            except Exception as exc:  # no NVLink measure, but the probe still runs
+                print(f"gpunet-probe: rank {cluster.rank}: no NVLink bandwidth: {exc}",
+                      file=sys.stderr)
         self._release()
 
     def _pci_address(self, index: int) -> str:
@@ -822,14 +831,19 @@ class _Probe:
         used = [{"device": d, "port": p, "gdr": gdr,
                  "rate": placement.port_rate(self.sysfs, d, p)} for d, p in ports]
         gathered = self._gather_json({"host": self.host, "reports": [r.to_dict() for r in mine],
-                                      "ports": used})
+                                      "ports": used, "nvlink": self.nvlink})
         reports = [ncclog.RankReport.from_dict(row) for g in gathered for row in g["reports"]]
         s = ncclog.summarize(reports)
         hcas, link = hca_usage([(g["host"], g["ports"]) for g in gathered], self.host)
+        # The intra scope: the NVLink bandwidth every rank's GPU has, the least of them (None
+        # when a rank could not tell).
+        nvlinks = [g.get("nvlink") for g in gathered]
+        nvlink = (min(nvlinks) if nvlinks and all(isinstance(v, (int, float)) for v in nvlinks)
+                  else None)
         return {"net": s.get("net", ""), "transports": sorted(s.get("transports", [])),
                 "net_transports": sorted(s.get("net_transports", [])), "gdr": s.get("gdr"),
                 "problems": sorted(s.get("problems", [])), "hcas": hcas,
-                "link_bytes_per_second": link}
+                "link_bytes_per_second": link, "nvlink_bytes_per_second": nvlink}
 
     def fell_back(self, result: Mapping[str, Any]) -> bool:
         """Whether this round's NCCL took a slower path than the node offers (sockets while an

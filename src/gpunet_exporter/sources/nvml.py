@@ -91,6 +91,44 @@ def fabric_health(mask: int) -> dict[str, int]:
     return out
 
 
+# nvmlValueType_t -> the member of nvmlValue_t that holds a field value.
+VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+
+
+def field_value(fv: Any) -> float:
+    """A field value (c_nvmlFieldValue_t) as a number, by its value type."""
+    t = int(fv.valueType)
+    return float(getattr(fv.value, VALUE_MEMBERS[t] if 0 <= t < len(VALUE_MEMBERS) else "ullVal"))
+
+
+def nvlink_bandwidth(nv: Any, handle: Any) -> float | None:
+    """Bytes per second the GPU's active NVLinks carry in one direction: the sum over its
+    active links of NVML_FI_DEV_NVLINK_GET_SPEED (MB/s, the link as the field's scope; 26562 per
+    link on an H100, docs/formats.md §6.2). None for a GPU without NVLink, or where a link's
+    speed cannot be read."""
+    total = 0.0
+    active = 0
+    speed = getattr(nv, "NVML_FI_DEV_NVLINK_GET_SPEED", None)
+    if speed is None:
+        return None
+    for link in range(int(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18))):
+        try:
+            state = nv.nvmlDeviceGetNvLinkState(handle, link)
+        except nv.NVMLError:
+            break  # past the last link (InvalidArgument), or no NVLink (NotSupported)
+        if state != nv.NVML_FEATURE_ENABLED:
+            continue
+        try:
+            (fv,) = nv.nvmlDeviceGetFieldValues(handle, [(speed, link)])
+        except nv.NVMLError:
+            return None
+        if int(fv.nvmlReturn) != 0:
+            return None
+        total += field_value(fv) * 1e6
+        active += 1
+    return total if active else None
+
+
 def error_name(exc: BaseException) -> str:
     """The pynvml exception class name (``NVMLError_NotSupported``), also for stand-ins."""
     return type(exc).__name__

@@ -132,6 +132,14 @@ BELOW_LINK_RATE = Simple(
     lambda lbl: "cat /var/lib/gpunet-exporter/probe/net.json  # hcas, link_bytes_per_second")
 
 
+BELOW_NVLINK = Simple(
+    "GpunetBusBandwidthBelowNvlink", "gpunet_probe_bus_bandwidth_nvlink_ratio", "<",
+    "probe.nvlink_ratio", "collective", lambda lbl: f"{lbl['scope']} probe",
+    lambda c, lbl, v, limit: (f"the all-reduce reaches {v:.0%} of what the GPUs' NVLinks carry "
+                              f"(limit {limit:.0%})"),
+    lambda lbl: "nvidia-smi topo -m; nvidia-smi nvlink -s")
+
+
 @checks("GpunetStragglerRank")
 def check_straggler(c: Check) -> None:
     b, p = c.b, c.t.probe
@@ -259,6 +267,10 @@ ALERTS: tuple[Alert, ...] = (
            "All-reduce through the NICs well below the link rate",
            f"The probe's all-reduce {SCOPE} reaches {{{{ $value | humanizePercentage }}}} of "
            "what its RDMA links allow (gpunet_probe_link_bandwidth_bytes_per_second)."),
+    simple("GpunetBusBandwidthBelowNvlink", "collective", "warning", "10m", BELOW_NVLINK,
+           "All-reduce over NVLink well below what the NVLinks carry",
+           f"The probe's all-reduce {SCOPE} reaches {{{{ $value | humanizePercentage }}}} of "
+           "what its GPUs' NVLinks carry (gpunet_probe_nvlink_bandwidth_bytes_per_second)."),
     Alert("GpunetStragglerRank", "collective", "warning", "10m",
           lambda t: ("gpunet_probe_straggler_wait_ratio\n  * on (instance, scope) group_left "
                      "(rank, gpu) gpunet_probe_straggler_info\n  > "
@@ -403,7 +415,8 @@ def _pair_leaves() -> str:
 
 # The doctor's checks, in steps (mixin.alerts.DOCTOR_ORDER).
 CHECKS: dict[str, tuple[DoctorCheck, ...]] = {
-    "collectives": (check_probe, BELOW_LINK_RATE, check_straggler), "nccl_jobs": (check_nccl_jobs,)}
+    "collectives": (check_probe, BELOW_LINK_RATE, BELOW_NVLINK, check_straggler),
+    "nccl_jobs": (check_nccl_jobs,)}
 # Alerts the doctor cannot check, and why.
 UNCHECKED: dict[str, str] = {
     "GpunetProbeTimeVariance": "a variation over hours of probe rounds; the doctor sees one",
