@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import subprocess
@@ -699,6 +700,51 @@ def test_net_scope_hcas_link_ratio_and_straggler(collector: Probe, tmp_path: Pat
     assert value(s, "gpunet_probe_bus_bandwidth_link_ratio", scope="inter") is None
     assert not scoped(s, "gpunet_probe_allreduce_bus_bandwidth_bytes_per_second", "intra")
     assert not scoped(s, "gpunet_probe_allreduce_seconds", "intra")
+
+
+@pytest.mark.parametrize("collector", [{"runner": "none"}], indirect=True)
+def test_intra_scope_nvlink_ratio(collector: Probe, tmp_path: Path) -> None:
+    """An intra round with its GPUs' NVLink bandwidth: the values the 4 x H100 machine gave
+    at the default sizes (docs/probe.md): 478.116 GB/s, 307 GB/s at 64 MiB, a ratio of 0.64."""
+    state = tmp_path / "state"
+    state.mkdir()
+    sizes = [{"bytes": 67108864, "skipped": False, "median_seconds": 2e-4, "p99_seconds": 3e-4,
+              "max_seconds": 3e-4, "algbw_bytes_per_second": 2.0e11,
+              "busbw_bytes_per_second": 3.07e11}]
+    write_json(str(state / "intra.json"), good_result(
+        scope="intra", sizes=sizes, transports=["P2P"], nvlink_bytes_per_second=478116000000.0))
+    s = collector.wait("gpunet_probe_success", scope="intra")
+    assert value(s, "gpunet_probe_nvlink_bandwidth_bytes_per_second",
+                 scope="intra") == 478116000000.0
+    assert value(s, "gpunet_probe_bus_bandwidth_nvlink_ratio", scope="intra") == pytest.approx(
+        3.07e11 / 478116000000.0)
+    assert value(s, "gpunet_probe_link_bandwidth_bytes_per_second", scope="intra") is None
+
+
+def test_nvlink_bandwidth_from_nvml() -> None:
+    """sources/nvml.nvlink_bandwidth through the NVML stand-in: the H200 capture's 18 active
+    links, each at the speed the H100s' NVLink speed field gave (26562 MB/s, the capture
+    predates that field); a link down leaves it out; no speed field, no figure."""
+    from support import fake_nvml
+
+    scenario = fake_nvml.h200x2()
+    dev = scenario["devices"][0]
+    dev.setdefault("fieldValues", {})["NVML_FI_DEV_NVLINK_GET_SPEED"] = {
+        "value": 26562, "valueType": 1, "nvmlReturn": 0}
+    fake_nvml.load(scenario)
+    nv = importlib.import_module(fake_nvml.MODULE)
+    nv.nvmlInit()
+    try:
+        h0, h1 = nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlDeviceGetHandleByIndex(1)
+        assert nvml.nvlink_bandwidth(nv, h0) == 18 * 26562e6
+        assert nvml.nvlink_bandwidth(nv, h1) is None  # no speed field recorded for GPU 1
+        dev["nvlink"]["3"]["state"] = {"ok": 0}
+        fake_nvml.load(scenario)
+        nv.nvmlInit()
+        h0 = nv.nvmlDeviceGetHandleByIndex(0)
+        assert nvml.nvlink_bandwidth(nv, h0) == 17 * 26562e6
+    finally:
+        nv.nvmlShutdown()
 
 
 def test_socket_fallback_needs_an_active_rdma_port(tmp_path: Path) -> None:
