@@ -809,41 +809,26 @@ def _write_gpu_node(root: Path, nics: Iterable[Nic]) -> Path:
 DGX_GPU_BUSES = (0x1B, 0x43, 0x52, 0x61, 0x9D, 0xC3, 0xD1, 0xDF)
 
 
-def build_dgx_h100_gpus(root: Path) -> Path:
+# Where build_rail_misplaced puts mlx5_0: a root port of its own on NUMA node 1.
+RAIL_MISPLACED_BUS = 0xB0
+
+
+def build_dgx_h100_gpus(root: Path, misplaced_rail: int | None = None) -> Path:
     """build_dgx_h100's RDMA devices, netdevs and PCI addresses (so the other collectors see the
     same node), placed in a DGX H100's PCIe layout: for each IB NIC a host bridge and root port
     on bus NIC-3, a switch (upstream port, downstream ports) whose downstream ports lead to the
     NIC and to one H100 GPU. GPUs 0-3 and mlx5_0-3 on NUMA node 0, the rest on 1; the RoCE
     mlx5_8 (node 0) and mlx5_9 (node 1) on root ports of their own. ACS redirect is off on every
-    bridge, and nvidia_peermem is loaded."""
+    bridge, and nvidia_peermem is loaded. ``misplaced_rail``: that GPU's IB NIC is not in its
+    switch but on a root port of its own on NUMA node 1, bus RAIL_MISPLACED_BUS
+    (build_rail_misplaced)."""
     sys = root / "sys"
     nics = list(DGX_NICS)
     for i, gpu_bus in enumerate(DGX_GPU_BUSES):
         nic = nics[i]
         root_bus = nic.bus - 3
         port = _root_port(sys, root_bus, nic.numa)
-        downstream = _switch(sys, port, root_bus + 1, (nic.bus, gpu_bus), nic.numa)
-        nics[i] = replace(nic, parent=downstream[nic.bus])
-        _write_gpu(sys, downstream[gpu_bus], gpu_bus, nic.numa)
-    return _write_gpu_node(root, nics)
-
-
-# Where build_rail_misplaced puts mlx5_0: a root port of its own on NUMA node 1.
-RAIL_MISPLACED_BUS = 0xB0
-
-
-def build_rail_misplaced(root: Path) -> Path:
-    """build_dgx_h100_gpus with GPU 0's rail NIC in the wrong slot: mlx5_0 on a root port of
-    its own on NUMA node 1 (bus RAIL_MISPLACED_BUS) instead of GPU 0's PCIe switch, which holds
-    GPU 0 alone. GPU 0's nearest rail is then mlx5_1 (NODE, on GPU 0's NUMA node: the NUMA
-    check is satisfied), which is GPU 1's too; mlx5_0 is the nearest rail of no GPU."""
-    sys = root / "sys"
-    nics = list(DGX_NICS)
-    for i, gpu_bus in enumerate(DGX_GPU_BUSES):
-        nic = nics[i]
-        root_bus = nic.bus - 3
-        port = _root_port(sys, root_bus, nic.numa)
-        if i == 0:
+        if i == misplaced_rail:
             downstream = _switch(sys, port, root_bus + 1, (gpu_bus,), nic.numa)
             nics[i] = replace(nic, bus=RAIL_MISPLACED_BUS, numa=1)
         else:
@@ -851,6 +836,14 @@ def build_rail_misplaced(root: Path) -> Path:
             nics[i] = replace(nic, parent=downstream[nic.bus])
         _write_gpu(sys, downstream[gpu_bus], gpu_bus, nic.numa)
     return _write_gpu_node(root, nics)
+
+
+def build_rail_misplaced(root: Path) -> Path:
+    """build_dgx_h100_gpus with GPU 0's rail NIC in the wrong slot: mlx5_0 on a root port of
+    its own on NUMA node 1 (bus RAIL_MISPLACED_BUS) instead of GPU 0's PCIe switch, which holds
+    GPU 0 alone. GPU 0's nearest rail is then mlx5_1 (NODE, on GPU 0's NUMA node: the NUMA
+    check is satisfied), which is GPU 1's too; mlx5_0 is the nearest rail of no GPU."""
+    return build_dgx_h100_gpus(root, misplaced_rail=0)
 
 
 def build_mixed_topology(root: Path) -> Path:
