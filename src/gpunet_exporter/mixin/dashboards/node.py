@@ -273,6 +273,14 @@ def node(t: Thresholds) -> Json:
                            "needs a reset or reboot.",
                            [target(sel("gpunet_gpu_lost"), gpu)],
                            mappings=mapping((0, "ok", "green"), (1, "LOST", "red"))), 12, 6)
+    lay.add(state_timeline("NVLink fabric registered", "NOT READY (red): on NVSwitch systems "
+                           "the GPU has not (yet) registered with its NVLink fabric, or "
+                           "registration failed (the Fabric Manager); empty where NVML reports "
+                           "no fabric (PCIe GPUs, NVLink bridges).",
+                           [target("max by (gpu) (" + sel("gpunet_gpu_fabric_state",
+                                                          'state="completed"') + ")", gpu)],
+                           mappings=mapping((1, "ready", "green"), (0, "NOT READY", "red"))),
+            12, 6)
     lay.add(timeseries("XID errors", "XID errors per interval by GPU and code. Codes 48, 63, "
                        "64, 74, 79, 92, 94, 95 are serious (ECC, NVLink, fallen off the "
                        "bus).",
