@@ -414,6 +414,26 @@ def test_monitor_refused_by_an_older_nccl() -> None:
         assert "MONITOR lifecycle,trace" in srv.commands
 
 
+def test_no_status_report_on_a_version_known_to_crash() -> None:
+    """A report from NCCL 2.29.7 (whose status reports crash jobs: NVIDIA/nccl#2346), from
+    the real healthy.json with its version changed: no further STATUS while the job listens,
+    said by gpunet_nccl_ras_status_skipped."""
+    report = json.loads(fixture("healthy.json"))
+    report["nccl_version"] = "2.29.7"
+    with serving(Behaviour(json=json.dumps(report))) as srv, collector([srv.port]) as c:
+        first = job(scrape(c), srv.port)
+        assert first["success"] == 1
+        c.refresh()
+        s = scrape(c)
+        assert srv.commands.count("STATUS") == 1
+        assert value(s, "gpunet_nccl_ras_status_skipped", port=str(srv.port)) == 1
+    with serving(Behaviour(json=fixture("healthy.json"))) as srv, collector([srv.port]) as c:
+        scrape(c)
+        s = scrape(c)
+        assert srv.commands.count("STATUS") == 2  # 2.28.9: asked every round
+        assert value(s, "gpunet_nccl_ras_status_skipped", port=str(srv.port)) == 0
+
+
 def test_only_a_silent_listener() -> None:
     with serving(Behaviour(silent=True)) as srv, collector([srv.port], attempts=3) as c:
         s = scrape(c)

@@ -145,12 +145,16 @@ EVENTS = MetricSpec(
     "gpunet_nccl_ras_events_total", "counter",
     "Peer events RAS reported on the MONITOR connection, by event", ("port", "event"), "events",
     "RAS MONITOR stream (JSON)")
+STATUS_SKIPPED = MetricSpec(
+    "gpunet_nccl_ras_status_skipped", "gauge",
+    "1 while the port's job runs an NCCL whose status report is known to crash jobs, so none is "
+    "asked", _P, "boolean", "the report's NCCL version, nccl.status_skip_versions")
 # Events after which the next status report is asked at once: a peer gone or not answering.
 URGENT_EVENTS = frozenset({"PEER_DEAD", "PEER_TIMEOUT_DEAD", "PEER_UNRESPONSIVE"})
 
-SPECS = (MONITOR_CONNECTED, EVENTS, LISTENERS, QUERY_SUCCESS, QUERY_LAST_SUCCESS, QUERY_DURATION,
-         UNANSWERED, INFO, COLLECTION, TIMEOUTS, PROCESSES, NODES, GPUS, COMMS, RANKS, MISSING,
-         ERRORED, SKEW, SKEW_GROWING, STALLED, IDLE, *PER_COMM)
+SPECS = (MONITOR_CONNECTED, EVENTS, STATUS_SKIPPED, LISTENERS, QUERY_SUCCESS, QUERY_LAST_SUCCESS,
+         QUERY_DURATION, UNANSWERED, INFO, COLLECTION, TIMEOUTS, PROCESSES, NODES, GPUS, COMMS,
+         RANKS, MISSING, ERRORED, SKEW, SKEW_GROWING, STALLED, IDLE, *PER_COMM)
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,10 @@ class NcclSettings(Settings):
     monitor_status_interval_seconds: float = setting(
         "with a MONITOR connection open, how often a status report is asked without an event "
         "(status reports are the expensive part of RAS)", default=300, minimum=1)
+    status_skip_versions: tuple[str, ...] = setting(
+        "NCCL versions whose status report is known to crash jobs (docs/nccl-ras.md names the "
+        "bugs): once a report shows one, its port is not asked for another while the job "
+        "runs; MONITOR events still count", default=("2.26.2", "2.26.5", "2.27.3", "2.29.7"))
     max_communicators: int = setting(
         "with `per_communicator`, most communicators per port given series of their own: those "
         "with the most missing, stalled and errored ranks, then the widest skew (ties by hash); "
@@ -223,6 +231,7 @@ class _Port:
     events: dict[str, int] = field(default_factory=dict)  # by event, once monitored
     urgent: bool = False  # an event asks for a status report at once
     queried: float = 0.0  # time.monotonic() of the latest status query
+    skip: str = ""  # the NCCL version whose reports are not asked for, while its job runs
 
 
 class NcclCollector(Collector):
@@ -257,6 +266,11 @@ class NcclCollector(Collector):
                     skip = (state.monitor and not state.urgent and time.monotonic()
                             - state.queried < self.settings.monitor_status_interval_seconds)
                     state.urgent = False
+                if state.skip:  # a crashing version: only whether its job still runs
+                    if self._listeners(port) == 0:
+                        with self._lock:
+                            state.skip = ""
+                    continue
                 if not skip:
                     state.queried = time.monotonic()
                     self._query(port, state)
@@ -353,6 +367,12 @@ class NcclCollector(Collector):
             listeners = self._listeners(port)
         seconds = time.monotonic() - start
         report = _Report(listeners, seconds)
+        if status is not None and status.version in cfg.status_skip_versions:
+            self.ctx.log_once(logging.WARNING, "NCCL RAS on port %d: NCCL %s's status report "
+                              "is known to crash jobs (nccl.status_skip_versions): no more "
+                              "asked while this job runs", port, status.version)
+            with self._lock:
+                state.skip = status.version
         if status is not None:
             samples: list[_Sample] = []
             derived, per_comm = self._progress(state, status)
@@ -430,11 +450,13 @@ class NcclCollector(Collector):
         self._refresher.wait_first(scrape.deadline)
         fams = Families()
         with self._lock:
-            ports = [(p, s.fresh, s.report, s.unanswered, s.monitor, dict(s.events))
+            ports = [(p, s.fresh, s.report, s.unanswered, s.monitor, dict(s.events), s.skip)
                      for p, s in self._ports.items()]
-        for port, fresh, report, unanswered, monitor, events in ports:
+        for port, fresh, report, unanswered, monitor, events, skip in ports:
             lbl = str(port)
             fams.add(UNANSWERED, [lbl], float(unanswered))
+            if report is not None and report.listeners > 0:
+                fams.add(STATUS_SKIPPED, [lbl], float(bool(skip)))
             if monitor is not None:
                 fams.add(MONITOR_CONNECTED, [lbl], float(monitor))
             for name, n in events.items():
