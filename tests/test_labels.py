@@ -261,11 +261,12 @@ def test_rdma_device_name_not_utf8_topology(tmp_path: Path) -> None:
     paths = series(s, "gpunet_topology_gpu_nic_path")
     assert len(paths) == 8 * 9  # 8 GPUs, the 9 devices with a good name
     # Per GPU: the path to it and the ACS count of that pair; GPU 3's nearest NIC and nearest
-    # rail NIC are mlx5_3; and the device's own PCIe link series (as many as mlx5_0 has).
+    # rail NIC are mlx5_3; the device's own PCIe link series (as many as mlx5_0 has); and its
+    # rail's GPU count.
     pcie = [k for k in s if k[0].startswith("gpunet_topology_nic_pcie_")
             and ("device", "mlx5_0") in k[1]]
     assert len(pcie) >= 10
-    assert unreadable(s, "topology") == 8 * 2 + 2 + len(pcie)
+    assert unreadable(s, "topology") == 8 * 2 + 2 + len(pcie) + 1
     assert value(s, "gpunet_topology_gpu_nearest_nic", gpu="0", device="mlx5_0",
                  path="PIX") == 1
     assert not series(s, "gpunet_topology_gpu_nearest_nic").keys() & {
