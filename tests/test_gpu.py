@@ -217,6 +217,23 @@ def test_fabric_not_ready_unhealthy_and_old_drivers(sysfs: Path) -> None:
         g.close()
 
 
+def test_nvlink_speed_per_link(gpu: Gpu) -> None:
+    """Each link's speed from the NVLink speed field, in one call of the background round: the
+    value the 4 x H100 machine gave (26562 MB/s); a driver without the field gives no series and
+    is not asked again."""
+    fake_nvml.device(0).setdefault("fieldValues", {})["NVML_FI_DEV_NVLINK_GET_SPEED"] = {
+        "value": 26562, "valueType": 1, "nvmlReturn": 0}
+    s = wait_for(lambda: (lambda s: s if series(
+        s, "gpunet_gpu_nvlink_speed_bytes_per_second") else None)(gpu.scrape()),
+        "the NVLink speeds", timeout=20)
+    speeds = {(dict(lbl)["gpu"], dict(lbl)["link"]): v for lbl, v in
+              series(s, "gpunet_gpu_nvlink_speed_bytes_per_second").items()}
+    assert speeds == {("0", str(i)): 26562e6 for i in range(18)}  # GPU 1: not supported
+    asked = fake_nvml.calls("nvmlDeviceGetFieldValues", 1)
+    gpu.c.refresh()
+    assert fake_nvml.calls("nvmlDeviceGetFieldValues", 1) == asked + 1  # the counters only
+
+
 def test_background_pcie_counters(gpu: Gpu) -> None:
     wait_for(lambda: value(gpu.scrape(), "gpunet_gpu_counters_refresh_success", gpu="1") == 1)
     s = gpu.scrape()

@@ -115,6 +115,10 @@ FABRIC_SUMMARY = MetricSpec(
     "1 for the driver's summary of the GPU's NVLink fabric health, 0 for the others",
     ("gpu", "summary"), "boolean", f"{_FABRIC_SRC} healthSummary (v3)")
 # Background counters -------------------------------------------------------------------------
+NVLINK_SPEED = MetricSpec(
+    "gpunet_gpu_nvlink_speed_bytes_per_second", "gauge",
+    "Speed of an NVLink link, one direction", ("gpu", "link"), "bytes per second",
+    "nvmlDeviceGetFieldValues NVML_FI_DEV_NVLINK_GET_SPEED (MB/s), the link as the scope")
 # Read in the background every counters_interval_seconds (docs/reading-metrics.md).
 PCIE_THROUGHPUT = MetricSpec(
     "gpunet_gpu_pcie_throughput_bytes_per_second", "gauge",
@@ -349,8 +353,8 @@ class GpuCollector(Collector):
                PCIE_GEN_MAX, PCIE_WIDTH, PCIE_WIDTH_MAX, PCIE_DEGRADED, NVLINK_ACTIVE,
                FABRIC_STATE, FABRIC_STATUS, FABRIC_INFO, FABRIC_HEALTH, FABRIC_SUMMARY,
                PCIE_THROUGHPUT, PCIE_REPLAYS, PCIE_REPLAY_ROLLOVERS, PCIE_RECOVERIES,
-               PCIE_ERRORS, NVLINK_ERRORS, COUNTERS_SUCCESS, COUNTERS_LAST_SUCCESS, XID_MONITORING,
-               XID_ERRORS, XID_LAST, XID_LAST_CODE)
+               PCIE_ERRORS, NVLINK_ERRORS, NVLINK_SPEED, COUNTERS_SUCCESS, COUNTERS_LAST_SUCCESS,
+               XID_MONITORING, XID_ERRORS, XID_LAST, XID_LAST_CODE)
     settings_type = GpuSettings
     settings: GpuSettings
     unknown_checks: ClassVar[Mapping[str, str]] = {
@@ -657,6 +661,29 @@ class GpuCollector(Collector):
                                background=True)
                 if v is not None:
                     out.append((NVLINK_ERRORS, (gpu, str(link), kind), v))
+        out += self._nvlink_speeds(st, gpu)
+        return out
+
+    def _nvlink_speeds(self, st: _GpuState, gpu: str) -> list[Sample]:
+        """Each NVLink link's speed, in one field-value call (the link as each value's scope);
+        none where the driver does not have the field, which is then not asked again."""
+        nv = self.session.nv
+        links = self._nvlinks(st)
+        field = getattr(nv, "NVML_FI_DEV_NVLINK_GET_SPEED", None)
+        if not links or field is None or "nvlink_speed" in st.unsupported:
+            return []
+        values = self._call(st, "nvmlDeviceGetFieldValues",
+                            [(field, link) for link in range(links)], key="nvlink_speed",
+                            background=True)
+        out: list[Sample] = []
+        for link, fv in enumerate(values or ()):
+            if fv.nvmlReturn == _OK:
+                speed = nvml.field_value(fv) * 1e6  # MB/s
+                if speed > 0:
+                    out.append((NVLINK_SPEED, (gpu, str(link)), speed))
+            elif fv.nvmlReturn == getattr(nv, "NVML_ERROR_NOT_SUPPORTED", 3):
+                st.unsupported.add("nvlink_speed")
+                return []
         return out
 
     def _add_background(self, fams: Families, gpus: list[Gpu], lost: set[int],
