@@ -92,9 +92,10 @@ class Infiniband(Settings):
         minimum=0)
     ack_timeouts_per_second: float = setting(
         "QP ACK timer expiries per second (local_ack_timeout_err hw_counter)", 1, minimum=0)
-    rdma_idle_bytes_per_second: float = setting(
-        "bytes per second, sent and received over all of a node's RDMA ports together, "
-        "below which the ports are idle (GpunetGpuJobRdmaIdle)", 1e6, minimum=0)
+    rdma_idle_ratio: float = setting(
+        "share of what a node's ACTIVE RDMA ports can carry (both directions, at their link "
+        "rates) below which they count as idle for a starved GPU job (GpunetGpuJobRdmaIdle)",
+        0.02, minimum=0, maximum=1)
 
 
 @dataclass(frozen=True)

@@ -60,23 +60,27 @@ def check_gdr(c: Check) -> None:
 def check_job_rdma_idle(c: Check) -> None:
     """GpunetGpuJobRdmaIdle: GPUs with compute processes starved (the mean of the two readings
     below gpu.busy_utilization_ratio) while the RDMA ports, all together, move less than
-    infiniband.rdma_idle_bytes_per_second between the readings."""
-    if not c.active_rdma_port():
+    infiniband.rdma_idle_ratio of what the ACTIVE ones can carry, between the readings."""
+    b = c.b
+    capacity = 2 * sum(v for lbl, v in b.all("gpunet_infiniband_port_rate_bytes_per_second")
+                       if b.get("gpunet_infiniband_port_state_id", **lbl) == 4)
+    if not capacity:
         return
     rates = [r for name in ("gpunet_infiniband_port_transmitted_bytes_total",
                             "gpunet_infiniband_port_received_bytes_total")
              for _, r in c.rate(name)]
-    idle = c.t.infiniband.rdma_idle_bytes_per_second
-    if not rates or sum(rates) >= idle:
+    ratio = c.t.infiniband.rdma_idle_ratio
+    if not rates or sum(rates) >= ratio * capacity:
         return
     lo = c.t.gpu.busy_utilization_ratio
     starved = [gpu for gpu, util in c.working_gpus().items() if util < lo]
     if starved:
         c.add("nccl_tcp", "GpunetGpuJobRdmaIdle", "node",
               f"{len(starved)} GPUs with compute processes (GPU {', '.join(starved)}) are busy "
-              f"less than {lo:.0%} while the RDMA ports move {sum(rates):.3g} B/s (idle below "
-              f"{idle:.3g}): the job's traffic is not on RDMA, or it does not use the network "
-              f"(read over the check's {c.dt:.3g} s; the alert averages 10 minutes)",
+              f"less than {lo:.0%} while the RDMA ports move {sum(rates):.3g} B/s, "
+              f"{sum(rates) / capacity:.1%} of what they carry (idle below {ratio:.0%}): the "
+              "job's traffic is not on RDMA, or it does not use the network (read over the "
+              f"check's {c.dt:.3g} s; the alert averages 10 minutes)",
               "NCCL_DEBUG=INFO in the job, then: gpunet-probe explain-log <its log>; "
               "tr '\\0' '\\n' < /proc/PID/environ | grep ^NCCL_  # PIDs: nvidia-smi")
 
@@ -140,14 +144,17 @@ ALERTS: tuple[Alert, ...] = (
                      "and on (instance)\n"
                      "(\n  sum by (instance) (\n"
                      "    rate(gpunet_infiniband_port_transmitted_bytes_total[10m])\n"
-                     "    + rate(gpunet_infiniband_port_received_bytes_total[10m])\n  ) < "
-                     f"{_g(t.infiniband.rdma_idle_bytes_per_second)}\n)\n"
-                     f"and on (instance) {_ACTIVE_RDMA_PORT}"),
+                     "    + rate(gpunet_infiniband_port_received_bytes_total[10m])\n  )\n"
+                     "  / on (instance)\n"
+                     "  (2 * sum by (instance) (\n"
+                     "    gpunet_infiniband_port_rate_bytes_per_second\n"
+                     "    and on (instance, device, port) gpunet_infiniband_port_state_id == 4\n"
+                     f"  )) < {_g(t.infiniband.rdma_idle_ratio)}\n)"),
           "GPU job starved while the RDMA ports are idle",
           f"{{{{ $value }}}} GPUs {NODE} run compute processes but are starved while its RDMA "
-          "ports carry almost nothing: the job's traffic is not on RDMA (NCCL on sockets, as "
-          "in a container without the InfiniBand libraries) or the job does not use the "
-          "network."),
+          "ports carry almost nothing of what they can: the job's traffic is not on RDMA (NCCL "
+          "on sockets, as in a container without the InfiniBand libraries) or the job does not "
+          "use the network."),
     simple("GpunetNcclEnvDisablesFastPath", "transport", "warning", "10m",
            ENV_DISABLES_FAST_PATH,
            "GPU processes run NCCL with a fast path turned off",
