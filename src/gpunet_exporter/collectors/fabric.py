@@ -208,6 +208,7 @@ class FabricCollector(Collector):
         self._families: list[Metric] = []  # the last sweep's, built once in the background
         self._steps: dict[str, tuple[bool, float]] = {}
         self._sweep: Fresh[float] = Fresh()  # value: the last good sweep's duration
+        self._tools_missing = self._missing()  # looked up again by every round
         self._refresher: Refresher[None] = Refresher(
             "fabric", float(cfg.interval_seconds), lambda: self.refresh(), self.ctx.log_once)
 
@@ -215,6 +216,9 @@ class FabricCollector(Collector):
 
     def refresh(self) -> None:
         """One sweep; runs in the background thread (tests call it directly)."""
+        missing = self._missing()
+        with self._lock:
+            self._tools_missing = missing
         try:
             fabric = ibdiag.sweep(self.tools)
         except (CommandError, ibdiag.ParseError, OSError) as exc:
@@ -231,6 +235,10 @@ class FabricCollector(Collector):
             self._steps = {s: (s not in fabric.failed, fabric.step_seconds.get(s, 0.0))
                            for s in STEP_NAMES}
             self._sweep = self._sweep.succeeded(fabric.duration, fabric.at)
+
+    def _missing(self) -> bool:
+        """Whether a tool of the sweep is not found (installed, or in ``tools_dir``)."""
+        return any(shutil.which(getattr(self.tools, t)) is None for t in TOOL_NAMES)
 
     def _build(self, fabric: ibdiag.Fabric) -> list[Metric]:
         """The families of one sweep, built once in the background (each port's samples share
@@ -360,6 +368,7 @@ class FabricCollector(Collector):
         self._refresher.wait_first(scrape.deadline)
         with self._lock:
             families, steps, sweep = self._families, self._steps, self._sweep
+            tools_missing = self._tools_missing
         # Copies of the sweep's families (the registry may drop samples from what it gets),
         # sharing their samples.
         out: list[Metric] = []
@@ -377,7 +386,7 @@ class FabricCollector(Collector):
                 fams.add(STEP_DURATION, [step], seconds)
         out += fams
         self._unknown = {}
-        if any(shutil.which(getattr(self.tools, t)) is None for t in TOOL_NAMES):
+        if tools_missing:
             self._unknown = {"sweep": "tool_missing"}
         elif sweep.ok is False and sweep.value is None:
             self._unknown = {"sweep": "tool_failing"}

@@ -115,11 +115,11 @@ FABRIC_SUMMARY = MetricSpec(
     "1 for the driver's summary of the GPU's NVLink fabric health, 0 for the others",
     ("gpu", "summary"), "boolean", f"{_FABRIC_SRC} healthSummary (v3)")
 # Background counters -------------------------------------------------------------------------
+# Read in the background every counters_interval_seconds (docs/reading-metrics.md).
 NVLINK_SPEED = MetricSpec(
     "gpunet_gpu_nvlink_speed_bytes_per_second", "gauge",
     "Speed of an NVLink link, one direction", ("gpu", "link"), "bytes per second",
     "nvmlDeviceGetFieldValues NVML_FI_DEV_NVLINK_GET_SPEED (MB/s), the link as the scope")
-# Read in the background every counters_interval_seconds (docs/reading-metrics.md).
 PCIE_THROUGHPUT = MetricSpec(
     "gpunet_gpu_pcie_throughput_bytes_per_second", "gauge",
     "PCIe throughput over a 20 ms sample (NVML KB/s x 1000)",
@@ -192,7 +192,6 @@ NVLINK_COUNTERS = (("NVML_NVLINK_ERROR_DL_REPLAY", "replay"),
                    ("NVML_NVLINK_ERROR_DL_CRC_FLIT", "crc_flit"),
                    ("NVML_NVLINK_ERROR_DL_CRC_DATA", "crc_data"),
                    ("NVML_NVLINK_ERROR_DL_ECC_DATA", "ecc_data"))
-# nvmlFieldValue_t.valueType -> member of its value union (nvml.h nvmlValueType_t).
 _OK = 0  # NVML_SUCCESS
 
 

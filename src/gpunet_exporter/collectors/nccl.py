@@ -262,17 +262,19 @@ class NcclCollector(Collector):
         which compares two reports, call it too: rounds never overlap)."""
         with self._round:
             for port, state in self._ports.items():
+                now = time.monotonic()
                 with self._lock:
-                    skip = (state.monitor and not state.urgent and time.monotonic()
-                            - state.queried < self.settings.monitor_status_interval_seconds)
+                    # MONITOR open and nothing urgent: the port's report can wait its interval.
+                    quiet = (state.monitor and not state.urgent and now - state.queried
+                             < self.settings.monitor_status_interval_seconds)
                     state.urgent = False
+                    if not quiet and not state.skip:
+                        state.queried = now
                 if state.skip:  # a crashing version: only whether its job still runs
                     if self._listeners(port) == 0:
                         with self._lock:
                             state.skip = ""
-                    continue
-                if not skip:
-                    state.queried = time.monotonic()
+                elif not quiet:
                     self._query(port, state)
 
     def _monitor(self, port: int, state: _Port) -> None:

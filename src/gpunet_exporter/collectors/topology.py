@@ -349,9 +349,9 @@ class TopologyCollector(Collector):
                     best, best_nic = key, nic
                 if nic.name in rails and (best_rail is None or key < best_rail[0]):
                     best_rail = (key, nic)
-                redirects = 0
                 if not self.settings.acs_audit:
                     continue
+                redirects = 0
                 for bridge in rel.bridges:
                     if bridge not in acs:
                         acs[bridge] = self._acs_redirect(bridge)

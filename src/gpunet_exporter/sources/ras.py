@@ -187,19 +187,9 @@ def query(host: str, port: int, *, timeout: float, handshake_timeout: float = 2.
     record = record if record is not None else Exchange()
     start = time.monotonic()
     deadline = start + timeout
-    try:
-        sock = socket.create_connection((host, port), timeout=min(timeout, handshake_timeout))
-    except TimeoutError:
-        # The kernel drops the SYN when the listener's accept queue is full: a stopped process
-        # whose queue filled with earlier connections (ours too) that it never accepted.
-        raise Unanswered("connection not accepted in time (a full accept queue)") from None
+    sock, conn = _open(host, port, start, min(timeout, handshake_timeout), deadline,
+                       max_bytes, record)
     with sock:
-        conn = _Conn(sock, deadline, max_bytes, record)
-        shake = start + handshake_timeout
-        conn.send(f"CLIENT PROTOCOL {PROTOCOL}")
-        answer = conn.line(shake)
-        if not answer.upper().startswith("SERVER PROTOCOL "):
-            raise RasError(f"unexpected handshake answer {answer[:80]!r}")
         try:
             fmt, body = _converse(conn, deadline, json_format, ras_timeout)
         except Unanswered:  # it answered the handshake: a report too slow, not a silent peer
@@ -207,6 +197,29 @@ def query(host: str, port: int, *, timeout: float, handshake_timeout: float = 2.
     if not body.strip():
         raise RasError("the server closed the connection without a report")
     return parse_json(body) if fmt == "json" else parse_text(body)
+
+
+def _open(host: str, port: int, start: float, handshake_timeout: float, deadline: float,
+          max_bytes: int, record: Exchange) -> tuple[socket.socket, _Conn]:
+    """A connection whose handshake (CLIENT PROTOCOL, SERVER PROTOCOL) was answered within
+    ``handshake_timeout`` of ``start``; its later reads end at ``deadline``. Closed again when
+    the handshake fails."""
+    try:
+        sock = socket.create_connection((host, port), timeout=handshake_timeout)
+    except TimeoutError:
+        # The kernel drops the SYN when the listener's accept queue is full: a stopped process
+        # whose queue filled with earlier connections (ours too) that it never accepted.
+        raise Unanswered("connection not accepted in time (a full accept queue)") from None
+    try:
+        conn = _Conn(sock, deadline, max_bytes, record)
+        conn.send(f"CLIENT PROTOCOL {PROTOCOL}")
+        answer = conn.line(start + handshake_timeout)
+        if not answer.upper().startswith("SERVER PROTOCOL "):
+            raise RasError(f"unexpected handshake answer {answer[:80]!r}")
+    except BaseException:
+        sock.close()
+        raise
+    return sock, conn
 
 
 def _converse(conn: _Conn, deadline: float, json_format: bool,
@@ -267,17 +280,9 @@ class Monitor:
 
     def open(self) -> None:
         start = time.monotonic()
+        sock, conn = _open(self.host, self.port, start, self.handshake_timeout,
+                           start + self.handshake_timeout, self.max_bytes, Exchange())
         try:
-            sock = socket.create_connection((self.host, self.port),
-                                            timeout=self.handshake_timeout)
-        except TimeoutError:
-            raise Unanswered("connection not accepted in time (a full accept queue)") from None
-        try:
-            conn = _Conn(sock, start + self.handshake_timeout, self.max_bytes, Exchange())
-            conn.send(f"CLIENT PROTOCOL {PROTOCOL}")
-            answer = conn.line(conn.deadline)
-            if not answer.upper().startswith("SERVER PROTOCOL "):
-                raise RasError(f"unexpected handshake answer {answer[:80]!r}")
             for line in ("SET FORMAT json", f"MONITOR {self.groups}"):
                 conn.send(line)
                 answer = conn.line(conn.deadline)
