@@ -412,7 +412,9 @@ def test_installed_exporter_counts_veth_events(netns: str, tmp_path: Path) -> No
     monitoring: float | None = None
     try:
         # The monitor starts just after the server binds: wait for it rather than race it.
-        first = metrics(20, "gpunet_hotplug_monitoring 1")
+        # The sample's line, not "gpunet_hotplug_monitoring 1" anywhere: the family's HELP
+        # text starts with "1 while ...", and matched the first scrape, monitor up or not.
+        first = metrics(20, "\ngpunet_hotplug_monitoring 1")
         monitoring = value(parse(first), "gpunet_hotplug_monitoring")
         if monitoring == 1:  # else said below, with the exporter's log (why it did not start)
             ip = ["ip", "-n", netns, "link"]
