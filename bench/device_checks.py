@@ -229,18 +229,24 @@ def smi_app_memory() -> dict[int, int]:
                                "--format=csv,noheader,nounits"))
 
 
-def smi_nvlink(index: int) -> tuple[int, dict[tuple[str, str], int]]:
-    """(active links, {(link, kind): errors}) from nvidia-smi nvlink -s / -e."""
+def smi_nvlink(index: int) -> tuple[int, dict[tuple[str, str], int], dict[str, float]]:
+    """(active links, {(link, kind): errors}, {link: GB/s}) from nvidia-smi nvlink -s / -e
+    (``Link 0: 26.562 GB/s`` per active link)."""
     status = sh("nvidia-smi", "nvlink", "-s", "-i", str(index))
     active = sum(1 for line in status.splitlines()
                  if line.strip().startswith("Link ") and "inactive" not in line.lower())
+    speeds: dict[str, float] = {}
+    for line in status.splitlines():
+        head, _, tail = line.strip().partition(":")
+        if head.startswith("Link ") and tail.strip().endswith("GB/s"):
+            speeds[head.split()[1]] = float(tail.split()[0])
     errors: dict[tuple[str, str], int] = {}
     kinds = {"Replay Errors": "replay", "Recovery Errors": "recovery", "CRC Errors": "crc_flit"}
     for line in sh("nvidia-smi", "nvlink", "-e", "-i", str(index)).splitlines():
         parts = [p.strip() for p in line.strip().split(":")]
         if len(parts) == 3 and parts[0].startswith("Link ") and parts[1] in kinds:
             errors[(parts[0].split()[1], kinds[parts[1]])] = int(parts[2])
-    return active, errors
+    return active, errors, speeds
 
 
 class Checks:
@@ -297,10 +303,17 @@ def check_against_smi(url: str, checks: Checks) -> dict[str, Any]:
         smi_util = int(row["utilization.gpu"])
         checks.eq(f"gpu {g} utilization busy-or-idle agrees (sampled apart)",
                   util, smi_util / 100, (util or 0) > 0.3 if smi_util > 30 else True)
-        active, errors = smi_nvlink(int(g))
+        active, errors, speeds = smi_nvlink(int(g))
         ours_active = [v for (n, lbl), v in s.items()
                        if n == "gpunet_gpu_nvlink_active" and dict(lbl)["gpu"] == g]
         checks.eq(f"gpu {g} NVLink active links", int(sum(ours_active)), active)
+        # The speed of each active link, read in one batched field call (GB/s as nvidia-smi
+        # prints it, to the MB/s).
+        ours_speed = {dict(lbl)["link"]: round(v / 1e9, 3) for (n, lbl), v in s.items()
+                      if n == "gpunet_gpu_nvlink_speed_bytes_per_second"
+                      and dict(lbl)["gpu"] == g}
+        checks.eq(f"gpu {g} NVLink link speeds (GB/s)", ours_speed, speeds,
+                  bool(speeds) and ours_speed == speeds)
         for (link, kind), n in sorted(errors.items()):
             v = pick(s, "gpunet_gpu_nvlink_errors_total", gpu=g, link=link, type=kind)
             if link in ("0", "17") or v != n:
