@@ -573,7 +573,7 @@ def test_amtool_checks_the_example() -> None:
     out = subprocess.run([tool("amtool"), "check-config", str(AM_CONFIG)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "11 inhibit rules" in out.stdout
+    assert "12 inhibit rules" in out.stdout
 
 
 @pytest.mark.parametrize(("labels", "receiver"), [

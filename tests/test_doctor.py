@@ -57,7 +57,7 @@ def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]
     out = run(*args, env=env)
     assert out.returncode == 1, out.stderr
     text = out.stdout
-    assert text.startswith("23 findings on this node:")
+    assert text.startswith("26 findings on this node:")
     # Causes in the report's order, each with its findings, device and confirming command.
     positions = [text.index(title) for title in (
         "NCCL on TCP sockets", "GPUDirect RDMA off", "Degraded or flapping link",
@@ -78,6 +78,11 @@ def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]
             "      confirm: sudo lspci -vv -s 0000:dc:00.0 | grep -E 'LnkCap|LnkSta'") in text
     assert "docs/runbooks.md#gpunetgdrnotready (alert GpunetGdrNotReady)" in text
     assert "[critical] rdma_device: 1 expected rdma_device gone: mlx5_12" in text
+    # The rail NIC in the wrong slot, and the starved job whose RDMA ports are idle.
+    assert ("[warning] node: mlx5_0 is the nearest rail of 2 GPUs, while mlx5_1, mlx5_2, "
+            "mlx5_5, mlx5_6, mlx5_7 serve none") in text
+    assert ("[warning] node: 1 GPUs with compute processes (GPU 2) are busy less than 50% "
+            "while the RDMA ports move 0 B/s") in text
     # Last, what could not be checked: the other RoCE netdev's QoS configuration.
     assert text.rstrip().endswith("topology (ok)\nCould not check: PFC on enp41s0f0np0: its QoS "
                                   "configuration cannot be read")
@@ -95,7 +100,7 @@ def test_thresholds_file_changes_the_verdict(faulty: tuple[list[str], dict[str, 
     out = run(*args, "--json", f"--thresholds={tmp_path / 't.yml'}", env=env)
     result: dict[str, Any] = json.loads(out.stdout)
     alerts = {f["alert"] for f in result["findings"]}
-    assert len(alerts) == 21
+    assert len(alerts) == 24
     assert "GpunetPfcDisabledOnRocePriority" not in alerts
     assert "GpunetAllreduceLatencyHigh" not in alerts
     assert result["exit_code"] == out.returncode == 1

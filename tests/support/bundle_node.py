@@ -29,6 +29,12 @@ MTU_PORT = "mlx5_8"  # the other RoCE port; its netdev is left at MTU 1500 on th
 QOS_DEVICE = "mlx5_9"  # the RoCE port whose netdev carries the QoS configuration
 RETRANSMITTING = MTU_PORT  # its out_of_sequence hw_counter rises while the bundle runs
 MISSING_DEVICE = "mlx5_12"  # learned earlier by the faulty node's exporter, gone since
+# The faulty node's GPU 2 has its rail NIC (mlx5_2) in a socket-1 slot (build_dgx_h100_gpus):
+# GPU 2's nearest rail is then another GPU's, and mlx5_2 serves none (GpunetRailMapShared).
+MISPLACED_RAIL = 2
+# The faulty node's job: GPUs 0, 3 and 4 in the network-bound band (65 %), GPU 2 starved (22 %)
+# while the RDMA ports carry nothing (its NCCL on sockets: GpunetGpuJobRdmaIdle), GPU 1 lost.
+FAULTY_GPUS, BAND_GPUS, STARVED_GPU = 5, (0, 3, 4), 2
 CAPTURE = FIXTURES / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
 ETHTOOL = """\
 #!/bin/sh
@@ -77,6 +83,8 @@ link:
     - {{link_layer: Ethernet, mtu: 9000}}
     - {{link_layer: InfiniBand, rdma_mtu: 4096}}
   ibv_devinfo: {{path: {ibv_devinfo}}}
+topology:
+  rail_exclude: '^mlx5_(8|9)$'  # the RoCE storage NICs, as examples/gpunet.yml has it
 pfc:
   stats_source: ethtool
   ethtool: {{path: {ethtool}}}
@@ -170,8 +178,9 @@ def build_node(root: Path, faulty: bool, ras_ports: Sequence[int] = (1,)
 
     Faults of the faulty node, beyond the four the issue names: a port down, an IB port with a
     2048-byte active MTU, GPU 0 on a x8 link, on the other NUMA node than its NIC and with an
-    XID 13, GPU 0 65 % busy with a compute process (the network-bound band) and not yet
-    registered with its NVLink fabric (state in progress), GPU 1 lost,
+    XID 13, GPUs 0, 3 and 4 65 % busy with compute processes (the network-bound band), GPU 2
+    starved at 22 % while the RDMA ports are idle, GPU 0 not yet registered with its NVLink
+    fabric (state in progress), GPU 1 lost, GPU 2's rail NIC in the other socket's slot,
     mlx5_7's own PCIe link trained down to x8, and the RoCE netdev of mlx5_8 at MTU 1500 (below
     the RoCE minimum and not the expected 9000: two alerts) whose QoS configuration cannot be
     read and whose out_of_sequence counter rises while the bundle runs, and an RDMA device
@@ -179,11 +188,13 @@ def build_node(root: Path, faulty: bool, ras_ports: Sequence[int] = (1,)
 
     ``ras_ports``: the ports of the node's NCCL jobs (start_ras_jobs), listed as listening in its
     /proc/net/tcp and queried by the nccl collector; the default, port 1, has no job."""
-    sysfs = st.build_dgx_h100_gpus(root)
+    sysfs = st.build_dgx_h100_gpus(root, misplaced_rail=MISPLACED_RAIL if faulty else None)
     qos_netdev = st.make_ofed_qos(sysfs, QOS_DEVICE)  # its netdev's name; ECN files for panels
     scenario = fake_nvml.h200x2()
-    for dev, bus, fabric in zip(scenario["devices"], st.DGX_GPU_BUSES, fake_nvml.fabric_h100x4(),
-                                strict=False):
+    if faulty:
+        fake_nvml.add_gpus(scenario, FAULTY_GPUS)
+    fabrics = fake_nvml.fabric_h100x4() + fake_nvml.fabric_h100x4()  # 8 GPUs, each its own
+    for dev, bus, fabric in zip(scenario["devices"], st.DGX_GPU_BUSES, fabrics, strict=False):
         dev["nvmlDeviceGetPciInfo"]["ok"]["busId"] = f"00000000:{bus:02X}:00.0"
         dev["fabric"] = fabric  # registered with the NVLink fabric, as recorded on 4 H100s
     devinfo = st.DGX_IBV_DEVINFO.replace("2048 (4)", "4096 (5)")
@@ -197,10 +208,12 @@ def build_node(root: Path, faulty: bool, ras_ports: Sequence[int] = (1,)
         scenario["devices"][1]["lost"] = True
         scenario["devices"][0]["fabric"]["state"] = 2  # still registering with the fabric
         st.make_nic_pcie_downtrained(sysfs, NIC_PCIE_DEGRADED)
-        # GPU 0 runs a training process at 65 %: the network-bound band (an info alert).
-        scenario["devices"][0]["nvmlDeviceGetUtilizationRates"] = {
-            "ok": {"gpu": 65, "memory": 30}}
-        scenario["devices"][0]["processes"] = [4242]
+        # A training job: three GPUs at 65 %, the network-bound band (an info alert), and one
+        # starved at 22 % while the RDMA ports are idle (the job's NCCL on sockets).
+        for gpu, util in [(g, 65) for g in BAND_GPUS] + [(STARVED_GPU, 22)]:
+            scenario["devices"][gpu]["nvmlDeviceGetUtilizationRates"] = {
+                "ok": {"gpu": util, "memory": 30}}
+            scenario["devices"][gpu]["processes"] = [4242 + gpu]
         devinfo = st.DGX_IBV_DEVINFO
     procfs = st.build_procfs(root, nvidia=st.NVRM_PROPRIETARY if faulty else st.NVRM_OPEN)
     st.write_tcp_listeners(procfs, [p for p in ras_ports if p != 1])

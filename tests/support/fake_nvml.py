@@ -99,6 +99,23 @@ def h200x2() -> dict[str, Any]:
     return data
 
 
+def add_gpus(scenario: dict[str, Any], count: int) -> None:
+    """Grow a scenario to ``count`` GPUs with copies of its first one, each with its own index,
+    UUID and PCI bus id (device number 6 + index, as the capture's two have)."""
+    first = scenario["devices"][0]
+    for index in range(len(scenario["devices"]), count):
+        dev = copy.deepcopy(first)
+        dev["index"] = index
+        uuid = dev["nvmlDeviceGetUUID"]["ok"]
+        dev["nvmlDeviceGetUUID"]["ok"] = f"{uuid[:-2]}{index:02x}"
+        pci = dev["nvmlDeviceGetPciInfo"]["ok"]
+        pci["device"] = 6 + index
+        pci["busId"] = dev["busId_raw"] = f"00000000:00:{6 + index:02x}.0"
+        pci["busIdLegacy"] = dev["sysfs_bdf"] = f"0000:00:{6 + index:02x}.0"
+        scenario["devices"].append(dev)
+    scenario["count"] = len(scenario["devices"])
+
+
 def load(scenario: dict[str, Any] | None = None) -> None:
     """Start over with a scenario (default: GPUNET_FAKE_NVML's file, else the H200 capture)."""
     if scenario is None:

@@ -5,6 +5,7 @@ HTTP API."""
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +33,27 @@ def stop(proc: subprocess.Popen[Any]) -> None:
         proc.wait()
 
 
-def fast_rules(tmp: Path) -> Path:
-    """The generator's rules with every `for:` at 0s (through a thresholds file), in ``tmp``."""
+def fast_rules(tmp: Path, hold: Mapping[str, str] | None = None) -> Path:
+    """The generator's rules with every `for:` at 0s (through a thresholds file), in ``tmp``,
+    but those ``hold`` names (alert -> duration)."""
     overrides = tmp / "thresholds.yml"
-    overrides.write_text(yaml.safe_dump({"for": dict.fromkeys(rules.ALERT_NAMES, "0s")}))
+    overrides.write_text(yaml.safe_dump(
+        {"for": dict.fromkeys(rules.ALERT_NAMES, "0s") | dict(hold or {})}))
     path = tmp / "rules.yml"
     path.write_text(rules.render(thresholds.load(str(overrides), rules.ALERT_NAMES)))
     return path
 
 
 def start_prometheus(tmp: Path, static_configs: list[dict[str, Any]],
-                     alertmanager: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+                     alertmanager: str | None = None, hold: Mapping[str, str] | None = None,
+                     ) -> tuple[subprocess.Popen[bytes], str]:
     """Prometheus scraping ``static_configs`` as job ``gpunet`` every second with
-    :func:`fast_rules`, alerting ``alertmanager`` (host:port) if given; the process and its URL."""
+    :func:`fast_rules` (``hold``), alerting ``alertmanager`` (host:port) if given; the process
+    and its URL."""
     config: dict[str, Any] = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s",
                    "evaluation_interval": "1s"},
-        "rule_files": [str(fast_rules(tmp))],
+        "rule_files": [str(fast_rules(tmp, hold))],
         "scrape_configs": [{"job_name": "gpunet", "static_configs": static_configs}],
     }
     if alertmanager:

@@ -137,7 +137,7 @@ ALERTS: tuple[Alert, ...] = (
           "NVIDIA recommends, is not possible (the proprietary kernel module, or a kernel before "
           "5.12), and a driver or kernel update that drops the module turns GPUDirect RDMA off."),
     Alert("GpunetGpuJobRdmaIdle", "transport", "warning", "30m",
-          lambda t: ("count by (instance) (\n"
+          lambda t: ("count by (instance, job) (\n"
                      "  avg_over_time(gpunet_gpu_utilization_ratio[10m]) < "
                      f"{_g(t.gpu.busy_utilization_ratio)}\n"
                      "  and on (instance, gpu) gpunet_gpu_compute_processes > 0\n)\n"
