@@ -5,6 +5,7 @@ Alertmanager is tests/test_alerts_e2e.py."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import shutil
@@ -564,6 +565,69 @@ def test_every_threshold_is_documented_in_the_runbooks() -> None:
         assert f"`{prefix}`" in text, f"threshold {prefix} is not in docs/runbooks.md"
 
     walk("", thresholds.as_dict(thresholds.defaults()))
+
+
+# -- dcgm-exporter's series ------------------------------------------------------------------
+
+
+def shipped_queries() -> list[str]:
+    """Every PromQL expression shipped: the rules' and the dashboards' (the generated files)."""
+    exprs = [r["expr"] for r in rule_list()]
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            exprs.extend(v for k, v in node.items() if k in ("expr", "query")
+                         and isinstance(v, str))
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    for dash in sorted((REPO / "grafana").glob("*.json")):
+        walk(json.loads(dash.read_text()))
+    return exprs
+
+
+def test_nothing_shipped_reads_dcgm_series() -> None:
+    """What docs/reading-metrics.md promises: no rule or dashboard query selects dcgm-exporter's
+    series or names its node label, in either spelling (it went from `Hostname` to
+    `hostname`). A query that starts to must join on the UUID, as the doc shows."""
+    exprs = shipped_queries()
+    assert len(exprs) > 200  # the rules and the dashboards were read
+    for expr in exprs:
+        names = {s.name for s in promql.selectors(expr)}
+        assert not {n for n in names if n.startswith("DCGM_")}, expr
+        idents = {t.text for t in promql.tokens(expr) if t.kind == "ident"}
+        assert not idents & {"Hostname", "hostname"}, expr
+
+
+def test_documented_dcgm_join_accepts_both_label_spellings(tmp_path: Path) -> None:
+    """The doc's join of DCGM series with gpunet_gpu_info, through promtool: series of a
+    dcgm-exporter that says `Hostname` and of one that says `hostname` both get the GPU's PCI
+    address and NUMA node, with their own labels kept."""
+    text = (REPO / "docs" / "reading-metrics.md").read_text()
+    expr = re.search(r"<!-- dcgm-join -->\n```promql\n(.*?)```", text, re.S)
+    assert expr, "the dcgm-join block of docs/reading-metrics.md"
+    rules_text = yaml.safe_dump({"groups": [{"name": "join", "rules": [
+        {"record": "dcgm:gpu_util:joined", "expr": expr.group(1)}]}]})
+    info = 'gpunet_gpu_info{{instance="{n}:9808",gpu="0",uuid="{u}",pci_address="{p}",' \
+        'numa_node="1",name="H100",driver_version="580.159.04"}}'
+    series = [
+        {"series": info.format(n="a", u="GPU-a", p="0000:1b:00.0"), "values": "1x5"},
+        {"series": info.format(n="b", u="GPU-b", p="0000:43:00.0"), "values": "1x5"},
+        {"series": 'DCGM_FI_DEV_GPU_UTIL{instance="a:9400",gpu="0",UUID="GPU-a",'
+                   'Hostname="a"}', "values": "97x5"},
+        {"series": 'DCGM_FI_DEV_GPU_UTIL{instance="b:9400",gpu="0",UUID="GPU-b",'
+                   'hostname="b"}', "values": "22x5"}]
+    promtool_test(tmp_path, rules_text, [{"interval": "1m", "input_series": series,
+                                         "promql_expr_test": [{
+        "expr": "dcgm:gpu_util:joined", "eval_time": "2m", "exp_samples": [
+            {"labels": 'dcgm:gpu_util:joined{instance="a:9400",gpu="0",UUID="GPU-a",'
+                       'Hostname="a",pci_address="0000:1b:00.0",numa_node="1"}', "value": 97},
+            {"labels": 'dcgm:gpu_util:joined{instance="b:9400",gpu="0",UUID="GPU-b",'
+                       'hostname="b",pci_address="0000:43:00.0",numa_node="1"}',
+             "value": 22}]}]}])
 
 
 # -- Alertmanager example ---------------------------------------------------------------------

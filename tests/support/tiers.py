@@ -59,6 +59,7 @@ SYSTEM_TESTS: dict[str, frozenset[str]] = {
         "test_check_detects_a_stale_file",
         "test_check_reads_only_a_regular_file",
         "test_configured_expected_bandwidth_fires_below_80_percent",
+        "test_documented_dcgm_join_accepts_both_label_spellings",
         "test_every_alert_test_can_fail",
         "test_failed_expectations_reads_promtool_s_report",
         "test_missing_thresholds_file",
