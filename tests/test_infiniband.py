@@ -672,8 +672,13 @@ def test_data_ports_from_config(tmp_path: Path) -> None:
     assert value(s, "gpunet_infiniband_port_state_id", device="roce_r0", port="3") is None
     # roce_r1, which no rule names, keeps the listing's judgement
     assert value(s, "gpunet_infiniband_port_state_id", device="roce_r1", port="3") == 4
-    with pytest.raises(ConfigError):
-        make_collector(InfinibandCollector, sysfs, {"data_ports": [{"device": "x"}]})
+    # No ports: a device none of whose ports carries data (an SMI sub-device's planes)
+    s, _ = run(sysfs, {"data_ports": [{"device": "^roce_r1$", "ports": []}]})
+    assert value(s, "gpunet_infiniband_port_carries_data", device="roce_r1", port="3") == 0
+    assert value(s, "gpunet_infiniband_port_state_id", device="roce_r1", port="3") is None
+    for bad in ({"device": "x"}, {"device": "x", "ports": [0]}):
+        with pytest.raises(ConfigError):
+            make_collector(InfinibandCollector, sysfs, {"data_ports": [bad]})
 
 
 def test_efa_counters_mapped(tmp_path: Path) -> None:

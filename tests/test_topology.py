@@ -979,6 +979,26 @@ def test_probe_pins_each_gpu_to_the_nearest_active_port(dgx: Path) -> None:
     assert placement.nearest_port(Root(str(dgx.parent / "nowhere")), "0000:1b:00.0") is None
 
 
+def test_probe_pins_data_planes_and_leaves_efa_to_its_plugin(tmp_path: Path) -> None:
+    """On a multi-plane ConnectX-8 the probe pins a data port (never a plane that carries no
+    data, even one ACTIVE); on an EFA node it pins nothing: NCCL reaches EFA through the
+    aws-ofi-nccl plugin, which ignores NCCL_IB_HCA and places the ranks itself."""
+    from gpunet_exporter.probe import placement
+
+    cx8 = st.build_cx8_multiplane(tmp_path / "cx8")
+    root = Root(str(cx8))
+    # a plane that carries no data, ACTIVE: still not pinnable
+    (cx8 / "class/infiniband/roce_r0/ports/1/state").write_text("4: ACTIVE\n")
+    pins = placement.pinnable_ports(root)
+    assert pins == [(d, str(p)) for d in ("roce_r0", "roce_r1") for p in st.CX8_DATA_PORTS]
+    port = placement.nearest_port(root, "0000:1a:00.0")
+    assert port is not None and (port.device, port.port) == ("roce_r0", "3")
+    assert port.nccl_ib_hca == "=roce_r0:3"
+    efa = st.build_efa(tmp_path / "efa")
+    assert placement.pinnable_ports(Root(str(efa))) == []
+    assert placement.nearest_port(Root(str(efa)), "0000:4f:00.0") is None
+
+
 # ---- NIC PCIe links and rail NICs (issue 16) --------------------------------------------------
 
 
