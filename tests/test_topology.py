@@ -646,6 +646,22 @@ def test_env_findings(env: dict[str, str], expected: set[tuple[str, str]]) -> No
     assert env_findings(env, DGX_NETDEVS, DGX_DEVICES) == expected
 
 
+def test_env_ib_hca_naming_a_plane_without_data_is_unknown() -> None:
+    """On a multi-plane device an NCCL_IB_HCA entry that selects only a plane carrying no data
+    (roce_r0:1) gives NCCL no port, as a missing device does; a data plane, or the device with
+    no port (NCCL takes its ACTIVE ports), is fine."""
+    devices = ["roce_r0", "roce_r1"]
+    no_data = {(d, str(p)) for d in devices for p in range(1, 13) if p % 3}
+    for hca, cls in (("=roce_r0:1", "unknown_device"), ("roce_r0:3,roce_r1:1", "unknown_device"),
+                     ("roce_r:2", "unknown_device"), ("=roce_r0:3,roce_r1:6", "devices_present"),
+                     ("roce_r0", "devices_present"), ("roce_r:3", "devices_present")):
+        assert env_settings({"NCCL_IB_HCA": hca}, set(), devices, no_data) == {
+            "NCCL_IB_HCA": cls}, hca
+    # Without the judgement of the planes (the default), only the device names count.
+    assert env_settings({"NCCL_IB_HCA": "=roce_r0:1"}, set(), devices) == {
+        "NCCL_IB_HCA": "devices_present"}
+
+
 def test_env_findings_without_rdma() -> None:
     # No RDMA netdev at all: where sockets go says nothing then; a named HCA is still unknown.
     assert env_findings({"NCCL_SOCKET_IFNAME": "eno1", "NCCL_IB_HCA": "mlx5_0"}, set(), []) == {
