@@ -720,3 +720,21 @@ def test_efa_bytes_do_not_shadow_pma_counters(dgx: Path) -> None:
     assert value(s, "gpunet_infiniband_port_transmitted_bytes_total", device="mlx5_0",
                  port="1") == counter_file(dgx, "mlx5_0", "port_xmit_data") * 4
     assert _hw_series(s, "gpunet_infiniband_port_hw_total", device="mlx5_0")["tx_bytes"] == 5
+
+
+def test_multiplane_data_port_losing_its_netdev_is_a_netdev_missing(tmp_path: Path) -> None:
+    """The limit of the judgement: a data plane whose netdev vanishes (its GIDs go with it)
+    looks like a plane without data from then on, so it has no state to page on; the inventory,
+    which learned the netdev, notices it gone (GpunetRdmaDeviceMissing, kind netdev)."""
+    sysfs = st.build_cx8_multiplane(tmp_path)
+    c = make_collector(InfinibandCollector, sysfs)
+    c.collect(Scrape())
+    port = sysfs / "class/infiniband/roce_r0/ports/3"
+    for f in (port / "gid_attrs/ndevs").iterdir():
+        f.unlink()
+    shutil.rmtree(sysfs / "class/infiniband/roce_r0/device/net/eth_r0_p0")
+    (sysfs / "class/net/eth_r0_p0").unlink()
+    s = samples_of(list(c.collect(Scrape())))
+    c.close()
+    assert value(s, "gpunet_infiniband_port_carries_data", device="roce_r0", port="3") == 0
+    assert _missing_names(s) == {("netdev", "eth_r0_p0")}
