@@ -187,7 +187,7 @@ def test_checks_name_real_alerts_and_causes() -> None:
     knows, and is among those its check declares (``@checks``) in the module of its class."""
     names = set(doctor_module.SEVERITY)
     checked = alerts_module.checked()
-    assert set(checked) <= names and len(checked) == 56
+    assert set(checked) <= names and len(checked) == 57
     for m in alerts_module.MODULES:
         source = Path(m.__file__ or "").read_text()
         reported = set(re.findall(r'c\.add\("\w+", "(Gpunet[A-Za-z]+)"', source))
@@ -412,6 +412,70 @@ def test_retransmissions_rising_on_a_port() -> None:
     c = _snapshots(10.0, before, before)
     transport.check_retransmissions(c)
     assert c.findings == []
+def test_efa_peers_unresponsive_is_a_finding() -> None:
+    """GpunetEfaTransportImpaired: an EFA port whose unresponsive-remote, impaired-connection or
+    retransmit-timeout events rise faster than their thresholds between the two readings is a
+    finding, one per port; a healthy EFA port (events flat, or just under) is silent."""
+    def port(dev: str) -> dict[str, str]:
+        return {"device": dev, "port": "1"}
+
+    devs = ("rdmap79s0", "rdmap80s0", "rdmap199s0")
+    names = ("unresponsive_remote_events", "impaired_remote_connection_events",
+             "retransmit_timeouts")
+    before = {f"gpunet_infiniband_port_hw_{n}_total": [(port(d), 3.0) for d in devs]
+              for n in names}
+    after = {
+        "gpunet_infiniband_port_hw_unresponsive_remote_events_total": [
+            (port("rdmap79s0"), 3.0), (port("rdmap80s0"), 8.0), (port("rdmap199s0"), 3.09)],
+        "gpunet_infiniband_port_hw_impaired_remote_connection_events_total": [
+            (port("rdmap79s0"), 3.0), (port("rdmap80s0"), 5.0), (port("rdmap199s0"), 3.09)],
+        "gpunet_infiniband_port_hw_retransmit_timeouts_total": [
+            (port("rdmap79s0"), 5.0), (port("rdmap80s0"), 3.0), (port("rdmap199s0"), 3.9)],
+    }
+    c = _snapshots(10.0, before, after)
+    transport.check_efa_events(c)
+    assert [(f.alert, f.where, f.message) for f in c.findings] == [
+        ("GpunetEfaTransportImpaired", "rdmap80s0 port 1",
+         "0.5 unresponsive-remote events per second (limit 0.01)"),
+        ("GpunetEfaTransportImpaired", "rdmap79s0 port 1",
+         "0.2 retransmit timeouts (path changes) per second (limit 0.1)")]
+    assert all(f.cause == "retransmit" and f.severity == "warning" for f in c.findings)
+    assert "hw_counters; grep . unresponsive_remote_events" in c.findings[0].confirm
+    c = _snapshots(10.0, before, before)
+    transport.check_efa_events(c)
+    assert c.findings == []
+
+
+def _plane_args(root: Path, sysfs: Path) -> list[str]:
+    cfg = root / "gpunet.yml"
+    cfg.write_text("link:\n  ibv_devinfo: {enabled: false}\n")
+    return [f"--path.sysfs={sysfs}", "--collector.disable-defaults", "--collector.infiniband",
+            "--collector.link", "--json", f"--config.file={cfg}"]
+
+
+def test_multiplane_and_efa_healthy_trees_are_silent(tmp_path: Path) -> None:
+    """The disabled planes of a multi-plane ConnectX-8 and the EFA ports (link layer Unknown,
+    no netdev, no counters/) give no finding: exit 0 on both healthy trees."""
+    for name, build in (("cx8", st.build_cx8_multiplane), ("efa", st.build_efa)):
+        sysfs = build(tmp_path / name)
+        out = run(*_plane_args(tmp_path / name, sysfs))
+        result = json.loads(out.stdout)
+        assert result["findings"] == [], (name, result["findings"])
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_multiplane_data_plane_down_is_a_finding(tmp_path: Path) -> None:
+    """A data plane down (roce_r1 port 6) is GpunetPortDown; the eight disabled planes of each
+    device are not."""
+    sysfs = st.build_cx8_multiplane(tmp_path / "cx8")
+    st.make_plane_down(sysfs, "roce_r1", 6)
+    out = run(*_plane_args(tmp_path, sysfs))
+    result = json.loads(out.stdout)
+    down = [(f["alert"], f["where"]) for f in result["findings"] if f["cause"] == "link"]
+    assert down == [("GpunetPortDown", "roce_r1 port 6")]
+    assert out.returncode == 1, out.stdout + out.stderr
+
+
 def test_roce_mtu_below_minimum_and_not_expected_is_two_findings(
         faulty: tuple[list[str], dict[str, str]]) -> None:
     """A RoCE netdev at 1500 where 9000 is expected: both MTU alerts fire in Prometheus, so the

@@ -619,3 +619,122 @@ def test_inventory_state_learned_outside_the_filter_is_not_expected(dgx: Path,
     assert _missing_names(s) == set()
     s, _ = run(dgx, {"inventory_state_file": str(state)})
     assert _missing_names(s) == {("rdma_device", "mlx5_42")}
+
+
+# ---- multi-plane ConnectX-8 and AWS EFA (docs/formats.md §1.8) --------------------------------
+
+
+def test_multiplane_planes_without_data_have_no_state(tmp_path: Path) -> None:
+    """A 4-plane ConnectX-8 lists 12 ports with data on 3/6/9/12 (sichek #98): the other eight,
+    DOWN by design, carry carries_data 0 and no state, rate or expected rate to page on; the
+    inventory still counts every port; each data port keeps its own netdev."""
+    sysfs = st.build_cx8_multiplane(tmp_path)
+    s, unreadable = run(sysfs)
+    assert unreadable == 0
+    for dev in ("roce_r0", "roce_r1"):
+        for p in range(1, st.CX8_PORTS + 1):
+            data = p in st.CX8_DATA_PORTS
+            lbl = {"device": dev, "port": str(p)}
+            assert value(s, "gpunet_infiniband_port_carries_data", **lbl) == (1 if data else 0)
+            state = value(s, "gpunet_infiniband_port_state_id", **lbl)
+            assert state == (4 if data else None)
+            assert (value(s, "gpunet_infiniband_port_rate_degraded", **lbl)
+                    == (0 if data else None))
+        netdevs = {dict(lbl)["port"]: dict(lbl)["interface"]
+                   for lbl in series(s, "gpunet_infiniband_port_info")
+                   if dict(lbl)["device"] == dev}
+        assert netdevs == {str(p): (f"eth_{dev[5:]}_p{st.CX8_DATA_PORTS.index(p)}"
+                                    if p in st.CX8_DATA_PORTS else "")
+                           for p in range(1, st.CX8_PORTS + 1)}
+    assert value(s, "gpunet_infiniband_port_rate_bytes_per_second", device="roce_r0",
+                 port="3") == 200 * GBIT
+    assert _inventory(s, "gpunet_inventory_present") == {
+        "rdma_device": 2, "rdma_port": 24, "netdev": 8}
+
+
+def test_multiplane_data_plane_down_still_pages(tmp_path: Path) -> None:
+    sysfs = st.build_cx8_multiplane(tmp_path)
+    st.make_plane_down(sysfs, "roce_r1", 6)
+    s, _ = run(sysfs)
+    assert value(s, "gpunet_infiniband_port_state_id", device="roce_r1", port="6") == 1
+    assert value(s, "gpunet_infiniband_port_phys_state_id", device="roce_r1", port="6") == 2
+    assert value(s, "gpunet_infiniband_port_carries_data", device="roce_r1", port="6") == 1
+
+
+def test_data_ports_from_config(tmp_path: Path) -> None:
+    """infiniband.data_ports decides for the devices it names: here it says port 1 carries
+    data, so the disabled port 1 is judged (and would page), and port 3 is not."""
+    sysfs = st.build_cx8_multiplane(tmp_path)
+    s, _ = run(sysfs, {"data_ports": [{"device": "^roce_r0$", "ports": [1]}]})
+    assert value(s, "gpunet_infiniband_port_carries_data", device="roce_r0", port="1") == 1
+    assert value(s, "gpunet_infiniband_port_state_id", device="roce_r0", port="1") == 1
+    assert value(s, "gpunet_infiniband_port_carries_data", device="roce_r0", port="3") == 0
+    assert value(s, "gpunet_infiniband_port_state_id", device="roce_r0", port="3") is None
+    # roce_r1, which no rule names, keeps the listing's judgement
+    assert value(s, "gpunet_infiniband_port_state_id", device="roce_r1", port="3") == 4
+    # No ports: a device none of whose ports carries data (an SMI sub-device's planes)
+    s, _ = run(sysfs, {"data_ports": [{"device": "^roce_r1$", "ports": []}]})
+    assert value(s, "gpunet_infiniband_port_carries_data", device="roce_r1", port="3") == 0
+    assert value(s, "gpunet_infiniband_port_state_id", device="roce_r1", port="3") is None
+    for bad in ({"device": "x"}, {"device": "x", "ports": [0]}):
+        with pytest.raises(ConfigError):
+            make_collector(InfinibandCollector, sysfs, {"data_ports": [bad]})
+
+
+def test_efa_counters_mapped(tmp_path: Path) -> None:
+    """An EFA port: link layer "Unknown", always ACTIVE, its rate from the device's link speed,
+    no counters/ directory; hw_counters' bytes and packets feed the byte and packet families
+    the rules read, and the SRD retransmission counters have names of their own."""
+    sysfs = st.build_efa(tmp_path)
+    s, unreadable = run(sysfs)
+    assert unreadable == 0
+    dev = st.efa_name(st.EFA_BUSES[0])
+    lbl = {"device": dev, "port": "1"}
+    assert value(s, "gpunet_infiniband_port_info", **lbl, link_layer="Unknown",
+                 interface="") == 1
+    assert value(s, "gpunet_infiniband_port_state_id", **lbl) == 4
+    assert value(s, "gpunet_infiniband_port_carries_data", **lbl) == 1
+    assert value(s, "gpunet_infiniband_port_rate_bytes_per_second", **lbl) == 100 * GBIT
+    assert value(s, "gpunet_infiniband_port_rate_degraded", **lbl) == 0
+    stats = st._efa_port_stats(0)
+    assert value(s, "gpunet_infiniband_port_transmitted_bytes_total", **lbl) == stats["tx_bytes"]
+    assert value(s, "gpunet_infiniband_port_received_bytes_total", **lbl) == stats["rx_bytes"]
+    assert value(s, "gpunet_infiniband_port_transmitted_packets_total", **lbl) == stats["tx_pkts"]
+    assert value(s, "gpunet_infiniband_port_hw_retransmitted_packets_total", **lbl) == (
+        stats["retrans_pkts"])
+    assert value(s, "gpunet_infiniband_port_hw_retransmit_timeouts_total", **lbl) == 3
+    assert value(s, "gpunet_infiniband_port_hw_unresponsive_remote_events_total", **lbl) == 0
+    generic = _hw_series(s, "gpunet_infiniband_port_hw_total", **lbl)
+    assert "tx_bytes" not in generic and "retrans_pkts" not in generic
+    assert generic["rdma_write_bytes"] == stats["rdma_write_bytes"]  # uncurated: kept generic
+    assert _hw_series(s, "gpunet_infiniband_device_hw_total", device=dev)["keep_alive_rcvd"] > 0
+    assert _inventory(s, "gpunet_inventory_present") == {"rdma_device": 4, "rdma_port": 4}
+
+
+def test_efa_bytes_do_not_shadow_pma_counters(dgx: Path) -> None:
+    """A port with counters/ keeps its PMA bytes; a hw_counters tx_bytes there (another
+    driver's) stays a generic counter."""
+    hw = dgx / "class/infiniband/mlx5_0/ports/1/hw_counters"
+    (hw / "tx_bytes").write_text("5\n")
+    s, _ = run(dgx)
+    assert value(s, "gpunet_infiniband_port_transmitted_bytes_total", device="mlx5_0",
+                 port="1") == counter_file(dgx, "mlx5_0", "port_xmit_data") * 4
+    assert _hw_series(s, "gpunet_infiniband_port_hw_total", device="mlx5_0")["tx_bytes"] == 5
+
+
+def test_multiplane_data_port_losing_its_netdev_is_a_netdev_missing(tmp_path: Path) -> None:
+    """The limit of the judgement: a data plane whose netdev vanishes (its GIDs go with it)
+    looks like a plane without data from then on, so it has no state to page on; the inventory,
+    which learned the netdev, notices it gone (GpunetRdmaDeviceMissing, kind netdev)."""
+    sysfs = st.build_cx8_multiplane(tmp_path)
+    c = make_collector(InfinibandCollector, sysfs)
+    c.collect(Scrape())
+    port = sysfs / "class/infiniband/roce_r0/ports/3"
+    for f in (port / "gid_attrs/ndevs").iterdir():
+        f.unlink()
+    shutil.rmtree(sysfs / "class/infiniband/roce_r0/device/net/eth_r0_p0")
+    (sysfs / "class/net/eth_r0_p0").unlink()
+    s = samples_of(list(c.collect(Scrape())))
+    c.close()
+    assert value(s, "gpunet_infiniband_port_carries_data", device="roce_r0", port="3") == 0
+    assert _missing_names(s) == {("netdev", "eth_r0_p0")}

@@ -506,8 +506,8 @@ def test_names_not_utf8_over_http(run_exporter, tmp_path: Path) -> None:  # type
         assert len(series(s, "gpunet_link_mtu_bytes")) == 9
         assert series(s, "gpunet_odd_value") == {frozenset({("name", "fine")}): 1}
         assert unreadable(s, "odd") == 1
-        # mlx5_3's series (61), the file x<0xff>, the info of mlx5_1's port naming its netdev
-        assert unreadable(s, "infiniband") == 63
+        # mlx5_3's series (62), the file x<0xff>, the info of mlx5_1's port naming its netdev
+        assert unreadable(s, "infiniband") == 64
         assert unreadable(s, "link") == 1 + 6  # mlx5_3's info, mlx5_1's netdev
         for c in ("infiniband", "link", "odd"):
             assert value(s, "gpunet_scrape_collector_success", collector=c) == 1

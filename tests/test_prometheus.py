@@ -77,3 +77,49 @@ def test_prometheus_scrapes_every_port(prometheus: tuple[str, Any]) -> None:
         "infiniband": "1", "link": "1", "pfc": "1", "gpu": "1", "topology": "1", "nccl": "1"}
     targets = requests.get(f"{url}/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
     assert targets[0]["health"] == "up" and not targets[0]["lastError"]
+
+
+def test_planes_and_efa_through_the_shipped_rules(tmp_path: Path, run_exporter: Any) -> None:
+    """docs/formats.md §1.8 in a real Prometheus with the generated rules (every `for:` at 0s):
+    on a multi-plane ConnectX-8 node with one data plane down, GpunetPortDown fires for that
+    plane alone, not for the sixteen planes that carry no data; on an EFA node whose SRD peers
+    stop answering, GpunetEfaTransportImpaired fires for that device alone, and EFA's bytes
+    reach the byte family the rules read."""
+    from support.prometheus import start_prometheus, stop
+
+    cx8 = st.build_cx8_multiplane(tmp_path / "cx8")
+    st.make_plane_down(cx8, "roce_r1", 6)
+    efa = st.build_efa(tmp_path / "efa")
+    args = ("--collector.disable-defaults", "--collector.infiniband")
+    e_cx8 = run_exporter(f"--path.sysfs={cx8}", *args)
+    e_efa = run_exporter(f"--path.sysfs={efa}", *args)
+    targets = {f"127.0.0.1:{e_cx8.port}": "cx8", f"127.0.0.1:{e_efa.port}": "efa"}
+    proc, url = start_prometheus(tmp_path, [{"targets": sorted(targets)}])
+    try:
+        query_until(url, 'count(up{job="gpunet"} == 1) == 2')
+        bytes_ = query_until(url, "gpunet_infiniband_port_transmitted_bytes_total"
+                                  f'{{instance="127.0.0.1:{e_efa.port}"}}')
+        assert len(bytes_) == len(st.EFA_BUSES)
+
+        def firing() -> set[tuple[str, str, str, str]]:
+            return {(targets[a["metric"]["instance"]], a["metric"]["alertname"],
+                     a["metric"].get("device", ""), a["metric"].get("port", ""))
+                    for a in query(url, 'ALERTS{alertstate="firing"}')}
+
+        def efa_events() -> set[tuple[str, str, str, str]] | None:
+            st.make_efa_retransmitting(efa, events=50)  # rising while Prometheus scrapes
+            now = firing()
+            want = {("efa", "GpunetEfaTransportImpaired", st.efa_name(st.EFA_BUSES[1]), "1"),
+                    ("cx8", "GpunetPortDown", "roce_r1", "6")}
+            return now if want <= now else None
+
+        now = wait_for(efa_events, "GpunetEfaTransportImpaired and GpunetPortDown firing",
+                       timeout=90,
+                       interval=1, ignore=(requests.RequestException,))
+        port_alerts = {a for a in now if a[1] in ("GpunetPortDown",
+                                                  "GpunetPortRateBelowExpected")}
+        assert port_alerts == {("cx8", "GpunetPortDown", "roce_r1", "6")}
+        assert {a for a in now if a[1] == "GpunetEfaTransportImpaired"} == {
+            ("efa", "GpunetEfaTransportImpaired", st.efa_name(st.EFA_BUSES[1]), "1")}
+    finally:
+        stop(proc)

@@ -646,6 +646,22 @@ def test_env_findings(env: dict[str, str], expected: set[tuple[str, str]]) -> No
     assert env_findings(env, DGX_NETDEVS, DGX_DEVICES) == expected
 
 
+def test_env_ib_hca_naming_a_plane_without_data_is_unknown() -> None:
+    """On a multi-plane device an NCCL_IB_HCA entry that selects only a plane carrying no data
+    (roce_r0:1) gives NCCL no port, as a missing device does; a data plane, or the device with
+    no port (NCCL takes its ACTIVE ports), is fine."""
+    devices = ["roce_r0", "roce_r1"]
+    no_data = {(d, str(p)) for d in devices for p in range(1, 13) if p % 3}
+    for hca, cls in (("=roce_r0:1", "unknown_device"), ("roce_r0:3,roce_r1:1", "unknown_device"),
+                     ("roce_r:2", "unknown_device"), ("=roce_r0:3,roce_r1:6", "devices_present"),
+                     ("roce_r0", "devices_present"), ("roce_r:3", "devices_present")):
+        assert env_settings({"NCCL_IB_HCA": hca}, set(), devices, no_data) == {
+            "NCCL_IB_HCA": cls}, hca
+    # Without the judgement of the planes (the default), only the device names count.
+    assert env_settings({"NCCL_IB_HCA": "=roce_r0:1"}, set(), devices) == {
+        "NCCL_IB_HCA": "devices_present"}
+
+
 def test_env_findings_without_rdma() -> None:
     # No RDMA netdev at all: where sockets go says nothing then; a named HCA is still unknown.
     assert env_findings({"NCCL_SOCKET_IFNAME": "eno1", "NCCL_IB_HCA": "mlx5_0"}, set(), []) == {
@@ -977,6 +993,26 @@ def test_probe_pins_each_gpu_to_the_nearest_active_port(dgx: Path) -> None:
     assert moved.path in ("NODE", "PHB", "PXB")
     # No RDMA port at all: nothing to pin (NCCL finds no IB device and falls back).
     assert placement.nearest_port(Root(str(dgx.parent / "nowhere")), "0000:1b:00.0") is None
+
+
+def test_probe_pins_data_planes_and_leaves_efa_to_its_plugin(tmp_path: Path) -> None:
+    """On a multi-plane ConnectX-8 the probe pins a data port (never a plane that carries no
+    data, even one ACTIVE); on an EFA node it pins nothing: NCCL reaches EFA through the
+    aws-ofi-nccl plugin, which ignores NCCL_IB_HCA and places the ranks itself."""
+    from gpunet_exporter.probe import placement
+
+    cx8 = st.build_cx8_multiplane(tmp_path / "cx8")
+    root = Root(str(cx8))
+    # a plane that carries no data, ACTIVE: still not pinnable
+    (cx8 / "class/infiniband/roce_r0/ports/1/state").write_text("4: ACTIVE\n")
+    pins = placement.pinnable_ports(root)
+    assert pins == [(d, str(p)) for d in ("roce_r0", "roce_r1") for p in st.CX8_DATA_PORTS]
+    port = placement.nearest_port(root, "0000:1a:00.0")
+    assert port is not None and (port.device, port.port) == ("roce_r0", "3")
+    assert port.nccl_ib_hca == "=roce_r0:3"
+    efa = st.build_efa(tmp_path / "efa")
+    assert placement.pinnable_ports(Root(str(efa))) == []
+    assert placement.nearest_port(Root(str(efa)), "0000:4f:00.0") is None
 
 
 # ---- NIC PCIe links and rail NICs (issue 16) --------------------------------------------------

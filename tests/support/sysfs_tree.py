@@ -8,6 +8,10 @@ values are derived from the device index, never random.
     build_dgx_h100_example(root)       it with root/mlnx_qos/, its RoCE netdevs' QoS (the example)
     build_dgx_h100_faulty(root)        the same node with one fault of each kind (FAULTY_EXAMPLE)
     build_scaled(root, ports)          `ports` IB NDR devices, for scrape-time scaling tests
+    build_cx8_multiplane(root)         two ConnectX-8 in 4-plane RoCE mode: 12 ports each, data
+                                       on 4 (make_plane_down: a data plane down)
+    build_efa(root)                    four AWS EFA devices, a p5-like node
+                                       (make_efa_retransmitting: SRD peers not answering)
     make_*(sys, ...), add_dangling_device(sys, ...)   fault variants applied to a built tree
 
 For the topology collector (PCIe layout, GPUs, bridges' ACS, GPUDirect RDMA, NCCL environment):
@@ -417,6 +421,171 @@ def build_scaled(root: Path, ports: int) -> Path:
         for k in range(ports)
     )
     return _write_node(root, nics)
+
+
+# ---- multi-plane ConnectX-8 and AWS EFA (docs/formats.md §1.8) ----
+
+# A ConnectX-8 in 4-plane RoCE mode as scitix/sichek #98 (27a48f35) found it on B300 nodes: each
+# RDMA device lists 12 ports; ports 3, 6, 9 and 12 carry data, each with its netdev eth_rN_pK
+# (K the plane), and the platform keeps the other eight disabled. Per plane 2 lanes of 100G
+# (openucx/ucx #11691: "max speed of a single plane ... active width (2) and number of planes
+# (4)"). Assumed, not seen in a capture: the disabled ports read DOWN/Disabled with mlx5's
+# default rate of a port without a link, have no GIDs, and all four netdevs sit under the one
+# PCI function with dev_port 0..3.
+CX8_PORTS = 12
+CX8_DATA_PORTS = (3, 6, 9, 12)
+CX8_IBDEV = {"node_type": "1: CA\n", "fw_ver": "40.44.1036\n", "hca_type": "MT4131\n",
+             "hw_rev": "0x0\n", "board_id": "NVD0000000072\n"}
+CX8_PCI = {"vendor": "0x15b3\n", "device": "0x1023\n", "class": "0x020000\n",
+           "current_link_speed": "64.0 GT/s PCIe\n", "current_link_width": "16\n"}
+CX8_NICS = ((0, 0x1A, 0), (1, 0x9C, 1))  # (N in roce_rN, PCI bus, NUMA node)
+
+
+def _write_cx8(sys: Path, index: int, bus: int, numa: int) -> None:
+    name, pci = f"roce_r{index}", f"0000:{bus:02x}:00.0"
+    pci_dir = f"devices/pci0000:{bus - 1:02x}/0000:{bus - 1:02x}:01.0/{pci}"
+    _write(sys / pci_dir, {**CX8_PCI, "numa_node": f"{numa}\n"})
+    dev = sys / pci_dir / "infiniband" / name
+    guid = (MELLANOX_OUI << 40) | (0x03 << 32) | (0x7B2200 + 0x100 * index)
+    _write(dev, {**CX8_IBDEV, "node_guid": _guid_str(guid) + "\n",
+                 "sys_image_guid": _guid_str(guid) + "\n", "node_desc": f"{HOST} {name}\n"})
+    _symlink(dev / "device", f"../../../{pci}")
+    _class_link(sys, "infiniband", name, f"{pci_dir}/infiniband/{name}")
+    for p in range(1, CX8_PORTS + 1):
+        port = dev / "ports" / str(p)
+        files = {**PORT_COMMON, **PORT_ATTRS["Ethernet"], "link_layer": "Ethernet\n"}
+        hw = {name_: 0 for name_ in HW_COUNTERS}
+        if p in CX8_DATA_PORTS:
+            plane = CX8_DATA_PORTS.index(p)
+            netdev = f"eth_r{index}_p{plane}"
+            mac = (MELLANOX_OUI << 24 | 0x7B0000 | index << 8 | plane).to_bytes(6, "big")
+            eui64 = bytes([mac[0] ^ 0x02, *mac[1:3], 0xFF, 0xFE, *mac[3:]])
+            gid = b"\xfe\x80" + bytes(6) + eui64
+            files.update({"rate": "200 Gb/sec (2X NDR)\n", "gids/0": _gid_str(gid) + "\n",
+                          "gids/1": _gid_str(gid) + "\n", "gid_attrs/types/0": "IB/RoCE v1\n",
+                          "gid_attrs/types/1": "RoCE v2\n", "gid_attrs/ndevs/0": f"{netdev}\n",
+                          "gid_attrs/ndevs/1": f"{netdev}\n"})
+            xmit, rcv = 1_912_345_678 + 95_123_457 * plane, 1_890_331_214 + 91_004_377 * plane
+            hw.update({k: _vary(v[1], 4 * index + plane) for k, v in HW_COUNTERS.items()})
+            attrs = {**NETDEV_KINDS["roce"], "speed": "200000\n", "dev_port": f"{plane}\n",
+                     "phys_port_name": f"p{plane}\n", "address": _hexbytes(mac) + "\n"}
+            _write_netdev(sys, pci_dir, netdev, 20 + 4 * index + plane, attrs)
+        else:
+            files.update({"state": "1: DOWN\n", "phys_state": "3: Disabled\n",
+                          "rate": "40 Gb/sec (4X QDR)\n"})
+            (port / "gid_attrs" / "ndevs").mkdir(parents=True)  # no GID, no netdev
+            (port / "gid_attrs" / "types").mkdir(parents=True)
+            xmit = rcv = 0
+        _write(port, files)
+        counters = dict.fromkeys(PORT_COUNTERS, 0)
+        counters.update(port_xmit_data=xmit, port_rcv_data=rcv, port_xmit_packets=xmit // 1043,
+                        port_rcv_packets=rcv // 1043, unicast_xmit_packets=xmit // 1043,
+                        unicast_rcv_packets=rcv // 1043)
+        _write(port / "counters", _lines(counters))
+        _write(port / "hw_counters", {**_lines(hw), "lifespan": "10\n"})
+
+
+def build_cx8_multiplane(root: Path) -> Path:
+    """root/sys for a node with two ConnectX-8 in 4-plane RoCE mode (roce_r0, roce_r1): 12
+    ports each, data on ports 3, 6, 9 and 12 (netdevs eth_rN_p0..p3), the rest disabled."""
+    sys = _write_node(root, ())
+    for index, bus, numa in CX8_NICS:
+        _write_cx8(sys, index, bus, numa)
+    return sys
+
+
+# AWS EFA as the efa driver registers it (amzn/amzn-drivers 64788ef7 kernel/linux/efa/src:
+# efa_main.c, efa_verbs.c): node type RDMA_NODE_UNSPECIFIED, one port always ACTIVE/LinkUp with
+# link layer IB_LINK_LAYER_UNSPECIFIED (sysfs "Unknown"), its rate from the device's maximum
+# link speed (100 Gb/s on p5.48xlarge: 4X EDR), no process_mad (so no counters/ directory), no
+# netdev, no hca_type/board_id/hw_rev files, an empty fw_ver; port hw_counters
+# EFA_DEFINE_PORT_STATS and device-level EFA_DEFINE_DEVICE_STATS. Names as rdma-core's udev
+# naming gives them on AWS AMIs (rdmap<bus>s<slot>); the kernel's own name is efa_<N>.
+EFA_PORT_STATS = (
+    "tx_bytes", "tx_pkts", "rx_bytes", "rx_pkts", "rx_drops", "send_bytes", "send_wrs",
+    "recv_bytes", "recv_wrs", "rdma_read_wrs", "rdma_read_bytes", "rdma_read_wr_err",
+    "rdma_read_resp_bytes", "rdma_write_wrs", "rdma_write_bytes", "rdma_write_wr_err",
+    "rdma_write_recv_bytes", "retrans_bytes", "retrans_pkts", "retrans_timeout_events",
+    "unresponsive_remote_events", "impaired_remote_conn_events",
+)  # fmt: skip
+EFA_DEVICE_STATS = (
+    "submitted_cmds", "completed_cmds", "cmds_err", "no_completion_cmds", "keep_alive_rcvd",
+    "alloc_pd_err", "create_qp_err", "create_cq_err", "reg_mr_err", "alloc_ucontext_err",
+    "create_ah_err", "mmap_err",
+)  # fmt: skip
+EFA_BUSES = (0x4F, 0x50, 0xC7, 0xC8)  # two per socket, as on a p5.48xlarge's PCIe switches
+AMAZON_VENDOR = 0x1D0F
+
+
+def efa_name(bus: int) -> str:
+    return f"rdmap{bus}s0"
+
+
+def _efa_port_stats(k: int) -> dict[str, int]:
+    tx, rx = 7_812_345_678_901 + 311_004_377 * k, 7_790_331_214_557 + 297_113_901 * k
+    values = dict.fromkeys(EFA_PORT_STATS, 0)
+    values.update(tx_bytes=tx, rx_bytes=rx, tx_pkts=tx // 8_400, rx_pkts=rx // 8_400,
+                  send_bytes=tx // 50, send_wrs=tx // 50 // 8_192, recv_bytes=rx // 50,
+                  recv_wrs=rx // 50 // 8_192, rdma_read_bytes=rx // 3,
+                  rdma_read_wrs=rx // 3 // 1_048_576, rdma_read_resp_bytes=tx // 3,
+                  rdma_write_bytes=tx // 2, rdma_write_wrs=tx // 2 // 1_048_576,
+                  rdma_write_recv_bytes=rx // 2, retrans_bytes=4_211_008 + 1_024 * k,
+                  retrans_pkts=1_031 + k, retrans_timeout_events=3)
+    return values
+
+
+def _write_efa(sys: Path, k: int, bus: int) -> None:
+    name, pci = efa_name(bus), f"0000:{bus:02x}:00.0"
+    pci_dir = f"devices/pci0000:{bus - 1:02x}/0000:{bus - 1:02x}:01.0/{pci}"
+    _write(sys / pci_dir, {"vendor": f"0x{AMAZON_VENDOR:04x}\n", "device": "0xefa1\n",
+                           "class": "0x020000\n", "numa_node": f"{k // 2}\n",
+                           "current_link_speed": "32.0 GT/s PCIe\n",
+                           "current_link_width": "16\n", "p2p": "NVIDIA\n"})
+    dev = sys / pci_dir / "infiniband" / name
+    guid = 0x0E1A_0000_0000_0000 | (bus << 8)
+    _write(dev, {"node_type": "7: unspecified\n", "fw_ver": "\n",
+                 "node_guid": _guid_str(guid) + "\n", "sys_image_guid": "0000:0000:0000:0000\n",
+                 "node_desc": "\n"})
+    _write(dev / "hw_counters", {**_lines(dict.fromkeys(EFA_DEVICE_STATS, 0)),
+                                 "submitted_cmds": f"{4_410 + k}\n",
+                                 "completed_cmds": f"{4_410 + k}\n",
+                                 "keep_alive_rcvd": f"{86_400 + k}\n", "lifespan": "10\n"})
+    _symlink(dev / "device", f"../../../{pci}")
+    _class_link(sys, "infiniband", name, f"{pci_dir}/infiniband/{name}")
+    addr = bytes(10) + bytes([0x0A, 0x00, 0x13, bus, 0x00, 0x01])
+    port = dev / "ports" / "1"
+    _write(port, {"state": "4: ACTIVE\n", "phys_state": "5: LinkUp\n",
+                  "rate": "100 Gb/sec (4X EDR)\n", "link_layer": "Unknown\n", "lid": "0x0\n",
+                  "sm_lid": "0x0\n", "lid_mask_count": "1\n", "sm_sl": "0\n",
+                  "cap_mask": "0x00000000\n", "pkeys/0": "0xffff\n",
+                  "gids/0": _gid_str(addr) + "\n", "gid_attrs/types/0": "IB/RoCE v1\n"})
+    (port / "gid_attrs" / "ndevs").mkdir(parents=True)  # reading ndevs/0 fails: no netdev
+    _write(port / "hw_counters", {**_lines(_efa_port_stats(k)), "lifespan": "10\n"})
+
+
+def build_efa(root: Path) -> Path:
+    """root/sys for a p5-like node's EFA side: four EFA devices (rdmap<bus>s0), no IB or RoCE
+    port, besides lo and the eno1 management NIC."""
+    sys = _write_node(root, ())
+    for k, bus in enumerate(EFA_BUSES):
+        _write_efa(sys, k, bus)
+    return sys
+
+
+def make_efa_retransmitting(sys: Path, bus: int = EFA_BUSES[1], events: int = 500) -> None:
+    """An EFA device whose SRD peers stop answering: unresponsive-remote, impaired-connection
+    and retransmit-timeout events and retransmitted packets grown by ``events``."""
+    hw = sys / "class" / "infiniband" / efa_name(bus) / "ports" / "1" / "hw_counters"
+    for fname in ("retrans_timeout_events", "unresponsive_remote_events",
+                  "impaired_remote_conn_events", "retrans_pkts"):
+        path = hw / fname
+        path.write_text(f"{int(path.read_text()) + events}\n")
+
+
+def make_plane_down(sys: Path, device: str = "roce_r1", port: int = 6) -> None:
+    """A data plane of a multi-plane ConnectX-8 down: state DOWN, Polling, carrier lost."""
+    _write(sys / "class" / "infiniband" / device / "ports" / str(port),
+           {"state": "1: DOWN\n", "phys_state": "2: Polling\n"})
 
 
 # ---- fault variants: each mutates a tree built above, in exact kernel formats ----

@@ -58,7 +58,7 @@ def _hw_table() -> tuple[dict[str, str], dict[str, MetricSpec], dict[str, Metric
     device: dict[str, MetricSpec] = {}
     for row in load("infiniband_hw_counters.csv"):
         names[row["file"]] = row["metric"]
-        if row["metric"] == "-":
+        if row["metric"] == "-" or row["metric"].startswith("@"):  # "@": a counters/ family
             continue
         port[row["file"]] = MetricSpec(
             f"gpunet_infiniband_port_hw_{row['metric']}_total", "counter", row["help"],
@@ -111,6 +111,11 @@ RATE_EXPECTED = MetricSpec(
     "Rate an active port should run at, from infiniband.expected_rate or its peers on this node",
     _P,
     "bytes per second", "config file, or derived from the rate files")
+CARRIES_DATA = MetricSpec(
+    "gpunet_infiniband_port_carries_data", "gauge",
+    "1 for a port meant to carry data, 0 for one that carries none by design (its state is "
+    "not exported)", _P, "boolean",
+    "infiniband.data_ports, else: a RoCE port with no netdev on a device with netdevs")
 RATE_DEGRADED = MetricSpec(
     "gpunet_infiniband_port_rate_degraded", "gauge",
     "1 when an active port runs below its expected rate, else 0", _P, "boolean",
@@ -193,6 +198,15 @@ class RateRule(Settings):
                 and self.link_layer in (None, link_layer))
 
 
+@dataclass(frozen=True, kw_only=True)
+class DataPortsRule(Settings):
+    """One rule of infiniband.data_ports."""
+
+    device: re.Pattern[str] = setting("RDMA device names this rule applies to", required=True)
+    ports: tuple[int, ...] = setting("the port numbers that carry data; the device's other "
+                                     "ports carry none", required=True, minimum=1)
+
+
 @dataclass(frozen=True)
 class InventoryExpected(Settings):
     """infiniband.inventory_expected: a count left unset is learned."""
@@ -213,6 +227,11 @@ class InfinibandSettings(Settings):
         "expected port rates: the first rule that matches an ACTIVE port gives its expected "
         "rate; without rules, the fastest active port with the same `hca_type` and link layer "
         "does (see **Expected rate** below)", default=())
+    data_ports: tuple[DataPortsRule, ...] = setting(
+        "which ports of a device carry data: the first rule whose `device` matches decides for "
+        "all its ports; without a matching rule, every port does except a RoCE port with no "
+        "netdev on a device whose other ports have one (a multi-plane ConnectX-8; see **Ports "
+        "that carry no data** below)", default=())
     generic_hw_counters_max: int = setting(
         "`hw_counters/` files without a curated name exported per port and per device-level "
         "directory, the first ones by file name (0: curated counters only); see "
@@ -248,7 +267,7 @@ class InfinibandCollector(Collector):
     name = "infiniband"
     description = "InfiniBand and RoCE port state, rate, counters and hw_counters from sysfs"
     metrics = (DEVICE_INFO, PORT_INFO, STATE, PHYS_STATE, RATE, WIDTH, LANE_SPEED, RATE_EXPECTED,
-               RATE_DEGRADED, *COUNTER_SPECS.values(), SATURATED, PORT_COUNTER,
+               RATE_DEGRADED, CARRIES_DATA, *COUNTER_SPECS.values(), SATURATED, PORT_COUNTER,
                *HW_PORT_SPECS.values(), PORT_HW_COUNTER, PORT_HW_DROPPED,
                *HW_DEVICE_SPECS.values(), DEVICE_HW_COUNTER, DEVICE_HW_DROPPED,
                *INVENTORY_SPECS)
@@ -414,6 +433,13 @@ class InfinibandCollector(Collector):
         if netdev:
             self._present["netdev"].add(netdev)
         self._fams.add(PORT_INFO, [dev, port, link_layer, netdev], 1)
+        data = self._carries_data(p)
+        self._fams.add_labeled(CARRIES_DATA, shared, 1 if data else 0)
+        if not data:  # a plane that carries no data by design: no state to page on
+            pma = self._counters(pdir, labels, shared)
+            self._hw(f"{pdir}/hw_counters", labels, shared, HW_PORT_SPECS, PORT_HW_COUNTER,
+                     PORT_HW_DROPPED, pma)
+            return
         state = None
         for spec, fname in ((STATE, "state"), (PHYS_STATE, "phys_state")):
             text = attr(fname)
@@ -441,11 +467,20 @@ class InfinibandCollector(Collector):
                     effective = speed * 125_000.0
             if effective is not None:
                 active.append(_Active(dev, port, hca_type, link_layer, effective, shared))
-        self._counters(pdir, labels, shared)
+        pma = self._counters(pdir, labels, shared)
         self._hw(f"{pdir}/hw_counters", labels, shared, HW_PORT_SPECS, PORT_HW_COUNTER,
-                 PORT_HW_DROPPED)
+                 PORT_HW_DROPPED, pma)
 
-    def _counters(self, pdir: str, labels: list[str], shared: dict[str, str]) -> None:
+    def _carries_data(self, p: rdma.Port) -> bool:
+        """Whether the port is meant to carry data: the first infiniband.data_ports rule that
+        matches its device, else the listing's judgement (rdma.carries_data)."""
+        for rule in self.settings.data_ports:
+            if rule.device.search(p.device):
+                return parse_uint(p.port) in rule.ports
+        return p.data
+
+    def _counters(self, pdir: str, labels: list[str], shared: dict[str, str]) -> set[str]:
+        """The port's counters/ families; returns the metrics it exported."""
         values: dict[str, tuple[int, int, int, str]] = {}  # metric -> (raw, scale, width, file)
         generic: list[tuple[str, int]] = []
         # counters_ext/ (kernels before 4.5) is read second and takes precedence.
@@ -467,12 +502,17 @@ class InfinibandCollector(Collector):
                 self._fams.add(SATURATED, [*labels, fname], 1)
         for fname, value in generic:
             self._fams.add(PORT_COUNTER, [*labels, fname], value)
+        return set(values)
 
     def _hw(self, hdir: str, labels: list[str], shared: dict[str, str],
-            specs: Mapping[str, MetricSpec], generic: MetricSpec, dropped_spec: MetricSpec
-            ) -> None:
+            specs: Mapping[str, MetricSpec], generic: MetricSpec, dropped_spec: MetricSpec,
+            pma: set[str] | None = None) -> None:
         """A hw_counters/ directory: every curated counter, and the first
-        ``generic_hw_counters_max`` other files by name (the rest are not even read)."""
+        ``generic_hw_counters_max`` other files by name (the rest are not even read).
+
+        A port's file mapped to a counters/ family ("@<metric>": EFA's bytes and packets) feeds
+        that family where ``pma``, the families the port's counters/ gave, lacks it; elsewhere
+        (the device-level directory) it is a generic counter."""
         limit = self.settings.generic_hw_counters_max
         dropped = 0
 
@@ -493,8 +533,11 @@ class InfinibandCollector(Collector):
 
         for fname, value in self._uints(hdir, select):
             spec = specs.get(fname)
+            family = HW_NAMES.get(fname, "")[1:]
             if spec is not None:
                 self._fams.add_labeled(spec, shared, value)
+            elif pma is not None and family in COUNTER_SPECS and family not in pma:
+                self._fams.add_labeled(COUNTER_SPECS[family], shared, value)
             else:
                 self._fams.add(generic, [*labels, fname], value)
         if dropped:

@@ -519,6 +519,7 @@ class TopologyCollector(Collector):
         inspected = unreadable = 0
         netdevs: set[str] | None = None
         devices: list[str] = []
+        no_data: set[tuple[str, str]] = set()
         cache: dict[int, tuple[int, dict[str, str]]] = {}
         for pid in sorted(pids):
             env = self._environment(pid, cache)
@@ -532,7 +533,8 @@ class TopologyCollector(Collector):
                 snapshot = scrape.rdma(self.ctx.sysfs)
                 netdevs = {p.netdev for p in snapshot.ports() if p.netdev}
                 devices = snapshot.devices()
-            for variable, cls in env_settings(env, netdevs, devices).items():
+                no_data = {(p.device, p.port) for p in snapshot.ports() if not p.data}
+            for variable, cls in env_settings(env, netdevs, devices, no_data).items():
                 settings[(variable, cls)] = settings.get((variable, cls), 0) + 1
                 issue = NCCL_FAULT_CLASSES.get((variable, cls))
                 if issue is not None:

@@ -92,6 +92,13 @@ class Infiniband(Settings):
         minimum=0)
     ack_timeouts_per_second: float = setting(
         "QP ACK timer expiries per second (local_ack_timeout_err hw_counter)", 1, minimum=0)
+    efa_remote_events_per_second: float = setting(
+        "EFA SRD unresponsive-remote or impaired-connection events per second "
+        "(unresponsive_remote_events, impaired_remote_conn_events hw_counters)", 0.01,
+        minimum=0)
+    efa_retransmit_timeouts_per_second: float = setting(
+        "EFA SRD retransmit timeouts per second, each a move to another network path "
+        "(retrans_timeout_events hw_counter)", 0.1, minimum=0)
     rdma_idle_ratio: float = setting(
         "share of what a node's ACTIVE RDMA ports can carry (both directions, at their link "
         "rates) below which they count as idle for a starved GPU job (GpunetGpuJobRdmaIdle)",

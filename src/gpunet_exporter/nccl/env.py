@@ -130,16 +130,36 @@ def _nccl_list(value: str) -> tuple[bool, bool, list[str]]:
     return exclude, exact, [n for n in names if n]
 
 
+def _nccl_entries(value: str) -> list[str]:
+    """The ``name[:port]`` entries of an NCCL list, without its ``^``/``=`` prefix."""
+    return [tok for tok in value.lstrip("^").lstrip("=").split(",") if tok]
+
+
 def _matches(name: str, entries: list[str], exact: bool) -> bool:
     return any(name == e if exact else name.startswith(e) for e in entries)
 
 
+def _selects_data(entry: str, exact: bool, rdma_devices: Collection[str],
+                  no_data: Collection[tuple[str, str]]) -> bool:
+    """Whether one NCCL_IB_HCA entry (``name[:port]``) selects a port that can carry data: a
+    device it names, and, when it names a port, one that is not a plane that carries no data
+    by design (a multi-plane device's, rdma.carries_data)."""
+    name, _, port = entry.partition(":")
+    devices = [d for d in rdma_devices if _matches(d, [name], exact)]
+    if not port:
+        return bool(devices)
+    return any((d, port) not in no_data for d in devices)
+
+
 def env_settings(env: Mapping[str, str], rdma_netdevs: Collection[str],
-                 rdma_devices: Collection[str]) -> dict[str, str]:
+                 rdma_devices: Collection[str],
+                 no_data_ports: Collection[tuple[str, str]] = ()) -> dict[str, str]:
     """variable -> value class (a key of NCCL_SETTINGS, one of its classes) for each audited
     variable one process's environment sets, judged the way NCCL itself reads each variable
     (NVIDIA/nccl src/misc/param.cc, graph/paths.cc, misc/socket.cc, transport/net_ib.cc). An
-    empty value is unset for NCCL; so it is here."""
+    empty value is unset for NCCL; so it is here. ``no_data_ports``: the (device, port) pairs
+    that carry no data by design; an NCCL_IB_HCA entry that selects only those is as unknown
+    as one naming no device (NCCL skips ports that are not ACTIVE)."""
     out: dict[str, str] = {}
     for var in ("NCCL_IB_DISABLE", "NCCL_SHM_DISABLE"):
         if env.get(var):  # int64 parameters: any non-zero value disables
@@ -173,7 +193,9 @@ def env_settings(env: Mapping[str, str], rdma_netdevs: Collection[str],
         exclude, exact, names = _nccl_list(value)
         if exclude:
             out["NCCL_IB_HCA"] = "exclusion"
-        elif any(not any(_matches(d, [n], exact) for d in rdma_devices) for n in names):
+        elif any(not any(_matches(d, [n], exact) for d in rdma_devices) for n in names) or any(
+                not _selects_data(e, exact, rdma_devices, no_data_ports)
+                for e in _nccl_entries(value) if e.partition(":")[0]):
             out["NCCL_IB_HCA"] = "unknown_device"
         else:
             out["NCCL_IB_HCA"] = "devices_present"
@@ -196,11 +218,13 @@ def env_settings(env: Mapping[str, str], rdma_netdevs: Collection[str],
 
 
 def env_findings(env: Mapping[str, str], rdma_netdevs: Collection[str],
-                 rdma_devices: Collection[str]) -> set[tuple[str, str]]:
+                 rdma_devices: Collection[str],
+                 no_data_ports: Collection[tuple[str, str]] = ()) -> set[tuple[str, str]]:
     """The (variable, issue) pairs of NCCL_FINDINGS one process's environment gives: its
     settings (env_settings) whose value class is a fault."""
     return {(var, NCCL_FAULT_CLASSES[(var, cls)])
-            for var, cls in env_settings(env, rdma_netdevs, rdma_devices).items()
+            for var, cls in env_settings(env, rdma_netdevs, rdma_devices,
+                                         no_data_ports).items()
             if (var, cls) in NCCL_FAULT_CLASSES}
 
 

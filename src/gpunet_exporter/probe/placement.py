@@ -31,10 +31,26 @@ def _endpoint(root: Root, name: str, rel: str) -> pcie.Endpoint | None:
     return None if real is None else pcie.endpoint(name, real, -1)
 
 
+# The link layers whose ports NCCL's own IB transport drives, and NCCL_IB_HCA selects. An EFA
+# port ("Unknown") is driven through the aws-ofi-nccl plugin (libfabric), which ignores
+# NCCL_IB_HCA and picks the EFA devices nearest each GPU itself (docs/formats.md §1.8).
+NCCL_IB_LINK_LAYERS = ("InfiniBand", "Ethernet")
+
+
+def pinnable_ports(root: Root) -> list[tuple[str, str]]:
+    """(device, port) of the ACTIVE ports NCCL_IB_HCA can pin: InfiniBand or RoCE ports meant
+    to carry data (not a multi-plane device's planes that carry none, rdma.carries_data)."""
+    eligible = {(p.device, p.port) for p in rdma.all_ports(root)
+                if p.data and p.link_layer in NCCL_IB_LINK_LAYERS}
+    return [dp for dp in rdma.active_ports(root) if dp in eligible]
+
+
 def nearest_port(root: Root, gpu_pci_address: str) -> HcaPort | None:
-    """The ACTIVE RDMA port nearest the GPU at ``gpu_pci_address`` ("0000:1b:00.0"): fewest
-    PCIe hops by nvidia-smi topo's order, then fewest bridges, then name. None without one."""
-    ports = rdma.active_ports(root)
+    """The ACTIVE RDMA port nearest the GPU at ``gpu_pci_address`` ("0000:1b:00.0") that
+    NCCL_IB_HCA can pin (:func:`pinnable_ports`): fewest PCIe hops by nvidia-smi topo's order,
+    then fewest bridges, then name. None without one (then the probe pins nothing: on an EFA
+    node the aws-ofi-nccl plugin places the ranks itself)."""
+    ports = pinnable_ports(root)
     if not ports:
         return None
     gpu = _endpoint(root, "gpu", f"bus/pci/devices/{gpu_pci_address.lower()}")

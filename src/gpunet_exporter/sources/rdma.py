@@ -11,7 +11,7 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Container, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gpunet_exporter.sources.sysfs import Root, parse_int, parse_uint
 
@@ -32,6 +32,8 @@ class Port:
     netdev: str  # "" when the port has none
     # Why ``link_layer`` could not be read; None when it was.
     link_layer_error: OSError | None = field(default=None, compare=False)
+    # False for a port that by design carries no data (see :func:`carries_data`).
+    data: bool = True
 
     @property
     def dir(self) -> str:
@@ -67,8 +69,24 @@ def read_device(root: Root, name: str) -> Device:
             layer = root.read(f"{CLASS}/{name}/ports/{p}/link_layer")
         except OSError as exc:
             layer, error = "", exc
-        out.append(Port(name, p, layer, netdev(root, name, p, layer), error))
-    return Device(name, tuple(out))
+        out.append(Port(name, p, layer, netdev(root, name, p, layer, len(numbers) > 1), error))
+    return Device(name, tuple(carries_data(out)))
+
+
+def carries_data(ports: list[Port]) -> list[Port]:
+    """The ports of one device, each marked whether it can carry data (docs/formats.md §1.8).
+
+    A multi-plane ConnectX-8 in RoCE mode lists many ports of which only some carry data, each
+    with its netdev (scitix/sichek #98: 12 ports, data on 3/6/9/12). A RoCE port cannot carry
+    RoCE traffic without a netdev behind its GIDs, so on a device where some Ethernet port has
+    a netdev, an Ethernet port without one is marked ``data=False``. A single-port device, an
+    InfiniBand port and an EFA port (link layer "Unknown") are always data ports here;
+    ``infiniband.data_ports`` overrides this in the collector.
+    """
+    if len(ports) < 2 or not any(p.link_layer == "Ethernet" and p.netdev for p in ports):
+        return ports
+    return [p if p.link_layer != "Ethernet" or p.netdev else replace(p, data=False)
+            for p in ports]
 
 
 class Snapshot:
@@ -141,12 +159,16 @@ def pci_address(root: Root, device: str) -> str:
     return target if _PCI_ADDRESS.match(target) else ""
 
 
-def netdev(root: Root, device: str, port: str, link_layer: str) -> str:
+def netdev(root: Root, device: str, port: str, link_layer: str,
+           multiport: bool = False) -> str:
     """The netdev behind a port, or "" when there is none.
 
     Order (docs/formats.md §1.1): ``gid_attrs/ndevs/<idx>`` (RoCE only: on InfiniBand every slot
     fails to read, and trying 255 of them per scrape would be slow), then ``device/net/*``,
-    preferring the netdev whose ``dev_port`` is this port's index (dual-port mlx4 HCAs).
+    preferring the netdev whose ``dev_port`` is this port's index (dual-port mlx4 HCAs). On a
+    device of several ports (``multiport``), a RoCE port whose GID table names no netdev has
+    none: the PCI function's netdevs belong to its other ports (a multi-plane ConnectX-8's
+    planes that carry no data, docs/formats.md §1.8).
     """
     base = f"{CLASS}/{device}"
     if link_layer == "Ethernet":
@@ -157,6 +179,8 @@ def netdev(root: Root, device: str, port: str, link_layer: str) -> str:
                 continue
             if name and _netdev_name(name):
                 return name
+        if multiport and root.exists(f"{base}/ports/{port}/gid_attrs/ndevs"):
+            return ""
     try:
         candidates = root.listdir(f"{base}/device/net")
     except OSError:

@@ -115,6 +115,36 @@ def check_retransmissions(c: Check) -> None:
                       f"{lbl['device']}/{lbl['port']}")
 
 
+# hw_counters behind GpunetEfaTransportImpaired: (metric, file, thresholds key, words). AWS EFA
+# ports, Nitro v4 and later (docs/formats.md §1.8).
+EFA_EVENTS = (
+    ("unresponsive_remote_events", "unresponsive_remote_events", "efa_remote_events_per_second",
+     "unresponsive-remote events"),
+    ("impaired_remote_connection_events", "impaired_remote_conn_events",
+     "efa_remote_events_per_second", "impaired-connection events"),
+    ("retransmit_timeouts", "retrans_timeout_events", "efa_retransmit_timeouts_per_second",
+     "retransmit timeouts (path changes)"),
+)
+
+
+@checks("GpunetEfaTransportImpaired")
+def check_efa_events(c: Check) -> None:
+    """GpunetEfaTransportImpaired: one finding per EFA port whose SRD peers stop answering, or
+    whose traffic keeps timing out onto other paths, faster than the thresholds (the alert's
+    ``or`` of the three rates)."""
+    t = c.t.infiniband
+    seen: set[tuple[str, str]] = set()
+    for metric, file, key, what in EFA_EVENTS:
+        for lbl, r in c.rate(f"gpunet_infiniband_port_hw_{metric}_total"):
+            where = (lbl.get("device", ""), lbl.get("port", ""))
+            if where not in seen and r > getattr(t, key):
+                seen.add(where)
+                c.add("retransmit", "GpunetEfaTransportImpaired", port(lbl),
+                      f"{r:.4g} {what} per second (limit {getattr(t, key):g})",
+                      f"cd /sys/class/infiniband/{lbl['device']}/ports/{lbl['port']}/"
+                      f"hw_counters; grep . {file} retrans_pkts  # twice, a minute apart")
+
+
 ALERTS: tuple[Alert, ...] = (
     simple("GpunetNcclSocketFallback", "transport", "critical", "0m", SOCKET_FALLBACK,
            "NCCL fell back to TCP sockets",
@@ -171,10 +201,18 @@ ALERTS: tuple[Alert, ...] = (
           "RDMA transport retransmitting",
           f"RDMA port {PORT} sees {{{{ $value | humanize }}}} sequence errors or ACK timeouts "
           "per second (hw_counters): packets are lost and retransmitted."),
+    Alert("GpunetEfaTransportImpaired", "transport", "warning", "10m",
+          lambda t: "\nor\n".join(
+              f"rate(gpunet_infiniband_port_hw_{m}_total[5m]) > "
+              f"{_g(getattr(t.infiniband, key))}" for m, _, key, _ in EFA_EVENTS),
+          "EFA transport losing its peers or paths",
+          f"EFA port {PORT} sees {{{{ $value | humanize }}}} unresponsive-remote, "
+          "impaired-connection or retransmit-timeout events per second (hw_counters): SRD "
+          "peers stop answering, or traffic keeps moving off failing network paths."),
 )
 
 # The doctor's checks, in steps (mixin.alerts.DOCTOR_ORDER).
 CHECKS: dict[str, tuple[DoctorCheck, ...]] = {
     "transport": (SOCKET_FALLBACK, ENV_DISABLES_FAST_PATH, note_nccl_settings, check_gdr),
     "job_rdma_idle": (check_job_rdma_idle,),
-    "retransmissions": (check_retransmissions,)}
+    "retransmissions": (check_retransmissions, check_efa_events)}
