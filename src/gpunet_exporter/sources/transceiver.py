@@ -35,7 +35,8 @@ class EepromReader(Protocol):
 
     ``read`` returns ``length`` bytes at ``offset`` (0-127: the lower page; 128-255: the upper
     page ``page`` of ``bank``). Raises OSError: ENODEV (no such interface here), EOPNOTSUPP (the
-    driver cannot read modules), EIO or another errno (no module, a read that failed)."""
+    driver cannot read modules), ENOENT (no ethtool program), EIO or another errno (no module,
+    a read that failed)."""
 
     def read(self, ifname: str, page: int, bank: int, offset: int, length: int,
              i2c_address: int = I2C_ADDRESS) -> bytes: ...
@@ -99,7 +100,8 @@ class CommandEepromReader:
             raise OSError(errno.ETIMEDOUT, str(exc)) from None
         except CommandError as exc:
             text = str(exc)
-            code = (errno.EOPNOTSUPP if "not supported" in text
+            code = (errno.ENOENT if "cannot run" in text  # no ethtool program
+                    else errno.EOPNOTSUPP if "not supported" in text
                     else errno.ENODEV if "No such device" in text else errno.EIO)
             raise OSError(code, text) from None
         if len(out) != length:
