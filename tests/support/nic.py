@@ -4,7 +4,7 @@ QSFP56 passive copper cable, each healthy or with a fault planted (one lane's re
 low, the module hot); mlx5's devlink health reporters as ``devlink -j health show`` prints
 them; and stand-in ``ethtool`` and ``devlink`` programs that replay both from a folder.
 
-Byte layouts: docs/formats.md §14 (SFF-8636 rev 2.10a, OIF CMIS 5.0; SFF-8024 codes) and §15
+Byte layouts: docs/formats.md §12 (SFF-8636 rev 2.10a, OIF CMIS 5.0; SFF-8024 codes) and §13
 (iproute2 devlink/devlink.c). Vendor names, part and serial numbers and values are invented.
 """
 

@@ -4,7 +4,7 @@ NIC's devlink health reporters (firmware, tx and rx queues), both read in one ba
 
 Module EEPROM: sources/transceiver.py (ethtool netlink, or ``ethtool -m``); reporters:
 sources/devlink.py (devlink netlink, or ``devlink -j health show``). Formats: docs/formats.md
-§14-15; design notes: docs/architecture.md, "collectors".
+§12-13; design notes: docs/architecture.md, "collectors".
 """
 
 from __future__ import annotations

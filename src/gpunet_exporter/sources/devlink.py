@@ -2,7 +2,7 @@
 one's state, error count and recovery count, read in-process through devlink generic netlink
 (DEVLINK_CMD_HEALTH_REPORTER_GET, pyroute2), or parsed from ``devlink -j health show``.
 
-Formats: docs/formats.md §15 (iproute2 devlink/devlink.c ``pr_out_health``).
+Formats: docs/formats.md §13 (iproute2 devlink/devlink.c ``pr_out_health``).
 """
 
 from __future__ import annotations

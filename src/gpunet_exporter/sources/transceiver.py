@@ -4,7 +4,7 @@ thresholds, decoded from SFF-8636 (QSFP, QSFP+, QSFP28/56) and CMIS (QSFP-DD, OS
 
 Pages are read in-process through ethtool netlink (ETHTOOL_MSG_MODULE_EEPROM_GET, pyroute2),
 or by running ``ethtool -m IF raw on ...`` (captures replayed by a stand-in). Byte layouts and
-sources: docs/formats.md §14; design notes: docs/architecture.md, "sources".
+sources: docs/formats.md §12; design notes: docs/architecture.md, "sources".
 """
 
 from __future__ import annotations
