@@ -98,6 +98,9 @@ EXPECTED = (
     ("GpunetPortLinkErrorRecoveries", "mlx5_6"),
     ("GpunetPortFlapping", "mlx5_3"),
     ("GpunetInterfaceFlapping", "ibp94s0"),
+    ("GpunetTransceiverRxPowerLow", "enp170s0f0np0"),
+    ("GpunetTransceiverTemperatureHigh", "enp41s0f0np0"),
+    ("GpunetNicHealthReporterError", "mlx5_7"),
 )
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 
@@ -264,6 +267,10 @@ def exporter_config(tree: Path) -> dict[str, Any]:
     qos = cfg.get("pfc", {}).get("config", {})
     if qos.get("mlnx_qos_path") and not os.path.isabs(qos["mlnx_qos_path"]):
         qos["mlnx_qos_path"] = str(REPO / qos["mlnx_qos_path"])
+    for tool in ("ethtool", "devlink"):
+        section = cfg.get("nic", {}).get(tool, {})
+        if section.get("path") and not os.path.isabs(section["path"]):
+            section["path"] = str(REPO / section["path"])
     return cfg
 
 
