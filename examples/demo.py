@@ -133,7 +133,7 @@ def reachable(url: str) -> bool:
 def target_of(labels: dict[str, str]) -> str:
     """What an alert is about: the device and port (with its netdev), or the interface."""
     if "device" in labels:
-        where = f"{labels['device']} port {labels.get('port', '?')}"
+        where = labels["device"] + (f" port {labels['port']}" if "port" in labels else "")
         return f"{where} ({labels['interface']})" if labels.get("interface") else where
     return labels.get("interface") or labels.get("gpu") or labels.get("instance", "")
 
