@@ -188,7 +188,7 @@ def test_checks_name_real_alerts_and_causes() -> None:
     knows, and is among those its check declares (``@checks``) in the module of its class."""
     names = set(doctor_module.SEVERITY)
     checked = alerts_module.checked()
-    assert set(checked) <= names and len(checked) == 59
+    assert set(checked) <= names and len(checked) == 60
     for m in alerts_module.MODULES:
         source = Path(m.__file__ or "").read_text()
         reported = set(re.findall(r'c\.add\("\w+", "(Gpunet[A-Za-z]+)"', source))

@@ -307,6 +307,14 @@ HEALTH_REPORTER_ERROR = Simple(
     lambda c, lbl, v, limit: (f"devlink health reporter {lbl['reporter']} of "
                               f"{lbl['handle']} in error state, not recovered"),
     lambda lbl: (f"devlink health diagnose {lbl['handle']} reporter {lbl['reporter']}"))
+HEALTH_REPORTER_RECOVERING = Simple(
+    "GpunetNicHealthReporterRecovering", "gpunet_nic_health_reporter_recoveries_total", ">=",
+    "link.nic_recoveries_per_hour", "nic_health",
+    lambda lbl: f"{lbl['device'] or lbl['handle']} {lbl['reporter']}",
+    lambda c, lbl, v, limit: (f"devlink health reporter {lbl['reporter']} of {lbl['handle']} "
+                              f"recovers {v:.3g} times per hour (limit {limit:g})"),
+    lambda lbl: (f"devlink health show {lbl['handle']} reporter {lbl['reporter']}; "
+                 "dmesg | grep -i mlx5"), window="1h", increase=True)
 
 
 def _fleet_link_slow(t: Thresholds) -> str:
@@ -437,6 +445,11 @@ ALERTS: tuple[Alert, ...] = (
            "devlink health reporter {{ $labels.reporter }} of {{ $labels.handle }} "
            "(RDMA device {{ $labels.device }}) " + NODE + " is in error state and was not "
            "recovered (firmware fatal error, stuck send or receive queue)."),
+    simple("GpunetNicHealthReporterRecovering", "link", "warning", "0m",
+           HEALTH_REPORTER_RECOVERING, "NIC devlink health reporter recovering again and again",
+           "devlink health reporter {{ $labels.reporter }} of {{ $labels.handle }} (RDMA "
+           "device {{ $labels.device }}) " + NODE + " recovered {{ $value | printf \"%.0f\" }} "
+           "times in the last hour: the error it recovers from keeps coming back."),
 )
 
 # The doctor's checks, in steps (mixin.alerts.DOCTOR_ORDER interleaves the classes' steps in the
@@ -449,7 +462,8 @@ CHECKS: dict[str, tuple[DoctorCheck, ...]] = {
     "phy": (check_phy,),
     "flap_history": (check_flap_history,),
     "inventory": (DEVICES_MISSING,),
-    "nic": (check_rx_power, check_module_temperature, HEALTH_REPORTER_ERROR),
+    "nic": (check_rx_power, check_module_temperature, HEALTH_REPORTER_ERROR,
+            HEALTH_REPORTER_RECOVERING),
 }
 # Node-level alerts the doctor cannot check, and why.
 UNCHECKED: dict[str, str] = {
