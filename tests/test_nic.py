@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -360,3 +361,64 @@ def test_command_reader_checks_the_length(tmp_path: Path) -> None:
     tool.chmod(0o755)
     with pytest.raises(OSError, match="wrote 3 bytes"):
         CommandEepromReader(str(tool), 5).read("eth0", 0, 0, 0, 128)
+
+
+class CountingHealth:
+    """Reporters from a list, counting the reads."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def read(self) -> list[devlink.Reporter]:
+        self.reads += 1
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_device_event_reads_again_at_once(tmp_path: Path) -> None:
+    """The background round runs every interval_seconds (an hour here); a netdev or RDMA device
+    that comes or goes (a module swapped with its link) makes it run now."""
+    tree = st.build_roce_only(tmp_path / "tree")
+    c = make_collector(NicCollector, tree, {"interval_seconds": 3600, "transceivers": False})
+    health = CountingHealth()
+    c.health = health  # type: ignore[attr-defined]
+    try:
+        c.collect(Scrape())
+        assert health.reads == 1
+        c.device_event("pci", "add", {})  # not a netdev or RDMA device: nothing
+        c.device_event("net", "add", {"INTERFACE": ROCE})
+        deadline = time.monotonic() + 10
+        while health.reads < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert health.reads == 2
+    finally:
+        c.close()
+
+
+def test_a_hanging_ethtool_costs_the_scrape_nothing(dgx: Path, tmp_path: Path) -> None:
+    """`ethtool -m` that never answers: the first scrape returns at its deadline, the round
+    kills each run after its timeout and the interfaces read as failed, not as unknown."""
+    tool = tmp_path / "ethtool"
+    tool.write_text("#!/bin/sh\nexec sleep 60\n")
+    tool.chmod(0o755)
+    c = make_collector(NicCollector, dgx, {"eeprom_source": "ethtool", "health_reporters": False,
+                                           "ethtool": {"path": str(tool),
+                                                       "timeout_seconds": 0.3}})
+    try:
+        t0 = time.monotonic()
+        s = samples_of(list(c.collect(Scrape(time.monotonic() + 0.5))))
+        assert time.monotonic() - t0 < 2
+        assert not series(s, "gpunet_nic_transceiver_info")
+
+        def done() -> bool:
+            return len(c._last.modules) == 2  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 10
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        s = samples_of(list(c.collect(Scrape())))
+        assert value(s, "gpunet_nic_transceiver_refresh_success", interface=ROCE) == 0
+        assert c.unknown() == {}
+    finally:
+        c.close()

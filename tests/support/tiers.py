@@ -136,6 +136,7 @@ SYSTEM_TESTS: dict[str, frozenset[str]] = {
         "test_file_without_newlines",
     }),
     "test_nic": frozenset({
+        "test_a_hanging_ethtool_costs_the_scrape_nothing",
         "test_a_netdev_without_module_access_is_unknown",
         "test_command_reader_checks_the_length",
         "test_failures_keep_the_last_good_module",
