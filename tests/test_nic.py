@@ -124,6 +124,20 @@ def test_cmis_passive_copper_flat_memory() -> None:
     assert len(reader.asked) == 2
 
 
+def test_cmis_active_copper_reports_what_page_01h_advertises() -> None:
+    """An active copper cable (MediaType 04h, linear equalizers): its temperature monitor, and
+    no optical power, as page 01h says; a passive one by media technology alone: info only."""
+    pages = nic.cmis_osfp(temperature=52.0)
+    lower, p0, p1 = (bytearray(pages[k]) for k in ("lower", "page00", "page01"))
+    lower[85], p0[212 - 128], p1[160 - 128] = 0x04, 0x0F, 0x00
+    m = _module({**pages, "lower": bytes(lower), "page00": bytes(p0), "page01": bytes(p1)})
+    assert (m.passive_copper, m.temperature, m.rx_power, m.tx_power) == (False, 52.0, (), ())
+    assert set(m.thresholds) == {"temperature"}
+    lower[85], p0[212 - 128] = 0x01, 0x0A
+    m = _module({**pages, "lower": bytes(lower), "page00": bytes(p0)})
+    assert m.passive_copper and m.temperature is None
+
+
 def test_sfp_and_unknown_identifiers_are_info_only() -> None:
     sfp = bytearray(128)
     sfp[0] = 0x03

@@ -245,11 +245,12 @@ def media_lanes(lower: bytes, page11: bytes | None) -> int:
 def _cmis(lower: bytes, page0: bytes, pages: Pages) -> Module:
     vendor, part = _text(page0[129 - 128:145 - 128]), _text(page0[148 - 128:164 - 128])
     # Byte 85, MediaType (Table 8-18 of CMIS 5.2): 03h passive copper; byte 212, media
-    # interface technology (SFF-8024 Table 4-10): 0Ah-0Fh copper cables.
-    copper = lower[85] == 0x03 or page0[212 - 128] in range(0x0A, 0x10)
+    # interface technology (SFF-8024 Table 4-10): 0Ah and 0Bh passive copper cables. Active
+    # cables (MediaType 04h) say on page 01h which monitors they have, like optics.
+    passive = lower[85] == 0x03 or page0[212 - 128] in (0x0A, 0x0B)
     page1, page2, page11 = pages.get((1, 0)), pages.get((2, 0)), pages.get((0x11, 0))
-    if copper or page1 is None:  # passive copper, or flat memory: no advertised monitors
-        return Module(lower[0], "cmis", vendor, part, passive_copper=lower[85] == 0x03)
+    if passive or page1 is None:  # passive copper, or flat memory: no advertised monitors
+        return Module(lower[0], "cmis", vendor, part, passive_copper=passive)
     module_mon, lane_mon = page1[159 - 128], page1[160 - 128]  # Table 8-44
     temperature = _temperature(_s16(lower, 14)) if module_mon & 0x01 else None
     rx: tuple[float, ...] = ()
