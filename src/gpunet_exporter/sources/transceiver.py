@@ -239,7 +239,7 @@ def media_lanes(lower: bytes, page11: bytes | None) -> int:
         total = sum(lanes_of(appsel) for appsel, _ in paths)
         if total:
             return min(total, 8)
-    return lanes_of(1) or 8
+    return min(lanes_of(1), 8) or 8  # a 4-bit field: a module may claim up to 15
 
 
 def _cmis(lower: bytes, page0: bytes, pages: Pages) -> Module:
