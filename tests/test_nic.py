@@ -335,16 +335,22 @@ def test_faults_reach_their_metrics(dgx: Path, tmp_path: Path) -> None:
                  handle=f"pci/{pci['mlx5_8']}", reporter="fw_fatal") == 1
 
 
-def test_failures_keep_the_last_good_module(dgx: Path, tmp_path: Path) -> None:
+def test_failures_keep_the_last_good_module(dgx: Path, tmp_path: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:
     cfg = replay(tmp_path, dgx, {ROCE: nic.cmis_osfp(), ROCE2: nic.cmis_osfp()})
     it = rounds(dgx, cfg)
     s, _ = next(it)
     assert value(s, "gpunet_nic_transceiver_temperature_celsius", interface=ROCE) is not None
     (tmp_path / "replay" / ROCE / "page11.bin").write_bytes(b"short")  # the module answers junk
-    s, unknown = next(it)
+    for _ in range(3):
+        s, unknown = next(it)
     assert value(s, "gpunet_nic_transceiver_refresh_success", interface=ROCE) == 0
     assert value(s, "gpunet_nic_transceiver_temperature_celsius", interface=ROCE) is not None
+    assert value(s, "gpunet_nic_transceiver_refresh_success", interface=ROCE2) == 1
     assert unknown == {}
+    # One warning line for the three failed rounds (later ones at debug level).
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and ROCE in r.getMessage()]
+    assert len(warned) == 1 and "wrote 5 bytes, not 128" in warned[0].getMessage()
 
 
 def test_no_module_access_and_no_devlink_are_unknown(dgx: Path, tmp_path: Path) -> None:
