@@ -98,6 +98,9 @@ EXPECTED = (
     ("GpunetPortLinkErrorRecoveries", "mlx5_6"),
     ("GpunetPortFlapping", "mlx5_3"),
     ("GpunetInterfaceFlapping", "ibp94s0"),
+    ("GpunetTransceiverRxPowerLow", "enp170s0f0np0"),
+    ("GpunetTransceiverTemperatureHigh", "enp41s0f0np0"),
+    ("GpunetNicHealthReporterError", "mlx5_7"),
 )
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 
@@ -130,7 +133,7 @@ def reachable(url: str) -> bool:
 def target_of(labels: dict[str, str]) -> str:
     """What an alert is about: the device and port (with its netdev), or the interface."""
     if "device" in labels:
-        where = f"{labels['device']} port {labels.get('port', '?')}"
+        where = labels["device"] + (f" port {labels['port']}" if "port" in labels else "")
         return f"{where} ({labels['interface']})" if labels.get("interface") else where
     return labels.get("interface") or labels.get("gpu") or labels.get("instance", "")
 
@@ -264,6 +267,10 @@ def exporter_config(tree: Path) -> dict[str, Any]:
     qos = cfg.get("pfc", {}).get("config", {})
     if qos.get("mlnx_qos_path") and not os.path.isabs(qos["mlnx_qos_path"]):
         qos["mlnx_qos_path"] = str(REPO / qos["mlnx_qos_path"])
+    for tool in ("ethtool", "devlink"):
+        section = cfg.get("nic", {}).get(tool, {})
+        if section.get("path") and not os.path.isabs(section["path"]):
+            section["path"] = str(REPO / section["path"])
     return cfg
 
 

@@ -219,7 +219,8 @@ def test_alerts_are_well_formed() -> None:
             "GpunetCollectorFailing", "GpunetCheckUnknown",
             "GpunetExporterDown", "GpunetPauseStorm", "GpunetPfcDisabledOnRocePriority",
             "GpunetPfcTrustNotExpected", "GpunetFabricSweepFailing",
-            "GpunetGpuFabricNotReady", "GpunetGpuFabricUnhealthy", "GpunetGdrPeermemOnly"), (
+            "GpunetGpuFabricNotReady", "GpunetGpuFabricUnhealthy", "GpunetGdrPeermemOnly",
+            "GpunetNicHealthReporterError"), (
             f"{name}: the description should show the value")
         url = ann["runbook_url"]
         assert url.startswith(thresholds.defaults().runbook_url + "#")

@@ -45,6 +45,7 @@ from support.bundle_node import (
     DEGRADED_PORT,
     DOWN_PORT,
     FAULTY,
+    FW_FATAL_DEVICE,
     HEALTHY,
     MTU_PORT,
     NIC_PCIE_DEGRADED,
@@ -230,6 +231,11 @@ EXPECTED = {
     "GpunetRailMapShared": ("/ticket", {}),
     # GPU 2 starved while the RDMA ports carry nothing: the job's NCCL is not on RDMA.
     "GpunetGpuJobRdmaIdle": ("/ticket", {}),
+    # The nic collector's (lane 3 on the QoS netdev, the hot module on mlx5_8's netdev).
+    "GpunetTransceiverRxPowerLow": ("/ticket", {"lane": "3"}),
+    "GpunetTransceiverTemperatureHigh": ("/ticket", {}),
+    "GpunetNicHealthReporterError": ("/ticket", {"device": FW_FATAL_DEVICE,
+                                                 "reporter": "fw_fatal"}),
 }
 # Firing in Prometheus on the faulty node, silenced by the shipped inhibition rules: NCCL on
 # sockets and GDR not ready silence the slow-collective alerts and "GDR inactive".
@@ -262,6 +268,7 @@ def test_expected_alerts_reach_the_webhook(bundle: Bundle) -> None:
         assert ann["runbook_url"].endswith("/docs/runbooks.md#" + name.lower())
     assert got["GpunetPfcDisabledOnRocePriority"][1]["labels"]["interface"] == bundle.qos_netdev
     assert got["GpunetInterfacePhyErrors"][1]["labels"]["interface"] == bundle.qos_netdev
+    assert got["GpunetTransceiverRxPowerLow"][1]["labels"]["interface"] == bundle.qos_netdev
     assert "runs at 200 Gb/s" in got["GpunetPortRateBelowExpected"][1]["annotations"][
         "description"]
     ports = [str(p) for p in bundle.ras_ports[FAULTY]]  # dead, stuck, stopped
@@ -307,7 +314,8 @@ def test_healthy_node_raises_nothing(bundle: Bundle) -> None:
     for expr in ("gpunet_infiniband_port_rate_degraded", "gpunet_pfc_enabled",
                  "gpunet_probe_socket_fallback", "gpunet_topology_gdr_ready",
                  "gpunet_topology_nccl_env_findings", "gpunet_nccl_ras_query_success",
-                 "gpunet_nccl_stalled_ranks", "gpunet_nccl_job_processes"):
+                 "gpunet_nccl_stalled_ranks", "gpunet_nccl_job_processes",
+                 "gpunet_nic_transceiver_rx_power_watts", "gpunet_nic_health_reporter_healthy"):
         assert query(bundle.prometheus, f'{expr}{{instance="{HEALTHY}"}}'), expr
     # Its GPU process's settings were audited and counted, as settings only (issue 16).
     for expr in ('gpunet_topology_nccl_env_settings{variable="NCCL_SOCKET_IFNAME", '
@@ -329,7 +337,7 @@ def test_health_matrix_records_every_node_and_class(bundle: Bundle) -> None:
     # Per class, the faulty node's firing alerts: the expected, the inhibited and the info ones.
     meta = {a.name: a.cls for a in rules.ALERTS}
     want = Counter(meta[n] for n in set(EXPECTED) | INHIBITED | UNROUTED)
-    assert want == {"link": 8, "congestion": 2, "gpu": 6, "topology": 2, "transport": 5,
+    assert want == {"link": 11, "congestion": 2, "gpu": 6, "topology": 2, "transport": 5,
                     "collective": 5}
     got = wait_until("the health matrix", matrix)
     assert set(got) == {(n, c) for n in (HEALTHY, FAULTY) for c in rules.CLASSES}

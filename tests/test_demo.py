@@ -42,6 +42,9 @@ EXPECTED = {
     ("GpunetPortLinkErrorRecoveries", "mlx5_6"): ("warning", "-> ticket"),
     ("GpunetPortFlapping", "mlx5_3"): ("warning", "inhibited by GpunetPortDown"),
     ("GpunetInterfaceFlapping", "ibp94s0"): ("warning", "inhibited by GpunetPortDown"),
+    ("GpunetTransceiverRxPowerLow", "enp170s0f0np0"): ("warning", "-> ticket"),
+    ("GpunetTransceiverTemperatureHigh", "enp41s0f0np0"): ("warning", "-> ticket"),
+    ("GpunetNicHealthReporterError", "mlx5_7"): ("warning", "-> ticket"),
 }
 # "  critical  GpunetPortDown   mlx5_3 port 1 (ibp94s0)   -> pager", then the description
 ALERT_LINE = re.compile(r"^  (critical|warning|info) +(Gpunet\w+) +(\S+)(?: port \d+)?"
@@ -128,8 +131,8 @@ def test_faulty_tree_fires_the_expected_alerts(runs: dict[str, Run]) -> None:
     run = runs["faulty"]
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.alerts() == EXPECTED, run.stdout
-    assert "All 12 expected alerts fired" in run.stdout
-    assert "reached Alertmanager: 3 paged, 7 ticketed, 2 inhibited" in run.stdout
+    assert "All 15 expected alerts fired" in run.stdout
+    assert "reached Alertmanager: 3 paged, 10 ticketed, 2 inhibited" in run.stdout
     assert "runs at 200 Gb/s" in run.description("GpunetPortRateBelowExpected")
     assert "has MTU 1500" in run.description("GpunetRoceMtuTooSmall")
     assert "trusts pcp" in run.description("GpunetPfcTrustNotExpected")

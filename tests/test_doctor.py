@@ -57,11 +57,12 @@ def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]
     out = run(*args, env=env)
     assert out.returncode == 1, out.stderr
     text = out.stdout
-    assert text.startswith("26 findings on this node:")
+    assert text.startswith("29 findings on this node:")
     # Causes in the report's order, each with its findings, device and confirming command.
     positions = [text.index(title) for title in (
         "NCCL on TCP sockets", "GPUDirect RDMA off", "Degraded or flapping link",
-        "PFC or ECN misconfigured", "MTU", "GPU and NIC placement", "Degraded GPU PCIe link",
+        "Transceiver or NIC firmware health", "PFC or ECN misconfigured", "MTU",
+        "GPU and NIC placement", "Degraded GPU PCIe link",
         "GPU faults", "Slow collectives", "GPUs waiting", "RDMA devices, ports or netdevs gone",
         "NCCL jobs running now")]
     assert positions == sorted(positions)
@@ -83,6 +84,11 @@ def test_report_groups_findings_by_cause(faulty: tuple[list[str], dict[str, str]
             "mlx5_5, mlx5_6, mlx5_7 serve none") in text
     assert ("[warning] node: 1 GPUs with compute processes (GPU 2) are busy less than 50% "
             "while the RDMA ports move 0 B/s") in text
+    assert ("[warning] enp170s0f0np0 lane 3: receives -15.2 dBm, below the module's low "
+            "warning -8.4 dBm\n      confirm: sudo ethtool -m enp170s0f0np0") in text
+    assert "[warning] enp41s0f0np0: module at 78.5 C, above its high warning 75 C" in text
+    assert ("[warning] mlx5_6 fw_fatal: devlink health reporter fw_fatal of pci/0000:ce:00.0 "
+            "in error state, not recovered") in text
     # Last, what could not be checked: the other RoCE netdev's QoS configuration.
     assert text.rstrip().endswith("topology (ok)\nCould not check: PFC on enp41s0f0np0: its QoS "
                                   "configuration cannot be read")
@@ -100,7 +106,7 @@ def test_thresholds_file_changes_the_verdict(faulty: tuple[list[str], dict[str, 
     out = run(*args, "--json", f"--thresholds={tmp_path / 't.yml'}", env=env)
     result: dict[str, Any] = json.loads(out.stdout)
     alerts = {f["alert"] for f in result["findings"]}
-    assert len(alerts) == 24
+    assert len(alerts) == 27
     assert "GpunetPfcDisabledOnRocePriority" not in alerts
     assert "GpunetAllreduceLatencyHigh" not in alerts
     assert result["exit_code"] == out.returncode == 1
@@ -187,7 +193,7 @@ def test_checks_name_real_alerts_and_causes() -> None:
     knows, and is among those its check declares (``@checks``) in the module of its class."""
     names = set(doctor_module.SEVERITY)
     checked = alerts_module.checked()
-    assert set(checked) <= names and len(checked) == 57
+    assert set(checked) <= names and len(checked) == 61
     for m in alerts_module.MODULES:
         source = Path(m.__file__ or "").read_text()
         reported = set(re.findall(r'c\.add\("\w+", "(Gpunet[A-Za-z]+)"', source))
@@ -861,7 +867,7 @@ def test_healthy_example_tree_exits_0() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.startswith("No findings on this node.")
     # Only what the tree holds: the collectors that would read the host are off.
-    assert "Checked: infiniband (ok), link (ok), pfc (ok)" in out.stdout
+    assert "Checked: infiniband (ok), link (ok), nic (ok), pfc (ok)" in out.stdout
 
 
 def test_faulty_example_tree_finds_every_planted_fault() -> None:
@@ -876,7 +882,11 @@ def test_faulty_example_tree_finds_every_planted_fault() -> None:
             ("GpunetRoceMtuTooSmall", "enp41s0f0np0"),
             ("GpunetRdmaMtuNotExpected", "mlx5_8 port 1"),
             ("GpunetPfcDisabledOnRocePriority", "enp170s0f0np0"),
-            ("GpunetPfcTrustNotExpected", "enp170s0f0np0")} <= found
+            ("GpunetPfcTrustNotExpected", "enp170s0f0np0"),
+            # the nic collector's, through the tree's ethtool -m and devlink replays
+            ("GpunetTransceiverRxPowerLow", "enp170s0f0np0 lane 3"),
+            ("GpunetTransceiverTemperatureHigh", "enp41s0f0np0"),
+            ("GpunetNicHealthReporterError", "mlx5_7 fw_fatal")} <= found
     assert doc["problems"] == []
     assert not any(f["alert"] == "GpunetPfcConfigUnreadable" for f in doc["findings"])
     rate = next(f for f in doc["findings"] if f["alert"] == "GpunetPortRateBelowExpected")

@@ -10,6 +10,7 @@ from gpunet_exporter.collectors.fabric import FabricSettings
 from gpunet_exporter.collectors.gpu import GpuSettings
 from gpunet_exporter.collectors.link import MtuRule
 from gpunet_exporter.collectors.nccl import NcclSettings
+from gpunet_exporter.collectors.nic import NicSettings
 from gpunet_exporter.collectors.pfc import PfcSettings
 from gpunet_exporter.collectors.probe import ProbeSettings
 from gpunet_exporter.collectors.topology import TopologySettings
@@ -32,7 +33,8 @@ def test_example_config_loads() -> None:
     cfg = settings_items(load_file(str(REPO / "examples" / "gpunet.yml"), config_type(discover())))
     switches = {k: v for k, v in settings_items(cfg["collectors"]).items() if v is not None}
     assert switches == {"infiniband": True, "link": True, "pfc": True, "gpu": True,
-                        "topology": True, "nccl": True, "probe": False, "fabric": False}
+                        "topology": True, "nccl": True, "probe": False, "fabric": False,
+                        "nic": True}
     assert switches == {n: c.default_enabled for n, c in discover().items()}
     assert cfg["infiniband"].device_include.search("mlx5_3")
     assert [r.gbps for r in cfg["infiniband"].expected_rate] == [400, 400]
@@ -41,6 +43,7 @@ def test_example_config_loads() -> None:
     assert cfg["pfc"] == PfcSettings()
     assert cfg["pfc"].config.sources == ("mlnx_qos", "dcb", "sysfs")
     assert cfg["gpu"] == GpuSettings()
+    assert cfg["nic"] == NicSettings()  # spelt out: the defaults
     assert cfg["gpu"].counters_interval_seconds == 15
     assert cfg["probe"] == ProbeSettings()
     assert cfg["nccl"] == NcclSettings()

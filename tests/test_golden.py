@@ -30,7 +30,7 @@ import pytest
 
 from gpunet_exporter.collectors.infiniband import COUNTER_SPECS
 
-from support import fake_nvml, paths
+from support import fake_nvml, nic, paths
 from support import sysfs_tree as st
 from support.exporter import Exporter
 from support.metrics import Samples, parse, series, value
@@ -54,6 +54,11 @@ pfc:
   config: {sources: [sysfs]}        # MLNX_OFED qos/ files on mlx5_9's netdev; no host tools
 nccl:
   ports: [1]                        # keep the host's NCCL jobs out: nothing listens on port 1
+nic:                                # stand-ins: the host has no such modules or devlink devices
+  eeprom_source: ethtool
+  ethtool: {path: XCVR_ETHTOOL}
+  health_source: devlink
+  devlink: {path: XCVR_DEVLINK}
 """
 # Stand-in for `ethtool -S`: the synthetic mlx5 capture (PFC on priority 3) for mlx5_9's
 # netdev; for mlx5_8's it fails as ethtool does for a device it cannot read.
@@ -71,6 +76,8 @@ TIME_BASED = {"gpunet_scrape_collector_duration_seconds",
               "gpunet_pfc_config_last_success_timestamp_seconds",
               "gpunet_gpu_counters_last_success_timestamp_seconds",
               "gpunet_gpu_xid_last_timestamp_seconds",
+              "gpunet_nic_transceiver_last_success_timestamp_seconds",
+              "gpunet_nic_health_last_success_timestamp_seconds",
               # open connections: the start-up check's may not have closed yet
               "gpunet_exporter_http_connections"}
 # Families whose labels carry versions; kept, with their labels dropped.
@@ -86,7 +93,7 @@ SWITCHDEV = "mlx5_9"  # the only device with a device-level hw_counters/ directo
 SATURATED_FILES = {"symbol_error", "link_error_recovery", "link_downed", "port_rcv_errors",
                    "local_link_integrity_errors", "excessive_buffer_overrun_errors",
                    "port_xmit_wait"}
-DEVICES = [nic.ibdev for nic in st.DGX_NICS]
+DEVICES = [n.ibdev for n in st.DGX_NICS]
 ACS_GPU_BUS = 0x43  # GPU 1's switch downstream port redirects peer-to-peer requests
 # GPU processes (pid -> environment) and the NVML GPU each runs on.
 PROCESSES = {31337: ({"NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "INFO"}, 0),
@@ -128,8 +135,19 @@ def scrape(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scrape]:
     ethtool = root / "ethtool"
     ethtool.write_text(ETHTOOL.format(netdev=qos_netdev, capture=CAPTURE))
     ethtool.chmod(0o755)
+    # The RoCE netdevs' modules: an OSFP with lane 3 in low light on mlx5_8's, a QSFP56 on
+    # mlx5_9's; every device's mlx5 reporters, the fw_fatal one of mlx5_0 in error.
+    low = list(nic.HEALTHY_RX_MW)
+    low[2] = nic.LOW_RX_MW
+    pci = {d: os.path.basename(os.path.realpath(sysfs / "class/infiniband" / d / "device"))
+           for d in DEVICES}
+    xcvr_ethtool, xcvr_devlink = nic.write_replay(
+        root / "nic", {st._netdev(sysfs, MTU_1500).name: nic.cmis_osfp(rx_mw=low),
+                       qos_netdev: nic.sff8636_qsfp56()},
+        nic.reporters(sorted(pci.values()), {(pci["mlx5_0"], "fw_fatal"): 1}))
     config = root / "config.yml"
-    config.write_text(CONFIG.replace("ETHTOOL", str(ethtool)))
+    config.write_text(CONFIG.replace("XCVR_ETHTOOL", str(xcvr_ethtool)).replace(
+        "XCVR_DEVLINK", str(xcvr_devlink)).replace("ETHTOOL", str(ethtool)))
     exporter = Exporter(
         [f"--path.sysfs={sysfs}", f"--path.procfs={procfs}", f"--config.file={config}",
          f"--nvml.module={fake_nvml.MODULE}", "--no-hotplug"],  # host device events stay out
@@ -214,8 +232,20 @@ def _ports(s: Samples, name: str) -> dict[str, float]:
 
 def test_facts(scrape: Scrape) -> None:
     s, sysfs = scrape.samples, scrape.sysfs
-    for collector in ("infiniband", "link", "pfc"):
+    for collector in ("infiniband", "link", "pfc", "nic"):
         assert value(s, "gpunet_scrape_collector_success", collector=collector) == 1, collector
+
+    # Modules and reporters: the low lane, a QSFP56 module, one fw_fatal reporter in error.
+    mtu_netdev = st._netdev(sysfs, MTU_1500).name
+    assert value(s, "gpunet_nic_transceiver_rx_power_watts", interface=mtu_netdev,
+                 lane="3") == pytest.approx(nic.LOW_RX_MW / 1000)
+    assert value(s, "gpunet_nic_transceiver_info", interface=st._netdev(sysfs, SWITCHDEV).name,
+                 identifier="QSFP28", spec="sff8636", vendor="GPUNET OPTICS",
+                 part_number="GN-QSFP56-200GSR") == 1
+    bad = {dict(k)["device"] + " " + dict(k)["reporter"] for k, v in series(
+        s, "gpunet_nic_health_reporter_healthy").items() if v == 0}
+    assert bad == {"mlx5_0 fw_fatal"}
+    assert not [k for k in series(s, "gpunet_check_unknown") if ("collector", "nic") in k]
 
     # Every device of the tree reports, the dangling class link nowhere.
     infos = _ports(s, "gpunet_infiniband_port_info")

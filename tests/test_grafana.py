@@ -40,7 +40,8 @@ DS_REF = {"type": "prometheus", "uid": "${datasource}"}
 PANEL_TYPES = {"row", "timeseries", "stat", "table", "state-timeline", "status-history",
                "bargauge", "gauge"}
 # Grafana unit ids the dashboards use; add a new one here only after checking Grafana has it.
-KNOWN_UNITS = {"short", "none", "s", "Bps", "bps", "bytes", "percentunit", "pps", "cps", "cpm"}
+KNOWN_UNITS = {"short", "none", "s", "Bps", "bps", "bytes", "percentunit", "pps", "cps", "cpm",
+               "dBm"}  # Grafana's units: dBm is under "Signal strength"
 # Built-in Grafana variables a query or title may use besides the dashboard's own.
 BUILTIN_VARIABLES = {"__rate_interval", "__interval", "__interval_ms", "__range", "__range_s",
                      "__range_ms"}

@@ -74,7 +74,8 @@ def test_prometheus_scrapes_every_port(prometheus: tuple[str, Any]) -> None:
     # Every collector succeeds, and the scrape was OpenMetrics-negotiated without errors.
     ok = query(url, "gpunet_scrape_collector_success")
     assert {r["metric"]["collector"]: r["value"][1] for r in ok} == {
-        "infiniband": "1", "link": "1", "pfc": "1", "gpu": "1", "topology": "1", "nccl": "1"}
+        "infiniband": "1", "link": "1", "pfc": "1", "gpu": "1", "topology": "1", "nccl": "1",
+        "nic": "1"}
     targets = requests.get(f"{url}/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
     assert targets[0]["health"] == "up" and not targets[0]["lastError"]
 

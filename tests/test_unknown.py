@@ -3,8 +3,9 @@ whose hardware calls for checks they cannot run.
 
 The node: the DGX tree with its 8 GPUs on the PCI bus, 8 InfiniBand and 2 RoCE ports; this
 machine's real nvidia-ml-py without NVIDIA's library (where the library is installed, NVML
-works and its check is not expected to be unknown); no `ibv_devinfo` and no QoS source where the
-configuration looks for them. Each missing check must be unknown in Prometheus
+works and its check is not expected to be unknown); no `ibv_devinfo`, no QoS source and no
+`ethtool` or `devlink` (the nic collector's command backends) where the configuration looks for
+them. Each missing check must be unknown in Prometheus
 (gpunet_check_unknown), on the landing page and in the doctor's report (exit 2), and no
 collector with a check that did not run may say "ok".
 """
@@ -25,7 +26,7 @@ from support import sysfs_tree as st
 from support.exporter import Exporter, exporter_binary
 from support.metrics import parse, series
 
-COLLECTORS = ("infiniband", "link", "pfc", "gpu", "topology")
+COLLECTORS = ("infiniband", "link", "pfc", "gpu", "topology", "nic")
 
 
 def _node(tmp_path: Path) -> list[str]:
@@ -34,13 +35,16 @@ def _node(tmp_path: Path) -> list[str]:
     missing = tmp_path / "not-installed"
     cfg = tmp_path / "gpunet.yml"
     cfg.write_text(f"link:\n  ibv_devinfo: {{path: {missing}}}\n"
-                   f"pfc:\n  config: {{mlnx_qos_path: {missing}, dcb_path: {missing}}}\n")
+                   f"pfc:\n  config: {{mlnx_qos_path: {missing}, dcb_path: {missing}}}\n"
+                   f"nic:\n  eeprom_source: ethtool\n  ethtool: {{path: {missing}}}\n"
+                   f"  health_source: devlink\n  devlink: {{path: {missing}}}\n")
     return [f"--path.sysfs={sysfs}", f"--path.procfs={proc}", f"--config.file={cfg}",
             "--collector.disable-defaults", *(f"--collector.{c}" for c in COLLECTORS)]
 
 
 def _expected() -> dict[tuple[str, str], str]:
-    expected = {("link", "ib_mtu"): "tool_missing", ("pfc", "pfc_config"): "tool_missing"}
+    expected = {("link", "ib_mtu"): "tool_missing", ("pfc", "pfc_config"): "tool_missing",
+                ("nic", "transceiver"): "tool_missing", ("nic", "health_reporters"): "tool_missing"}
     if ctypes.util.find_library("nvidia-ml") is None:  # the CI machine, this one
         expected[("gpu", "nvml")] = "library_missing"
     return expected

@@ -220,6 +220,7 @@ UNKNOWN_REASONS: Mapping[str, str] = {
     "tool_missing": "its command-line tool is not installed",
     "tool_failing": "its command-line tool has not succeeded once",
     "privilege_missing": "it needs a capability the exporter was not given",
+    "not_supported": "the kernel or the device's driver does not offer it here",
 }
 
 

@@ -7,6 +7,7 @@ has the faults build_node's docstring lists."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ from typing import Any
 
 from gpunet_exporter.probe import results
 
-from support import fake_nvml
+from support import fake_nvml, nic
 from support import sysfs_tree as st
 from support.paths import FIXTURES
 from support.ras_server import Behaviour, Server
@@ -35,6 +36,9 @@ MISPLACED_RAIL = 2
 # The faulty node's job: GPUs 0, 3 and 4 in the network-bound band (65 %), GPU 2 starved (22 %)
 # while the RDMA ports carry nothing (its NCCL on sockets: GpunetGpuJobRdmaIdle), GPU 1 lost.
 FAULTY_GPUS, BAND_GPUS, STARVED_GPU = 5, (0, 3, 4), 2
+# The nic collector's faults (stand-in ethtool -m and devlink, tests/support/nic.py): lane 3 of
+# the QoS netdev's module in low light, the MTU netdev's module hot, a fw_fatal reporter in error.
+FW_FATAL_DEVICE = "mlx5_6"
 CAPTURE = FIXTURES / "synthetic" / "ethtool-S_mlx5_pfc-prio3_RECONSTRUCTED.txt"
 ETHTOOL = """\
 #!/bin/sh
@@ -94,6 +98,12 @@ probe:
   state_dir: {state}
   holdoff_seconds: 0
 nccl: {{host: 127.0.0.1, ports: {ras_ports}, interval_seconds: 1, handshake_seconds: 0.2}}
+nic:
+  interval_seconds: 1
+  eeprom_source: ethtool
+  ethtool: {{path: {xcvr_ethtool}}}
+  health_source: devlink
+  devlink: {{path: {xcvr_devlink}}}
 """
 # The NCCL jobs each node runs, as stand-in RAS servers (support.ras_server) replaying the
 # captures of tests/fixtures/nccl_ras: the healthy node's job is healthy; the faulty node runs
@@ -183,8 +193,10 @@ def build_node(root: Path, faulty: bool, ras_ports: Sequence[int] = (1,)
     fabric (state in progress), GPU 1 lost, GPU 2's rail NIC in the other socket's slot,
     mlx5_7's own PCIe link trained down to x8, and the RoCE netdev of mlx5_8 at MTU 1500 (below
     the RoCE minimum and not the expected 9000: two alerts) whose QoS configuration cannot be
-    read and whose out_of_sequence counter rises while the bundle runs, and an RDMA device
-    (MISSING_DEVICE) in the learned inventory that the tree no longer has.
+    read, whose module runs hot and whose out_of_sequence counter rises while the bundle runs,
+    lane 3 of the QoS netdev's module in low light, FW_FATAL_DEVICE's fw_fatal devlink health
+    reporter in error, and an RDMA device (MISSING_DEVICE) in the learned inventory that the
+    tree no longer has.
 
     ``ras_ports``: the ports of the node's NCCL jobs (start_ras_jobs), listed as listening in its
     /proc/net/tcp and queried by the nccl collector; the default, port 1, has no job."""
@@ -260,10 +272,22 @@ def build_node(root: Path, faulty: bool, ras_ports: Sequence[int] = (1,)
     mlnx_qos.write_text(MLNX_QOS.format(netdev=qos_netdev, report=root / "mlnx_qos.txt",
                                         healthy=root / "mlnx_qos-healthy.txt"))
     mlnx_qos.chmod(0o755)
+    mtu_netdev = st._netdev(sysfs, MTU_PORT).name
+    low = list(nic.HEALTHY_RX_MW)
+    low[2] = nic.LOW_RX_MW
+    pci = {d.name: os.path.basename(os.path.realpath(d / "device"))
+           for d in (sysfs / "class/infiniband").iterdir()}
+    xcvr_ethtool, xcvr_devlink = nic.write_replay(
+        root / "nic",
+        {qos_netdev: nic.cmis_osfp(rx_mw=low) if faulty else nic.cmis_osfp(),
+         mtu_netdev: nic.cmis_osfp(temperature=nic.HOT_C) if faulty else nic.sff8636_qsfp56()},
+        nic.reporters(sorted(pci.values()),
+                      {(pci[FW_FATAL_DEVICE], "fw_fatal"): 1} if faulty else {}))
     config = root / "config.yml"
     config.write_text(CONFIG.format(ethtool=ethtool, state=root / "probe", mlnx_qos=mlnx_qos,
                                     ibv_devinfo=ibv_devinfo, python=sys.executable,
-                                    runner=runner, ras_ports=list(ras_ports)))
+                                    runner=runner, ras_ports=list(ras_ports),
+                                    xcvr_ethtool=xcvr_ethtool, xcvr_devlink=xcvr_devlink))
     # The inventory the exporter learns (the doctor reads it, never writes it); the faulty
     # node's learned earlier an RDMA device that has since fallen off the bus.
     inventory = root / "inventory.json"

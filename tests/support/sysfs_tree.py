@@ -41,6 +41,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+try:  # tests/ on sys.path (the tests), or this file run as a script (its folder on sys.path)
+    from support import nic as modules
+except ImportError:  # pragma: no cover - the script
+    import nic as modules  # type: ignore[no-redef]
+
 HOST = "dgx01"
 MELLANOX_OUI = 0x946DAE  # 94:6d:ae, a Mellanox/NVIDIA OUI
 
@@ -776,6 +781,13 @@ FAULTY_EXAMPLE = {
     # (mlnx_qos asks DCB netlink for that), so the tree's mlnx_qos/ folder holds the report
     # `mlnx_qos -i` gives for that netdev, PFC on priority 5 only, and a script replaying it.
     "qos_pcp_priority_5": "mlx5_9",
+    # The nic collector's stand-ins (root/nic/: ethtool -m and devlink health replays, from
+    # tests/support/nic.py): lane 3 of mlx5_9's netdev's OSFP module receives -15 dBm, below
+    # the module's low warning; mlx5_8's netdev's module runs at 78.5 C, above its high warning;
+    # mlx5_7's fw_fatal devlink health reporter is in error.
+    "rx_power_low": "mlx5_9",
+    "module_hot": "mlx5_8",
+    "fw_fatal_error": "mlx5_7",
 }
 
 
@@ -795,6 +807,12 @@ def build_dgx_h100_faulty(root: Path) -> Path:
     other = _netdev(sys, FAULTY_EXAMPLE["mtu_1500"]).name
     _mlnx_qos_replay(root, {netdev: mlnx_qos_report(pfc_priority=5, trust="pcp"),
                             other: mlnx_qos_report()})
+    low = list(modules.HEALTHY_RX_MW)
+    low[2] = modules.LOW_RX_MW
+    _nic_replay(root, sys, {
+        _netdev(sys, FAULTY_EXAMPLE["rx_power_low"]).name: modules.cmis_osfp(rx_mw=low),
+        _netdev(sys, FAULTY_EXAMPLE["module_hot"]).name: modules.cmis_osfp(
+            temperature=modules.HOT_C)}, {FAULTY_EXAMPLE["fw_fatal_error"]: "fw_fatal"})
     return sys
 
 
@@ -806,7 +824,24 @@ def build_dgx_h100_example(root: Path) -> Path:
     sys = build_dgx_h100(root)
     _mlnx_qos_replay(root, {_netdev(sys, nic.ibdev).name: mlnx_qos_report()
                             for nic in DGX_NICS if nic.roce})
+    _nic_replay(root, sys, {_netdev(sys, nic.ibdev).name: modules.cmis_osfp()
+                            for nic in DGX_NICS if nic.roce}, {})
     return sys
+
+
+def _pci_address(sys: Path, device: str) -> str:
+    return os.path.basename(os.path.realpath(sys / "class/infiniband" / device / "device"))
+
+
+def _nic_replay(root: Path, sys: Path, pages: dict[str, modules.Pages],
+                errors: dict[str, str]) -> None:
+    """root/nic/: stand-ins for `ethtool -m` (each RoCE netdev's module pages) and `devlink -j
+    health show` (mlx5's reporters of every device; ``errors``: device -> a reporter in
+    error)."""
+    devices = sorted(p.name for p in (sys / "class/infiniband").iterdir())
+    modules.write_replay(root / "nic", pages, modules.reporters(
+        [_pci_address(sys, d) for d in devices],
+        {(_pci_address(sys, d), r): 1 for d, r in errors.items()}))
 
 
 def _mlnx_qos_replay(root: Path, reports: dict[str, str]) -> None:
@@ -1205,8 +1240,8 @@ def main() -> None:
     dest: Path = args.dest
     config = None  # the tree's hand-written gpunet.yml (examples/README.md) is kept
     if dest.exists():
-        if {p.name for p in dest.iterdir()} - {"sys", "mlnx_qos", EXAMPLE_CONFIG}:
-            parser.error(f"{dest} holds more than a sys/ tree (and mlnx_qos/, "
+        if {p.name for p in dest.iterdir()} - {"sys", "mlnx_qos", "nic", EXAMPLE_CONFIG}:
+            parser.error(f"{dest} holds more than a sys/ tree (and mlnx_qos/, nic/, "
                          f"{EXAMPLE_CONFIG}); refusing to delete it")
         if (dest / EXAMPLE_CONFIG).is_file():
             config = (dest / EXAMPLE_CONFIG).read_bytes()

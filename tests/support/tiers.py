@@ -136,6 +136,16 @@ SYSTEM_TESTS: dict[str, frozenset[str]] = {
         "test_explain_warnings_and_empty_host",
         "test_file_without_newlines",
     }),
+    "test_nic": frozenset({
+        "test_a_hanging_ethtool_costs_the_scrape_nothing",
+        "test_a_netdev_without_module_access_is_unknown",
+        "test_command_reader_checks_the_length",
+        "test_failures_keep_the_last_good_module",
+        "test_faults_reach_their_metrics",
+        "test_infiniband_ports_when_asked",
+        "test_modules_and_reporters_of_a_healthy_node",
+        "test_no_module_access_and_no_devlink_are_unknown",
+    }),
     "test_pfc": frozenset({
         "test_bad_config_is_one_line_and_exit_2",
         "test_broken_mlnx_qos",

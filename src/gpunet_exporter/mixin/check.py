@@ -28,6 +28,7 @@ CAUSES = {
     "nccl_tcp": "NCCL on TCP sockets",
     "gdr_off": "GPUDirect RDMA off",
     "link": "Degraded or flapping link",
+    "nic_health": "Transceiver or NIC firmware health",
     "pfc": "PFC or ECN misconfigured, or congestion",
     "retransmit": "Packet loss: RDMA retransmissions",
     "mtu": "MTU",

@@ -115,6 +115,9 @@ class Link(Settings):
     phy_errors_per_hour: float = setting(
         "symbol, CRC or FEC-uncorrected errors per hour (ethtool -S) above which a RoCE "
         "interface is out of its bit-error budget", 120, minimum=0)
+    nic_recoveries_per_hour: float = setting(
+        "recoveries of one devlink health reporter per hour at or above which its errors keep "
+        "coming back", 3, minimum=1)
 
 
 @dataclass(frozen=True)

@@ -171,6 +171,13 @@ def run_command(argv: Sequence[str], timeout: float,
     On timeout the whole process group is killed, so a hung tool leaves nothing behind; so is
     every tool still running when the exporter exits (kill_running).
     """
+    return run_command_bytes(argv, timeout, env, ok_status, cwd).decode("utf-8", "replace")
+
+
+def run_command_bytes(argv: Sequence[str], timeout: float,
+                      env: Mapping[str, str] | None = None, ok_status: Sequence[int] = (0,),
+                      cwd: str | None = None) -> bytes:
+    """:func:`run_command`, its stdout as the bytes the tool wrote (``ethtool -m ... raw on``)."""
     try:
         child = Child(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                       env={**os.environ, **(env or {}), "LC_ALL": "C"}, cwd=cwd)
@@ -184,4 +191,4 @@ def run_command(argv: Sequence[str], timeout: float,
         first = err.decode("utf-8", "replace").strip().splitlines()[:1]
         raise CommandError(f"{argv[0]} exited with status {child.returncode}"
                            + (f": {first[0][:200]}" if first else ""))
-    return out.decode("utf-8", "replace")
+    return out

@@ -13,7 +13,9 @@ CONFIRM = {"nvml": "nvidia-smi  # fails as NVML does when its library or driver 
            "sweep": "command -v ibnetdiscover iblinkinfo ibqueryerrors dump_fts",
            "pfc_config": "command -v mlnx_qos dcb  # then: mlnx_qos -i IF, or dcb pfc show dev IF",
            "acs": "sudo lspci -vvv | grep -E 'ACSCtl' | grep -cE 'ReqRedir\\+|CmpltRedir\\+'",
-           "nccl_env": "systemctl show gpunet-exporter -p AmbientCapabilities"}
+           "nccl_env": "systemctl show gpunet-exporter -p AmbientCapabilities",
+           "transceiver": "sudo ethtool -m IF  # IF: a RoCE netdev",
+           "health_reporters": "devlink health show  # in the exporter's network namespace"}
 
 
 @checks("GpunetCheckUnknown")

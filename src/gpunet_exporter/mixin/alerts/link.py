@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -261,6 +262,61 @@ def check_flap_history(c: Check) -> None:
                                    f"counts {count} within {window})"))
 
 
+# --- modules and NIC firmware (the nic collector): against the module's own thresholds --------
+_XCVR = "gpunet_nic_transceiver"
+RX_POWER_LOW = (f"{_XCVR}_rx_power_watts\n  < on (instance, interface) group_left ()\n  "
+                f'{_XCVR}_rx_power_threshold_watts{{level="low_warning"}}\n'
+                "and on (instance, interface) gpunet_link_carrier == 1")
+TEMPERATURE_HIGH = (f"{_XCVR}_temperature_celsius\n  > on (instance, interface) "
+                    f'group_left ()\n  {_XCVR}_temperature_threshold_celsius'
+                    '{level="high_warning"}')
+
+
+def _dbm(watts: float) -> str:
+    return f"{10 * math.log10(watts * 1000):.1f} dBm" if watts > 0 else "no light"
+
+
+@checks("GpunetTransceiverRxPowerLow")
+def check_rx_power(c: Check) -> None:
+    b = c.b
+    for lbl, v in b.all(f"{_XCVR}_rx_power_watts"):
+        ifname = lbl["interface"]
+        low = b.get(f"{_XCVR}_rx_power_threshold_watts", interface=ifname, level="low_warning")
+        if low is not None and v < low and b.get("gpunet_link_carrier", interface=ifname) == 1:
+            c.add("nic_health", "GpunetTransceiverRxPowerLow", f"{ifname} lane {lbl['lane']}",
+                  f"receives {_dbm(v)}, below the module's low warning {_dbm(low)}",
+                  f"sudo ethtool -m {ifname}")
+
+
+@checks("GpunetTransceiverTemperatureHigh")
+def check_module_temperature(c: Check) -> None:
+    b = c.b
+    for lbl, v in b.all(f"{_XCVR}_temperature_celsius"):
+        ifname = lbl["interface"]
+        high = b.get(f"{_XCVR}_temperature_threshold_celsius", interface=ifname,
+                     level="high_warning")
+        if high is not None and v > high:
+            c.add("nic_health", "GpunetTransceiverTemperatureHigh", ifname,
+                  f"module at {v:.1f} C, above its high warning {high:g} C",
+                  f"sudo ethtool -m {ifname}")
+
+
+HEALTH_REPORTER_ERROR = Simple(
+    "GpunetNicHealthReporterError", "gpunet_nic_health_reporter_healthy", "==", 0,
+    "nic_health", lambda lbl: f"{lbl['device'] or lbl['handle']} {lbl['reporter']}",
+    lambda c, lbl, v, limit: (f"devlink health reporter {lbl['reporter']} of "
+                              f"{lbl['handle']} in error state, not recovered"),
+    lambda lbl: (f"devlink health diagnose {lbl['handle']} reporter {lbl['reporter']}"))
+HEALTH_REPORTER_RECOVERING = Simple(
+    "GpunetNicHealthReporterRecovering", "gpunet_nic_health_reporter_recoveries_total", ">=",
+    "link.nic_recoveries_per_hour", "nic_health",
+    lambda lbl: f"{lbl['device'] or lbl['handle']} {lbl['reporter']}",
+    lambda c, lbl, v, limit: (f"devlink health reporter {lbl['reporter']} of {lbl['handle']} "
+                              f"recovers {v:.3g} times per hour (limit {limit:g})"),
+    lambda lbl: (f"devlink health show {lbl['handle']} reporter {lbl['reporter']}; "
+                 "dmesg | grep -i mlx5"), window="1h", increase=True)
+
+
 def _fleet_link_slow(t: Thresholds) -> str:
     """A pair slow or failed while this node has a healthy pair, unless the fleet's view of the
     peer (the pairs that name it, on every other node) makes the peer the suspect: then
@@ -372,6 +428,28 @@ ALERTS: tuple[Alert, ...] = (
           "humanizePercentage }} of the fleet's median node bandwidth (0% when it failed), "
           "while both ends have healthy pairs: the link between them (cable, ports, switch "
           "path) is the suspect."),
+    Alert("GpunetTransceiverRxPowerLow", "link", "warning", "5m", lambda t: RX_POWER_LOW,
+          "Transceiver lane receives too little light",
+          "Lane {{ $labels.lane }} of the module of " + IF + " receives {{ $value | "
+          "humanize }}W, below the module's own low warning threshold while the link is up: "
+          "a dirty or damaged fibre or connector, or a failing far-end transmitter (errors and "
+          "flaps follow)."),
+    Alert("GpunetTransceiverTemperatureHigh", "link", "warning", "5m",
+          lambda t: TEMPERATURE_HIGH,
+          "Transceiver above its high temperature warning",
+          "The module of " + IF + " is at {{ $value }} C, above its own high warning "
+          "threshold: airflow, a failing module, or a neighbour's heat; at its alarm "
+          "threshold it may shut its laser down."),
+    simple("GpunetNicHealthReporterError", "link", "warning", "2m", HEALTH_REPORTER_ERROR,
+           "NIC devlink health reporter in error",
+           "devlink health reporter {{ $labels.reporter }} of {{ $labels.handle }} "
+           "(RDMA device {{ $labels.device }}) " + NODE + " is in error state and was not "
+           "recovered (firmware fatal error, stuck send or receive queue)."),
+    simple("GpunetNicHealthReporterRecovering", "link", "warning", "0m",
+           HEALTH_REPORTER_RECOVERING, "NIC devlink health reporter recovering again and again",
+           "devlink health reporter {{ $labels.reporter }} of {{ $labels.handle }} (RDMA "
+           "device {{ $labels.device }}) " + NODE + " recovered {{ $value | printf \"%.0f\" }} "
+           "times in the last hour: the error it recovers from keeps coming back."),
 )
 
 # The doctor's checks, in steps (mixin.alerts.DOCTOR_ORDER interleaves the classes' steps in the
@@ -384,6 +462,8 @@ CHECKS: dict[str, tuple[DoctorCheck, ...]] = {
     "phy": (check_phy,),
     "flap_history": (check_flap_history,),
     "inventory": (DEVICES_MISSING,),
+    "nic": (check_rx_power, check_module_temperature, HEALTH_REPORTER_ERROR,
+            HEALTH_REPORTER_RECOVERING),
 }
 # Node-level alerts the doctor cannot check, and why.
 UNCHECKED: dict[str, str] = {

@@ -186,6 +186,42 @@ def node(t: Thresholds) -> Json:
                        [target(increase("gpunet_link_carrier_changes_total"),
                                "{{interface}}")], "short", bars=True), 6, 8)
 
+    lay.row("Transceivers and NIC firmware")
+    xcvr = "gpunet_nic_transceiver"
+    rx_power = sel(f"{xcvr}_rx_power_watts")
+    rx_low = sel(f"{xcvr}_rx_power_threshold_watts", 'level="low_warning"')
+    lay.add(timeseries("Transceiver receive power", "Optical power each media lane of a RoCE "
+                       "netdev's module receives, in dBm. A lane far below the others, or below "
+                       "its module's low warning (the table beside), is a dirty or damaged fibre "
+                       "or connector: the usual cause of flapping links.",
+                       [target(f"10 * log10({rx_power} * 1000)",
+                               "{{interface}} lane {{lane}}")], "dBm", min_value=None),
+            12, 8)
+    lay.add(table("Module temperature and thresholds", "Each module's temperature, and its own "
+                  "high warning and low warning thresholds of temperature and received power "
+                  "(from its EEPROM). Empty: the module has no such monitor (passive copper).",
+                  [target(sel(f"{xcvr}_temperature_celsius"), table=True),
+                   target(sel(f"{xcvr}_temperature_threshold_celsius",
+                              'level="high_warning"'), table=True),
+                   target(f"10 * log10({rx_low} * 1000)", table=True)], "none",
+                  rename={"Value #A": "temperature C", "Value #B": "high warning C",
+                          "Value #C": "rx low warning dBm"},
+                  order=["instance", "interface"], decimals=1), 12, 8)
+    lay.add(table("devlink health reporters", "Each NIC health reporter (mlx5: fw, fw_fatal, "
+                  "vnic per device; tx, rx per port): its state, and the errors it reported and "
+                  "recovered from since the driver loaded.",
+                  [target(sel("gpunet_nic_health_reporter_healthy"), table=True),
+                   target(sel("gpunet_nic_health_reporter_errors_total"), table=True),
+                   target(sel("gpunet_nic_health_reporter_recoveries_total"), table=True)],
+                  "none", rename={"Value #A": "healthy", "Value #B": "errors",
+                                  "Value #C": "recoveries"},
+                  order=["instance", "device", "handle", "reporter"], decimals=0,
+                  sort_by="healthy", sort_desc=False,
+                  overrides=[override("healthy", ("mappings", mapping((0, "ERROR", "red"),
+                                                                      (1, "healthy", "green"))),
+                                      ("custom.cellOptions", {"type": "color-text"}))]),
+            24, 8)
+
     lay.row("PFC and ECN (RoCE)")
     prio = "{{interface}} prio {{priority}}"
     lay.add(state_timeline("PFC enabled per priority", "PFC must be on for the priority RoCE "
