@@ -12,7 +12,8 @@ the alerts they cause (bandwidth and latency low, GDR inactive, a starved GPU) f
 Prometheus but are inhibited by Alertmanager; the healthy node raises nothing, not even a
 pending alert; and every query of the fleet, node and collectives dashboards, with its variables
 substituted, runs and returns data (the pair plan's dashboard: tests/test_grafana_pairs.py).
-Alerts posted through Alertmanager's API show the port-down and the pair-plan inhibition rules at work.
+Alerts posted through Alertmanager's API show the port-down and the pair-plan inhibition rules
+at work.
 
 The rules are the shipped generator's, with every `for:` set to 0s through a thresholds file
 (the same override an operator uses), so alerts fire within seconds.
