@@ -28,6 +28,7 @@ from support import nic
 from support import sysfs_tree as st
 from support.metrics import Samples, make_collector, samples_of, series, value
 from support.paths import REPO
+from support.wait import wait_for
 
 ROCE, ROCE2 = "enp170s0f0np0", "enp41s0f0np0"  # netdevs of mlx5_9 and mlx5_8
 
@@ -409,9 +410,7 @@ def test_a_device_event_reads_again_at_once(tmp_path: Path) -> None:
         assert health.reads == 1
         c.device_event("pci", "add", {})  # not a netdev or RDMA device: nothing
         c.device_event("net", "add", {"INTERFACE": ROCE})
-        deadline = time.monotonic() + 10
-        while health.reads < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: health.reads >= 2, "a second read of the reporters")
         assert health.reads == 2
     finally:
         c.close()
@@ -432,11 +431,8 @@ def test_a_hanging_ethtool_costs_the_scrape_nothing(dgx: Path, tmp_path: Path) -
         assert time.monotonic() - t0 < 2
         assert not series(s, "gpunet_nic_transceiver_info")
 
-        def done() -> bool:
-            return len(c._last.modules) == 2  # type: ignore[attr-defined]
-        deadline = time.monotonic() + 10
-        while not done() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: len(c._last.modules) == 2,  # type: ignore[attr-defined]
+                 "the round to end with both interfaces failed")
         s = samples_of(list(c.collect(Scrape())))
         assert value(s, "gpunet_nic_transceiver_refresh_success", interface=ROCE) == 0
         assert c.unknown() == {}
