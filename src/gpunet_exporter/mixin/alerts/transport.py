@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gpunet_exporter.mixin.alerts.common import NODE, PORT, SCOPE, Alert, simple
 from gpunet_exporter.mixin.alerts.common import number as _g
 from gpunet_exporter.mixin.check import Check, DoctorCheck, Note, Simple, checks, port
@@ -97,22 +99,32 @@ RETRANSMISSIONS = (
 )
 
 
-@checks("GpunetRoceRetransmissions")
-def check_retransmissions(c: Check) -> None:
-    """GpunetRoceRetransmissions: one finding per port whose sequence errors or ACK timeouts
-    rise faster than their thresholds (the alert's ``or`` of the four rates)."""
+def _hw_rate_findings(c: Check, alert: str, table: tuple[tuple[str, str, str, str], ...],
+                     confirm: Callable[[dict[str, str], str], str]) -> None:
+    """One finding of ``alert`` per port where a hw_counter of ``table`` (metric, file,
+    thresholds key, words) rises faster than its infiniband threshold: the alert's ``or`` of
+    the rates, the first counter over its limit named."""
     t = c.t.infiniband
     seen: set[tuple[str, str]] = set()
-    for metric, file, key, what in RETRANSMISSIONS:
+    for metric, file, key, what in table:
         for lbl, r in c.rate(f"gpunet_infiniband_port_hw_{metric}_total"):
             where = (lbl.get("device", ""), lbl.get("port", ""))
             if where not in seen and r > getattr(t, key):
                 seen.add(where)
-                c.add("retransmit", "GpunetRoceRetransmissions", port(lbl),
+                c.add("retransmit", alert, port(lbl),
                       f"{r:.4g} {what} per second (limit {getattr(t, key):g})",
-                      f"cat /sys/class/infiniband/{lbl['device']}/ports/{lbl['port']}/"
-                      f"hw_counters/{file}  # twice; rdma statistic show link "
-                      f"{lbl['device']}/{lbl['port']}")
+                      confirm(lbl, file))
+
+
+@checks("GpunetRoceRetransmissions")
+def check_retransmissions(c: Check) -> None:
+    """GpunetRoceRetransmissions: one finding per port whose sequence errors or ACK timeouts
+    rise faster than their thresholds (the alert's ``or`` of the four rates)."""
+    _hw_rate_findings(
+        c, "GpunetRoceRetransmissions", RETRANSMISSIONS,
+        lambda lbl, file: (f"cat /sys/class/infiniband/{lbl['device']}/ports/{lbl['port']}/"
+                           f"hw_counters/{file}  # twice; rdma statistic show link "
+                           f"{lbl['device']}/{lbl['port']}"))
 
 
 # hw_counters behind GpunetEfaTransportImpaired: (metric, file, thresholds key, words). AWS EFA
@@ -132,17 +144,10 @@ def check_efa_events(c: Check) -> None:
     """GpunetEfaTransportImpaired: one finding per EFA port whose SRD peers stop answering, or
     whose traffic keeps timing out onto other paths, faster than the thresholds (the alert's
     ``or`` of the three rates)."""
-    t = c.t.infiniband
-    seen: set[tuple[str, str]] = set()
-    for metric, file, key, what in EFA_EVENTS:
-        for lbl, r in c.rate(f"gpunet_infiniband_port_hw_{metric}_total"):
-            where = (lbl.get("device", ""), lbl.get("port", ""))
-            if where not in seen and r > getattr(t, key):
-                seen.add(where)
-                c.add("retransmit", "GpunetEfaTransportImpaired", port(lbl),
-                      f"{r:.4g} {what} per second (limit {getattr(t, key):g})",
-                      f"cd /sys/class/infiniband/{lbl['device']}/ports/{lbl['port']}/"
-                      f"hw_counters; grep . {file} retrans_pkts  # twice, a minute apart")
+    _hw_rate_findings(
+        c, "GpunetEfaTransportImpaired", EFA_EVENTS,
+        lambda lbl, file: (f"cd /sys/class/infiniband/{lbl['device']}/ports/{lbl['port']}/"
+                           f"hw_counters; grep . {file} retrans_pkts  # twice, a minute apart"))
 
 
 ALERTS: tuple[Alert, ...] = (
