@@ -55,6 +55,7 @@ pfc:
 nccl:
   ports: [1]                        # keep the host's NCCL jobs out: nothing listens on port 1
 nic:                                # stand-ins: the host has no such modules or devlink devices
+  infiniband_transceivers: false    # IPoIB cannot read modules: left out, not unknown
   eeprom_source: ethtool
   ethtool: {path: XCVR_ETHTOOL}
   health_source: devlink

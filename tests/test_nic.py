@@ -277,8 +277,11 @@ def replay(tmp_path: Path, sysfs: Path, modules: dict[str, nic.Pages],
            errors: dict[tuple[str, str], int] | None = None) -> dict[str, object]:
     ethtool, dl = nic.write_replay(tmp_path / "replay", modules,
                                    nic.reporters(_pci(sysfs), errors))
+    # The InfiniBand ports' modules acknowledged as watched elsewhere (their IPoIB netdevs
+    # cannot read them: test_infiniband_ports_are_unknown_by_default).
     return {"eeprom_source": "ethtool", "ethtool": {"path": str(ethtool)},
-            "health_source": "devlink", "devlink": {"path": str(dl)}}
+            "health_source": "devlink", "devlink": {"path": str(dl)},
+            "infiniband_transceivers": False}
 
 
 def rounds(sysfs: Path, config: dict[str, object]) -> Iterator[tuple[Samples, dict[str, str]]]:
@@ -370,10 +373,25 @@ def test_no_module_access_and_no_devlink_are_unknown(dgx: Path, tmp_path: Path) 
     assert unknown == {}
 
 
-def test_infiniband_ports_when_asked(dgx: Path, tmp_path: Path) -> None:
+def test_infiniband_ports_are_unknown_by_default(dgx: Path, tmp_path: Path) -> None:
+    """The IPoIB netdevs of the 8 InfiniBand ports are tried and cannot read their modules:
+    the check is unknown (a check that cannot run is never an ok) until the operator leaves
+    them out, which the landing page's summary then says."""
     cfg = replay(tmp_path, dgx, {ROCE: nic.cmis_osfp(), ROCE2: nic.cmis_osfp()})
-    _, unknown = next(rounds(dgx, {**cfg, "infiniband_transceivers": True}))
+    del cfg["infiniband_transceivers"]  # the default
+    s, unknown = next(rounds(dgx, cfg))
     assert unknown == {"transceiver": "not_supported"}  # IPoIB: no module access
+    assert {dict(k)["interface"] for k in series(s, "gpunet_nic_transceiver_info")} == {
+        ROCE, ROCE2}
+    c = make_collector(NicCollector, dgx, {**cfg, "infiniband_transceivers": False})
+    c._refresher.stop()  # type: ignore[attr-defined]
+    try:
+        c.refresh()  # type: ignore[attr-defined]
+        assert c.unknown() == {}
+        assert c.summary() == ("2 modules read, 8 InfiniBand ports' modules not read "
+                               "(nic.infiniband_transceivers)")
+    finally:
+        c.close()
 
 
 def test_command_reader_checks_the_length(tmp_path: Path) -> None:
@@ -423,6 +441,7 @@ def test_a_hanging_ethtool_costs_the_scrape_nothing(dgx: Path, tmp_path: Path) -
     tool.write_text("#!/bin/sh\nexec sleep 60\n")
     tool.chmod(0o755)
     c = make_collector(NicCollector, dgx, {"eeprom_source": "ethtool", "health_reporters": False,
+                                           "infiniband_transceivers": False,
                                            "ethtool": {"path": str(tool),
                                                        "timeout_seconds": 0.3}})
     try:

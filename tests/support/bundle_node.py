@@ -100,6 +100,7 @@ probe:
 nccl: {{host: 127.0.0.1, ports: {ras_ports}, interval_seconds: 1, handshake_seconds: 0.2}}
 nic:
   interval_seconds: 1
+  infiniband_transceivers: false  # the IB rails' modules: the fabric's tools (UFM) watch them
   eeprom_source: ethtool
   ethtool: {{path: {xcvr_ethtool}}}
   health_source: devlink

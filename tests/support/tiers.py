@@ -142,7 +142,7 @@ SYSTEM_TESTS: dict[str, frozenset[str]] = {
         "test_command_reader_checks_the_length",
         "test_failures_keep_the_last_good_module",
         "test_faults_reach_their_metrics",
-        "test_infiniband_ports_when_asked",
+        "test_infiniband_ports_are_unknown_by_default",
         "test_modules_and_reporters_of_a_healthy_node",
         "test_no_module_access_and_no_devlink_are_unknown",
     }),

@@ -133,8 +133,9 @@ class NicSettings(Settings):
     transceivers: bool = setting("read the modules of the interfaces (CAP_NET_ADMIN); false: "
                                  "no transceiver series, and no unknown check", default=True)
     infiniband_transceivers: bool = setting(
-        "also try the IPoIB netdevs of InfiniBand ports (mlx5's IPoIB driver cannot read "
-        "modules: its ports then show the transceiver check as unknown)", default=False)
+        "also try the IPoIB netdevs of InfiniBand ports: mlx5's IPoIB driver cannot read "
+        "modules, so they show the transceiver check as unknown until this is set to false "
+        "(their modules then unchecked here: watch them from the fabric's tools)", default=True)
     eeprom_source: str = setting(
         "how module EEPROM pages are read: `netlink`, in-process through ethtool netlink; "
         "`ethtool`, by running `ethtool -m IF raw on ...` (to replay captures through a "
