@@ -178,6 +178,35 @@ def test_narrow_and_slow_links_are_degraded_at_both_ends(sims: list[ibsim.Sim],
                      port=port) == 600 * GB
 
 
+def test_leaf_oversubscription_from_active_uplinks(sims: list[ibsim.Sim],
+                                                   tmp_path: Path) -> None:
+    """Four hosts per leaf and two uplinks (2:1). L2's cable to S2 trained to 4X: 2400 Gb/s of
+    hosts over 600 + 200 of uplinks, 3:1; then L1's cable to S1 unplugged: 4:1. A leaf's host
+    side counts only active ports to hosts."""
+    tree = ibsim.fat_tree(2, 2, 4, narrow=[("L2", "S2")])
+    sim = run_sim(sims, tmp_path, tree)
+    with collector(sim) as c:
+        before = scrape(c)
+        sweeps = sim.heavy_sweeps()
+        sim.command('Unlink "L1"[5]')  # L1's cable to S1 (leaf ports 5, 6 face S1, S2)
+        sim.wait_resweep(sweeps)
+        after = scrape(c)
+    hosts = 4 * 600 * GB
+    for s in (before, after):
+        assert value(s, "gpunet_fabric_leaf_host_capacity_bytes_per_second", switch=L2) == hosts
+        assert value(s, "gpunet_fabric_leaf_uplink_capacity_bytes_per_second",
+                     switch=L2) == 800 * GB
+        assert value(s, "gpunet_fabric_leaf_oversubscription_ratio", switch=L2) == 3
+    assert value(before, "gpunet_fabric_leaf_oversubscription_ratio", switch=L1) == 2
+    assert value(after, "gpunet_fabric_leaf_uplink_capacity_bytes_per_second",
+                 switch=L1) == 600 * GB
+    assert value(after, "gpunet_fabric_leaf_oversubscription_ratio", switch=L1) == 4
+    # Spines are not leaves: no capacity series.
+    leaves = {dict(lbl)["switch"]
+              for lbl in series(after, "gpunet_fabric_leaf_oversubscription_ratio")}
+    assert leaves == {L1, L2}
+
+
 def test_switch_port_errors_show_on_their_port_only(sims: list[ibsim.Sim],
                                                     tmp_path: Path) -> None:
     sim = run_sim(sims, tmp_path, ibsim.fat_tree(2, 2, 2))

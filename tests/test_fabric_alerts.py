@@ -1,10 +1,10 @@
 """The fabric alerts end to end: two simulated fabrics (ibsim + opensm), a real exporter with the
 fabric collector on each, and a real Prometheus with the generated rules (every ``for:`` at 0s,
 tests/support/prometheus.py). The healthy fabric stays silent; a fabric whose netfile narrows
-one cable fires GpunetFabricLinkDegraded at both ends of that cable and nothing else; then, on
-the healthy one, symbol errors on a port, an unplugged leaf-spine cable (and the routing
-opensm makes around it) and traffic on one path fire their alerts, naming the switch and
-port."""
+one cable fires GpunetFabricLinkDegraded at both ends of that cable and, its leaf now 3:1,
+GpunetFabricLeafOversubscribed, and nothing else; then, on the healthy one, symbol errors on a
+port, an unplugged leaf-spine cable (and the routing opensm makes around it) and traffic on one
+path fire their alerts, naming the switch and port."""
 
 from __future__ import annotations
 
@@ -56,8 +56,10 @@ def firing(url: str, instance: str) -> set[tuple[str, str, str]]:
 def stack(tmp_path: Path) -> Iterator[dict]:
     ibsim.require()
     healthy = ibsim.Sim(tmp_path / "a", ibsim.fat_tree(2, 2, 2).netfile).start()
+    # Four hosts per leaf, two uplinks (2:1, at the oversubscription limit); L2's cable to S2
+    # narrowed to 4X: L2 offers 2400 Gb/s to 800 of uplinks (3:1).
     narrow = ibsim.Sim(tmp_path / "b",
-                       ibsim.fat_tree(2, 2, 2, narrow=[("L2", "S2")]).netfile).start()
+                       ibsim.fat_tree(2, 2, 4, narrow=[("L2", "S2")]).netfile).start()
     exporters = [exporter_for(healthy, tmp_path, "a"), exporter_for(narrow, tmp_path, "b")]
     targets = [e.url.removeprefix("http://") for e in exporters]
     prom, url = start_prometheus(tmp_path, [{"targets": targets}])
@@ -103,8 +105,9 @@ def test_fabric_faults_fire_their_alerts_and_the_healthy_fabric_is_silent(stack:
     a, b = stack["targets"]
     wait_evaluated(url, stack["targets"])
     assert firing(url, a) == set()
-    assert firing(url, b) == {("GpunetFabricLinkDegraded", L2, "4"),
-                              ("GpunetFabricLinkDegraded", S2, "2")}
+    assert firing(url, b) == {("GpunetFabricLinkDegraded", L2, "6"),
+                              ("GpunetFabricLinkDegraded", S2, "2"),
+                              ("GpunetFabricLeafOversubscribed", L2, "")}
     degraded = [x for x in api(url, "alerts")["alerts"]
                 if x["labels"]["alertname"] == "GpunetFabricLinkDegraded"]
     assert all("200" in x["annotations"]["description"] for x in degraded)  # 4X HDR in Gb/s
@@ -139,5 +142,6 @@ def test_fabric_faults_fire_their_alerts_and_the_healthy_fabric_is_silent(stack:
     tolerated = ("GpunetFabricUplinkImbalance", "GpunetFabricPortTransmitDiscards")
     unexpected = {x for x in settled - expected if x[0] not in tolerated}
     assert not unexpected, f"{unexpected}; seen on the way {seen - expected}"
-    assert firing(url, b) == {("GpunetFabricLinkDegraded", L2, "4"),
-                              ("GpunetFabricLinkDegraded", S2, "2")}
+    assert firing(url, b) == {("GpunetFabricLinkDegraded", L2, "6"),
+                              ("GpunetFabricLinkDegraded", S2, "2"),
+                              ("GpunetFabricLeafOversubscribed", L2, "")}

@@ -78,6 +78,7 @@ SYSTEM_TESTS: dict[str, frozenset[str]] = {
         "test_a_vanished_fabric_fails_the_sweep_and_keeps_the_last_values",
         "test_healthy_fabric_every_switch_port_and_nothing_flagged",
         "test_imbalance_not_judged_below_the_traffic_floor",
+        "test_leaf_oversubscription_from_active_uplinks",
         "test_narrow_and_slow_links_are_degraded_at_both_ends",
         "test_switch_port_errors_show_on_their_port_only",
         "test_unplugged_uplink_is_down_keeps_its_neighbour_and_unbalances_routing",

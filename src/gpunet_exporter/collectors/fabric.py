@@ -90,6 +90,18 @@ ROUTED = MetricSpec(
 UPLINKS = MetricSpec(
     "gpunet_fabric_leaf_uplinks", "gauge",
     "Active ports of a leaf switch whose neighbour is a switch", _SW, "ports", _LINKS)
+HOST_CAPACITY = MetricSpec(
+    "gpunet_fabric_leaf_host_capacity_bytes_per_second", "gauge",
+    "Summed rate of a leaf switch's active ports whose neighbour is a host (channel adapter)",
+    _SW, "bytes per second", _LINKS)
+UPLINK_CAPACITY = MetricSpec(
+    "gpunet_fabric_leaf_uplink_capacity_bytes_per_second", "gauge",
+    "Summed rate of a leaf switch's active ports whose neighbour is a switch", _SW,
+    "bytes per second", _LINKS)
+OVERSUBSCRIPTION = MetricSpec(
+    "gpunet_fabric_leaf_oversubscription_ratio", "gauge",
+    "A leaf's host-facing capacity over its uplink capacity (1 is non-blocking)", _SW, "ratio",
+    f"{_LINKS}: active width x speed of both port sets")
 UPLINK_RATE = MetricSpec(
     "gpunet_fabric_leaf_uplink_bytes_per_second", "gauge",
     "Mean traffic per active uplink of a leaf over the last sweep interval",
@@ -127,9 +139,10 @@ STEP_DURATION = MetricSpec(
     ("step",), "seconds", "exporter clock")
 
 SPECS = (SWITCH_INFO, PORT_INFO, STATE, PHYS_STATE, WIDTH, LANE_SPEED, RATE, RATE_SUPPORTED,
-         DEGRADED, *(s for s, _, _ in COUNTERS.values()), ROUTED, UPLINKS, UPLINK_RATE,
-         IMBALANCE, ROUTES_IMBALANCE, ROUTES_UNBALANCED, SWITCHES, SWEEP_SUCCESS,
-         SWEEP_LAST_SUCCESS, SWEEP_DURATION, STEP_SUCCESS, STEP_DURATION)
+         DEGRADED, *(s for s, _, _ in COUNTERS.values()), ROUTED, UPLINKS, HOST_CAPACITY,
+         UPLINK_CAPACITY, OVERSUBSCRIPTION, UPLINK_RATE, IMBALANCE, ROUTES_IMBALANCE,
+         ROUTES_UNBALANCED, SWITCHES, SWEEP_SUCCESS, SWEEP_LAST_SUCCESS, SWEEP_DURATION,
+         STEP_SUCCESS, STEP_DURATION)
 
 
 @dataclass(frozen=True)
@@ -329,6 +342,7 @@ class FabricCollector(Collector):
             uplinks = [lk.port for lk in links
                        if lk.state == 4 and lk.remote and lk.remote in switches]
             fams.add(UPLINKS, [sw], float(len(uplinks)))
+            self._capacity(fams, sw, links, switches)
             routes = (fabric.routes or {}).get(sw)
             if routes is not None and len(uplinks) >= 2:
                 counts = [routes.get(p, 0) for p in uplinks]
@@ -360,6 +374,22 @@ class FabricCollector(Collector):
                     fams.add(UPLINK_RATE, [sw, direction], mean)
                     if mean > 0 and mean >= floor:
                         fams.add(IMBALANCE, [sw, direction], max(rates) / mean - 1)
+
+    @staticmethod
+    def _capacity(fams: Families, sw: str, links: list[ibdiag.Link],
+                  switches: set[str]) -> None:
+        """A leaf's host-facing and uplink capacity, each the summed rate of its active ports
+        on that side, and their ratio (absent without an active uplink: a leaf cut off from
+        the spines is a fabric of its own to a sweep from one of its hosts)."""
+        capacity = {"host": 0.0, "uplink": 0.0}
+        for lk in links:
+            if lk.state == 4 and lk.remote and lk.rate_gbps is not None:
+                side = "uplink" if lk.remote in switches else "host"
+                capacity[side] += lk.rate_gbps * ibdiag.BYTES_PER_GBIT
+        fams.add(HOST_CAPACITY, [sw], capacity["host"])
+        fams.add(UPLINK_CAPACITY, [sw], capacity["uplink"])
+        if capacity["uplink"] > 0:
+            fams.add(OVERSUBSCRIPTION, [sw], capacity["host"] / capacity["uplink"])
 
     # -- scrape ----------------------------------------------------------------------------
 

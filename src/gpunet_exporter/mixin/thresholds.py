@@ -239,6 +239,10 @@ class Fabric(Settings):
         "how much more traffic a leaf's busiest uplink may carry than the mean of its "
         "uplinks (busiest / mean - 1) before the leaf's uplink traffic counts as unbalanced",
         0.2, minimum=0)
+    leaf_oversubscription_ratio: float = setting(
+        "a leaf's host-facing capacity over its uplink capacity above which it counts as "
+        "oversubscribed (2: the rule of thumb for training fabrics, at most 2:1; 1 for a "
+        "non-blocking design that must stay so)", 2, minimum=0)
     stale_seconds: float = setting(
         "age of the last successful fabric sweep that counts as stale (15 sweeps at the "
         f"default {_SWEEP_SECONDS} s fabric.interval_seconds)", 15 * _SWEEP_SECONDS, minimum=1)

@@ -107,6 +107,15 @@ ALERTS: tuple[Alert, ...] = (
           f"The busiest uplink of leaf {_SWITCH} carries {{{{ $value | humanizePercentage }}}} "
           "more {{ $labels.direction }} traffic than the mean of its uplinks: flows crowd onto "
           f"some uplinks while others idle. {_SWEPT}"),
+    Alert("GpunetFabricLeafOversubscribed", "fabric", "warning", "15m",
+          lambda t: _fabric_switch(
+              "gpunet_fabric_leaf_oversubscription_ratio > "
+              f"{_g(t.fabric.leaf_oversubscription_ratio)}"),
+          "Leaf switch oversubscribed",
+          f"Leaf {_SWITCH} has {{{{ $value | printf \"%.3g\" }}}} times more host-facing "
+          "capacity than uplink capacity (its active ports, width x speed), above the limit "
+          "(fabric.leaf_oversubscription_ratio): uplinks down or trained narrower leave its "
+          f"hosts' cross-leaf traffic too little room. {_SWEPT}"),
     Alert("GpunetFabricRoutingUnbalanced", "fabric", "warning", "15m",
           lambda t: _fabric_switch(
               "gpunet_fabric_leaf_routes_imbalance_ratio\n"

@@ -110,6 +110,8 @@ def fabric(t: Thresholds) -> Json:
     # GpunetFabricUplinkImbalance fires above fabric.uplink_imbalance_ratio.
     imbalance = t.fabric.uplink_imbalance_ratio
     imbalance_steps = steps(("green", None), ("orange", imbalance))
+    # GpunetFabricLeafOversubscribed fires above fabric.leaf_oversubscription_ratio.
+    oversub = t.fabric.leaf_oversubscription_ratio
     lay = Layout()
     state = sel("gpunet_fabric_port_state_id")
     degraded = f"{sel('gpunet_fabric_port_rate_degraded')} == 1"
@@ -270,6 +272,14 @@ def fabric(t: Thresholds) -> Json:
         [target(of_leaf(fabric_neighbour(sel("gpunet_fabric_port_routed_host_lids"),
                                          'remote_type="switch"')),
                 "port {{port}} to {{remote_name}}")], "short"), 12, 8)
+    lay.add(timeseries(
+        "Oversubscription per leaf", "Per leaf, the capacity of its active ports to hosts over "
+        "that of its active uplinks (width x speed; gpunet_fabric_leaf_oversubscription_ratio): "
+        f"1 is non-blocking. Above {number(oversub)} (orange line) the leaf is oversubscribed: "
+        "uplinks down or trained narrower. Absent for a leaf without an active uplink.",
+        [target(fabric_named(sel("gpunet_fabric_leaf_oversubscription_ratio")), "{{name}}")],
+        "short", thresholds=steps(("green", None), ("orange", oversub)),
+        show_thresholds=True), 12, 8)
 
     lay.row("Sweep")
     lay.add(timeseries(
