@@ -668,9 +668,13 @@ def metric_labels() -> dict[str, set[str]]:
 
 def carries(expr: str, label: str, labels: dict[str, set[str]]) -> bool:
     """Whether an alert of ``expr`` can carry ``label``: a metric it reads has it, or the
-    expression names it (a join's group_left, a label_replace, a by clause)."""
-    return bool(re.search(rf"\b{label}\b", expr)) or any(
-        label in labels.get(m, set()) for m in re.findall(r"gpunet_[a-z0-9_]+", expr))
+    expression names it (a join's group_left, a label_replace, a by clause). A metric read only
+    as the other side of a group_left or group_right join gives only the labels listed there."""
+    if re.search(rf"\b{label}\b", expr):
+        return True
+    read = re.findall(r"gpunet_[a-z0-9_]+", expr)
+    joined = re.findall(r"group_(?:left|right)\s*\([^)]*\)\s*(gpunet_[a-z0-9_]+)", expr)
+    return any(label in labels.get(m, set()) for m in read if read.count(m) > joined.count(m))
 
 
 def inhibition_problems(am: dict[str, Any], exprs: dict[str, str]) -> list[str]:

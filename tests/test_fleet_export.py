@@ -99,17 +99,23 @@ def test_a_pairs_file_gives_exactly_the_fleet_series(node: Node) -> None:
         ("gpunet_fleet_pair_latency_seconds", lbl(peer="n4")): 2.5e-5,
         ("gpunet_fleet_pair_bus_bandwidth_bytes_per_second", lbl(peer="n2")): 4.0e10,
         ("gpunet_fleet_pair_bus_bandwidth_bytes_per_second", lbl(peer="n4")): 4.0e10,
-        ("gpunet_fleet_pair_info", lbl(peer="n2", peer_leaf="leaf-b", transport="IB",
-                                       gdr="true")): 1,
-        ("gpunet_fleet_pair_info", lbl(peer="n3", peer_leaf="", transport="", gdr="")): 1,
-        ("gpunet_fleet_pair_info", lbl(peer="n4", peer_leaf="leaf-a", transport="Socket",
-                                       gdr="false")): 1,
+        # This node's leaf and cross_leaf beside the peer's: "true" across leaves, "false"
+        # within one, empty where a leaf is unknown.
+        ("gpunet_fleet_pair_info", lbl(peer="n2", leaf="leaf-a", peer_leaf="leaf-b",
+                                       cross_leaf="true", transport="IB", gdr="true")): 1,
+        ("gpunet_fleet_pair_info", lbl(peer="n3", leaf="leaf-a", peer_leaf="", cross_leaf="",
+                                       transport="", gdr="")): 1,
+        ("gpunet_fleet_pair_info", lbl(peer="n4", leaf="leaf-a", peer_leaf="leaf-a",
+                                       cross_leaf="false", transport="Socket", gdr="false")): 1,
     }
     assert value(s, "gpunet_probe_failures_total", scope="fleet", reason="bad_result") == 0
     # The scopes are untouched: no round of theirs, no series.
     assert not [k for k in s if k[0] == "gpunet_probe_success"]
     node.write(pairs_file(pair("n2"), leaf=None))
-    assert value(node.scrape(), "gpunet_fleet_node_info", leaf="") == 1
+    s = node.scrape()
+    assert value(s, "gpunet_fleet_node_info", leaf="") == 1
+    (info,) = series(s, "gpunet_fleet_pair_info")
+    assert dict(info)["leaf"] == "" and dict(info)["cross_leaf"] == ""
 
 
 @pytest.mark.parametrize("text", [

@@ -170,8 +170,8 @@ PAIR_SKIPPED = MetricSpec(
     _PAIRS)
 PAIR_INFO = MetricSpec(
     "gpunet_fleet_pair_info", "gauge",
-    "Always 1, for each peer: its leaf, the network the pair used and whether it used GDR",
-    ("peer", "peer_leaf", "transport", "gdr"),
+    "Always 1, for each peer: both leaves, whether they differ, the network and GDR used",
+    ("peer", "leaf", "peer_leaf", "cross_leaf", "transport", "gdr"),
     "", _PAIRS)
 NODE_INFO = MetricSpec(
     "gpunet_fleet_node_info", "gauge",
@@ -341,7 +341,11 @@ class ProbeCollector(Collector):
         fams.add(PAIRS_DROPPED, [], len(view.pairs) - len(kept))
         for p in kept:
             gdr = "" if p.gdr is None else str(p.gdr).lower()
-            fams.add(PAIR_INFO, [p.peer, p.peer_leaf or "", p.transport or "", gdr], 1)
+            # cross_leaf: "true" or "false" when both leaves are known, else empty (absent).
+            cross = (str(view.leaf != p.peer_leaf).lower() if view.leaf and p.peer_leaf
+                     else "")
+            fams.add(PAIR_INFO, [p.peer, view.leaf or "", p.peer_leaf or "", cross,
+                                 p.transport or "", gdr], 1)
             if p.skipped is not None:  # not measured: no success, neither 1 nor 0, no numbers
                 fams.add(PAIR_SKIPPED, [p.peer, p.skipped], 1)
                 continue

@@ -21,6 +21,8 @@ FLEET_MEDIAN_BUSBW = "scope_size:gpunet_probe_allreduce_bus_bandwidth_bytes_per_
 # from its own pairs, and a peer from the pairs that name it, on the other nodes' series.
 PAIR_BW = "gpunet_fleet_pair_bus_bandwidth_bytes_per_second"
 PAIR_OK = "gpunet_fleet_pair_success"
+# The bandwidth of the pairs that ran (success 1), recorded once: every statistic reads it.
+PAIR_RAN_BW = f"instance_peer:{PAIR_BW}:ran"
 NODE_MEDIAN_BW = f"instance:{PAIR_BW}:median"
 FLEET_MEDIAN_BW = f"job:{PAIR_BW}:median"
 FLEET_MAD_BW = f"job:{PAIR_BW}:mad"
@@ -32,8 +34,9 @@ NODE_PAIRS_HEALTHY = "instance:gpunet_fleet_pairs_healthy:count"
 PEER_PAIRS = "peer:gpunet_fleet_pairs:count"
 PEER_PAIRS_HEALTHY = "peer:gpunet_fleet_pairs_healthy:count"
 # Per pair: this node's leaf, the peer's leaf and whether they differ (cross_leaf "true"/"false";
-# absent when either leaf is unknown), so GpunetFleetLinkSlow can carry them for Alertmanager.
-PAIR_LEAVES = "instance_peer:gpunet_fleet_pair_info:leaves"
+# absent when either leaf is unknown), as the exporter labels them; GpunetFleetLinkSlow carries
+# them for Alertmanager, and the leaf medians select by cross_leaf.
+PAIR_INFO = "gpunet_fleet_pair_info"
 LEAF_INTRA_BW = f"leaf:{PAIR_BW}:median_intra_leaf"
 LEAF_CROSS_BW = f"leaf:{PAIR_BW}:median_cross_leaf"
 LEAF_CROSS_RATIO = f"leaf:{PAIR_BW}:cross_to_intra_leaf_ratio"
@@ -360,21 +363,24 @@ def _fleet_recording(t: Thresholds) -> list[Rule]:
     """The pair plan's recording rules: per-node and fleet statistics of the pair bandwidth
     (successful pairs only), each pair's health, and the per-leaf intra and cross medians."""
     f = t.fleet
-    ran = f"{PAIR_BW} and on (instance, job, peer) {PAIR_OK} == 1"
-    # Pairs whose peer is on this node's leaf: pair_info with peer_leaf copied into leaf, so it
-    # matches the node's own leaf label (PromQL cannot compare two labels directly).
-    with_leaf = (f"(\n    {ran}\n  )\n"
-                 "  * on (instance, job) group_left (leaf) gpunet_fleet_node_info")
-    same_leaf = 'label_replace(gpunet_fleet_pair_info, "leaf", "$1", "peer_leaf", "(.*)")'
+
+    def leaf_median(cross: str) -> str:
+        """Per leaf, the median of the pairs that ran from its nodes to peers on the same leaf
+        (cross "false") or on another (cross "true"), both leaves known (PAIR_INFO)."""
+        return (f"quantile by (job, leaf) (0.5,\n  {PAIR_RAN_BW}\n"
+                f"  * on (instance, job, peer) group_left (leaf)\n"
+                f'  {PAIR_INFO}{{cross_leaf="{cross}"}}\n)')
+
     return [
-        {"record": NODE_MEDIAN_BW, "expr": f"quantile by (instance, job) (0.5,\n  {ran}\n)"},
+        {"record": PAIR_RAN_BW,
+         "expr": f"{PAIR_BW}\nand on (instance, job, peer) {PAIR_OK} == 1"},
+        {"record": NODE_MEDIAN_BW, "expr": f"quantile by (instance, job) (0.5, {PAIR_RAN_BW})"},
         {"record": FLEET_MEDIAN_BW, "expr": f"quantile by (job) (0.5, {NODE_MEDIAN_BW})"},
         {"record": FLEET_MAD_BW,
          "expr": (f"quantile by (job) (0.5,\n  abs({NODE_MEDIAN_BW}\n"
                   f"    - on (job) group_left {FLEET_MEDIAN_BW})\n)")},
         {"record": FLEET_NODES, "expr": f"count by (job) ({NODE_MEDIAN_BW})"},
-        {"record": PAIR_RATIO,
-         "expr": f"(\n  {ran}\n)\n/ on (job) group_left {FLEET_MEDIAN_BW}"},
+        {"record": PAIR_RATIO, "expr": f"{PAIR_RAN_BW}\n/ on (job) group_left {FLEET_MEDIAN_BW}"},
         {"record": PAIR_HEALTHY,
          "expr": (f"{PAIR_RATIO} >= bool {_g(f.link_slow_ratio)}\n"
                   f"or on (instance, job, peer)\n{PAIR_OK} == bool 1")},
@@ -382,36 +388,12 @@ def _fleet_recording(t: Thresholds) -> list[Rule]:
         {"record": NODE_PAIRS_HEALTHY, "expr": f"sum by (instance, job) ({PAIR_HEALTHY})"},
         {"record": PEER_PAIRS, "expr": f"count by (job, peer) ({PAIR_OK})"},
         {"record": PEER_PAIRS_HEALTHY, "expr": f"sum by (job, peer) ({PAIR_HEALTHY})"},
-        {"record": PAIR_LEAVES, "expr": _pair_leaves()},
-        {"record": LEAF_INTRA_BW,
-         "expr": (f"quantile by (job, leaf) (0.5,\n  {with_leaf}\n"
-                  f"  and on (instance, job, peer, leaf) {same_leaf}\n)")},
-        {"record": LEAF_CROSS_BW,
-         "expr": (f"quantile by (job, leaf) (0.5,\n  {with_leaf}\n"
-                  f"  and on (instance, job, peer) gpunet_fleet_pair_info\n"
-                  f"  unless on (instance, job, peer, leaf) {same_leaf}\n)")},
+        {"record": LEAF_INTRA_BW, "expr": leaf_median("false")},
+        {"record": LEAF_CROSS_BW, "expr": leaf_median("true")},
         {"record": LEAF_CROSS_RATIO,
          "expr": f"{LEAF_CROSS_BW}\n/ on (job, leaf) {LEAF_INTRA_BW}"},
     ]
 
-
-def _pair_leaves() -> str:
-    """One series (value 1) per pair of gpunet_fleet_pair_info with labels instance, job, peer,
-    leaf (this node's), peer_leaf and cross_leaf: "false" when the two leaves are the same,
-    "true" when they differ, absent when either is unknown (empty)."""
-    def both(pad: str) -> str:
-        return (f"group by (instance, job, peer, peer_leaf, leaf) (\n{pad}  "
-                "gpunet_fleet_pair_info * on (instance, job) group_left (leaf) "
-                f"gpunet_fleet_node_info\n{pad})")
-
-    same = ('label_replace(gpunet_fleet_pair_info{peer_leaf!=""}, "leaf", "$1", "peer_leaf", '
-            '"(.*)")')
-    return (f'label_replace(\n  {both("  ")}\n  and on (instance, job, peer, leaf)\n'
-            f'  {same},\n  "cross_leaf", "false", "", ""\n)\n'
-            "or on (instance, job, peer)\n"
-            f'label_replace(\n  label_replace(\n    {both("    ")},\n'
-            '    "cross_leaf", "true", "peer_leaf", ".+"\n  ),\n'
-            '  "cross_leaf", "", "leaf", ""\n)')
 
 # The doctor's checks, in steps (mixin.alerts.DOCTOR_ORDER).
 CHECKS: dict[str, tuple[DoctorCheck, ...]] = {

@@ -321,7 +321,8 @@ def _fleet_link_slow(t: Thresholds) -> str:
     """A pair slow or failed while this node has a healthy pair, unless the fleet's view of the
     peer (the pairs that name it, on every other node) makes the peer the suspect: then
     GpunetFleetNodeSuspect names it and its pairs are not blamed as links. The alert carries
-    the pair's leaf, peer_leaf and cross_leaf (PAIR_LEAVES) for Alertmanager's inhibition."""
+    the pair's leaf, peer_leaf and cross_leaf (gpunet_fleet_pair_info) for Alertmanager's
+    inhibition."""
     f = t.fleet
     return (f"(\n  (\n    {collective.PAIR_RATIO} < {_g(f.link_slow_ratio)}\n"
             f"    or on (instance, job, peer)\n    0 * ({collective.PAIR_OK} == 0)\n  )\n"
@@ -330,7 +331,7 @@ def _fleet_link_slow(t: Thresholds) -> str:
             f"    and on (job, peer) {collective.PEER_PAIRS_HEALTHY} == 0\n  )\n)\n"
             # The leaves, for Alertmanager: GpunetFleetCrossLeafSlow inhibits cross-leaf pairs.
             "* on (instance, job, peer) group_left (leaf, peer_leaf, cross_leaf) "
-            f"{collective.PAIR_LEAVES}")
+            f"{collective.PAIR_INFO}")
 
 
 ALERTS: tuple[Alert, ...] = (
