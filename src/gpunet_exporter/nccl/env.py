@@ -118,33 +118,27 @@ def _choice(value: str, names: tuple[str, ...]) -> str:
     return tokens[0] if len(tokens) == 1 else "list"
 
 
-def _nccl_list(value: str) -> tuple[bool, bool, list[str]]:
+def _nccl_list(value: str) -> tuple[bool, bool, list[tuple[str, str]]]:
     """NCCL's device/interface list syntax (parseStringList): optional ``^`` (exclude), optional
     ``=`` (exact names, else prefixes), comma-separated ``name[:port]``. Returns (exclude, exact,
-    names)."""
+    the (name, port) entries with a name; port "" when none is given)."""
     exclude = value.startswith("^")
     value = value[1:] if exclude else value
     exact = value.startswith("=")
     value = value[1:] if exact else value
-    names = [tok.partition(":")[0] for tok in value.split(",")]
-    return exclude, exact, [n for n in names if n]
-
-
-def _nccl_entries(value: str) -> list[str]:
-    """The ``name[:port]`` entries of an NCCL list, without its ``^``/``=`` prefix."""
-    return [tok for tok in value.lstrip("^").lstrip("=").split(",") if tok]
+    entries = [tok.partition(":")[::2] for tok in value.split(",")]
+    return exclude, exact, [(n, p) for n, p in entries if n]
 
 
 def _matches(name: str, entries: list[str], exact: bool) -> bool:
     return any(name == e if exact else name.startswith(e) for e in entries)
 
 
-def _selects_data(entry: str, exact: bool, rdma_devices: Collection[str],
+def _selects_data(name: str, port: str, exact: bool, rdma_devices: Collection[str],
                   no_data: Collection[tuple[str, str]]) -> bool:
     """Whether one NCCL_IB_HCA entry (``name[:port]``) selects a port that can carry data: a
     device it names, and, when it names a port, one that is not a plane that carries no data
     by design (a multi-plane device's, rdma.carries_data)."""
-    name, _, port = entry.partition(":")
     devices = [d for d in rdma_devices if _matches(d, [name], exact)]
     if not port:
         return bool(devices)
@@ -179,7 +173,8 @@ def env_settings(env: Mapping[str, str], rdma_netdevs: Collection[str],
         out["NCCL_P2P_LEVEL"] = _level(env["NCCL_P2P_LEVEL"])
     value = env.get("NCCL_SOCKET_IFNAME", "")
     if value:
-        exclude, exact, names = _nccl_list(value)
+        exclude, exact, entries = _nccl_list(value)
+        names = [n for n, _ in entries]
         if len(value) <= 1:  # NCCL ignores a value of one character
             out["NCCL_SOCKET_IFNAME"] = "ignored"
         elif exclude:
@@ -190,12 +185,11 @@ def env_settings(env: Mapping[str, str], rdma_netdevs: Collection[str],
             out["NCCL_SOCKET_IFNAME"] = "non_rdma_netdev"
     value = env.get("NCCL_IB_HCA", "")
     if value:
-        exclude, exact, names = _nccl_list(value)
+        exclude, exact, entries = _nccl_list(value)
         if exclude:
             out["NCCL_IB_HCA"] = "exclusion"
-        elif any(not any(_matches(d, [n], exact) for d in rdma_devices) for n in names) or any(
-                not _selects_data(e, exact, rdma_devices, no_data_ports)
-                for e in _nccl_entries(value) if e.partition(":")[0]):
+        elif any(not _selects_data(n, p, exact, rdma_devices, no_data_ports)
+                 for n, p in entries):
             out["NCCL_IB_HCA"] = "unknown_device"
         else:
             out["NCCL_IB_HCA"] = "devices_present"
