@@ -667,17 +667,15 @@ class GpuCollector(Collector):
         """Each NVLink link's speed, in one field-value call (the link as each value's scope);
         none where the driver does not have the field, which is then not asked again."""
         nv = self.session.nv
-        links = self._nvlinks(st)
-        field = getattr(nv, "NVML_FI_DEV_NVLINK_GET_SPEED", None)
-        if not links or field is None or "nvlink_speed" in st.unsupported:
+        fields = nvml.nvlink_speed_fields(nv, range(self._nvlinks(st)))
+        if not fields or "nvlink_speed" in st.unsupported:
             return []
-        values = self._call(st, "nvmlDeviceGetFieldValues",
-                            [(field, link) for link in range(links)], key="nvlink_speed",
+        values = self._call(st, "nvmlDeviceGetFieldValues", fields, key="nvlink_speed",
                             background=True)
         out: list[Sample] = []
         for link, fv in enumerate(values or ()):
             if fv.nvmlReturn == _OK:
-                speed = nvml.field_value(fv) * 1e6  # MB/s
+                speed = nvml.link_speed(fv)
                 if speed > 0:
                     out.append((NVLINK_SPEED, (gpu, str(link)), speed))
             elif fv.nvmlReturn == getattr(nv, "NVML_ERROR_NOT_SUPPORTED", 3):

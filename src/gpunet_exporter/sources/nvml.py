@@ -13,7 +13,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
@@ -101,32 +101,42 @@ def field_value(fv: Any) -> float:
     return float(getattr(fv.value, VALUE_MEMBERS[t] if 0 <= t < len(VALUE_MEMBERS) else "ullVal"))
 
 
-def nvlink_bandwidth(nv: Any, handle: Any) -> float | None:
-    """Bytes per second the GPU's active NVLinks carry in one direction: the sum over its
-    active links of NVML_FI_DEV_NVLINK_GET_SPEED (MB/s, the link as the field's scope; 26562 per
-    link on an H100, docs/formats.md §6.2). None for a GPU without NVLink, or where a link's
-    speed cannot be read."""
-    total = 0.0
-    active = 0
+def nvlink_speed_fields(nv: Any, links: Iterable[int]) -> list[tuple[int, int]]:
+    """The field-value request of the speed of each of ``links``: NVML_FI_DEV_NVLINK_GET_SPEED
+    with the link as its scope (docs/formats.md §6.2); empty where the bindings lack the
+    field. One nvmlDeviceGetFieldValues call answers them all, in order."""
     speed = getattr(nv, "NVML_FI_DEV_NVLINK_GET_SPEED", None)
-    if speed is None:
-        return None
+    return [] if speed is None else [(speed, link) for link in links]
+
+
+def link_speed(fv: Any) -> float:
+    """One answer to :func:`nvlink_speed_fields` in bytes per second (NVML gives MB/s: 26562
+    per link on an H100)."""
+    return field_value(fv) * 1e6
+
+
+def nvlink_bandwidth(nv: Any, handle: Any) -> float | None:
+    """Bytes per second the GPU's active NVLinks carry in one direction: the sum of their
+    speeds, read in one field-value call. None for a GPU without NVLink, or where a link's
+    speed cannot be read."""
+    active = []
     for link in range(int(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18))):
         try:
             state = nv.nvmlDeviceGetNvLinkState(handle, link)
         except nv.NVMLError:
             break  # past the last link (InvalidArgument), or no NVLink (NotSupported)
-        if state != nv.NVML_FEATURE_ENABLED:
-            continue
-        try:
-            (fv,) = nv.nvmlDeviceGetFieldValues(handle, [(speed, link)])
-        except nv.NVMLError:
-            return None
-        if int(fv.nvmlReturn) != 0:
-            return None
-        total += field_value(fv) * 1e6
-        active += 1
-    return total if active else None
+        if state == nv.NVML_FEATURE_ENABLED:
+            active.append(link)
+    fields = nvlink_speed_fields(nv, active)
+    if not fields:
+        return None
+    try:
+        values = nv.nvmlDeviceGetFieldValues(handle, fields)
+    except nv.NVMLError:
+        return None
+    if len(values) != len(fields) or any(int(fv.nvmlReturn) != 0 for fv in values):
+        return None
+    return sum(link_speed(fv) for fv in values)
 
 
 def error_name(exc: BaseException) -> str:
