@@ -25,6 +25,10 @@ class CommandTimeout(CommandError):
     """A subprocess that did not finish within its timeout (and was killed)."""
 
 
+class CommandNotStarted(CommandError):
+    """A program that could not be started: not installed, or not executable."""
+
+
 # Process groups of the tools running now, killed at shutdown (kill_running): a tool that hangs
 # runs in a session of its own and would otherwise outlive the exporter.
 _running: set[int] = set()
@@ -182,7 +186,7 @@ def run_command_bytes(argv: Sequence[str], timeout: float,
         child = Child(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                       env={**os.environ, **(env or {}), "LC_ALL": "C"}, cwd=cwd)
     except OSError as exc:
-        raise CommandError(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
+        raise CommandNotStarted(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
     try:
         out, err = child.communicate(timeout)
     except subprocess.TimeoutExpired:

@@ -12,7 +12,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gpunet_exporter.sources.commands import CommandError, CommandTimeout, run_command
+from gpunet_exporter.sources.commands import (
+    CommandError,
+    CommandNotStarted,
+    CommandTimeout,
+    run_command,
+)
 
 # include/uapi/linux/devlink.h, enum devlink_health_reporter_state.
 STATES = {0: "healthy", 1: "error"}
@@ -143,9 +148,10 @@ class CommandHealthReader:
             text = run_command([self.path, "-j", "health", "show"], self.timeout)
         except CommandTimeout as exc:
             raise OSError(errno.ETIMEDOUT, str(exc)) from None
+        except CommandNotStarted as exc:  # no devlink program
+            raise OSError(errno.ENOENT, str(exc)) from None
         except CommandError as exc:
-            text = str(exc)
-            raise OSError(errno.ENOENT if "cannot run" in text else errno.EIO, text) from None
+            raise OSError(errno.EIO, str(exc)) from None
         try:
             return parse_health_json(text)
         except ValueError as exc:

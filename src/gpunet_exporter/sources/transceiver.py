@@ -15,7 +15,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gpunet_exporter.sources.commands import CommandError, CommandTimeout, run_command_bytes
+from gpunet_exporter.sources.commands import (
+    CommandError,
+    CommandNotStarted,
+    CommandTimeout,
+    run_command_bytes,
+)
 
 I2C_ADDRESS = 0x50  # the module's memory map (SFF-8636, CMIS; SFF-8472's A0h)
 PAGE_LEN = 128
@@ -98,10 +103,11 @@ class CommandEepromReader:
             out = run_command_bytes(argv, self.timeout)
         except CommandTimeout as exc:
             raise OSError(errno.ETIMEDOUT, str(exc)) from None
+        except CommandNotStarted as exc:  # no ethtool program
+            raise OSError(errno.ENOENT, str(exc)) from None
         except CommandError as exc:
             text = str(exc)
-            code = (errno.ENOENT if "cannot run" in text  # no ethtool program
-                    else errno.EOPNOTSUPP if "not supported" in text
+            code = (errno.EOPNOTSUPP if "not supported" in text
                     else errno.ENODEV if "No such device" in text else errno.EIO)
             raise OSError(code, text) from None
         if len(out) != length:
