@@ -159,6 +159,7 @@ class _Round:
     reporters: Fresh[list[Reporter]]
     unknown: Mapping[str, str]
     skipped_infiniband: int
+    by_pci: Mapping[str, str]  # PCI address -> RDMA device name, as the round saw them
 
 
 _WHY = {errno.EOPNOTSUPP: "not_supported", errno.EPERM: "privilege_missing",
@@ -192,7 +193,7 @@ class NicCollector(Collector):
             health = (CommandHealthReader(cfg.devlink.path, float(cfg.devlink.timeout_seconds))
                       if cfg.health_source == "devlink" else NetlinkHealthReader())
         self.eeprom, self.health = eeprom, health
-        self._last = _Round({}, Fresh(), {}, 0)
+        self._last = _Round({}, Fresh(), {}, 0, {})
         self._refresher: Refresher[_Round] = Refresher(
             "nic", float(cfg.interval_seconds), lambda: self.refresh(), self.ctx.log_once)
 
@@ -259,15 +260,19 @@ class NicCollector(Collector):
                 continue
             modules[ifname] = Fresh(module, True, time.time())
         reporters: Fresh[list[Reporter]] = Fresh()
+        by_pci: dict[str, str] = {}
         if cfg.health_reporters:
-            reporters, why = self._read_health(old.reporters)
+            by_pci = self.devices_by_pci()
+            reporters, why = self._read_health(old.reporters, by_pci)
             if why:
                 unknown["health_reporters"] = why
-        self._last = _Round(modules, reporters, unknown, skipped)
+        self._last = _Round(modules, reporters, unknown, skipped, by_pci)
         return self._last
 
-    def _read_health(self, old: Fresh[list[Reporter]]) -> tuple[Fresh[list[Reporter]], str]:
-        """The reporters and, when mlx5 devices should have some and none can be seen, why."""
+    def _read_health(self, old: Fresh[list[Reporter]], by_pci: Mapping[str, str]
+                     ) -> tuple[Fresh[list[Reporter]], str]:
+        """The reporters and, when mlx5 devices (of ``by_pci``, devices_by_pci) should have
+        some and none can be seen, why."""
         try:
             found = self.health.read()
         except OSError as exc:
@@ -276,22 +281,20 @@ class NicCollector(Collector):
                                   exc.strerror or exc)
                 why = ("tool_missing" if self.settings.health_source == "devlink"
                        else "not_supported")
-                return Fresh(), why if self._mlx5_present() else ""
+                mlx5 = any(d.startswith("mlx5_") for d in by_pci.values())
+                return Fresh(), why if mlx5 else ""
             self.ctx.log_once(logging.WARNING, "reading the devlink health reporters failed: "
                               "%s", exc.strerror or exc)
             return old.failed(), ""
         seen = {r.bus_device for r in found}
         # mlx5 registers fw and fw_fatal on every physical function: an mlx5 device with none
         # is one whose devlink instance this network namespace does not see.
-        hidden = [a for a, dev in self.devices_by_pci().items()
+        hidden = [a for a, dev in by_pci.items()
                   if dev.startswith("mlx5_") and f"pci/{a}" not in seen]
         if hidden:
             self.ctx.log_once(logging.INFO, "no devlink health reporters of %s in this network "
                               "namespace", ", ".join(sorted(hidden)))
         return Fresh(found, True, time.time()), "not_supported" if hidden else ""
-
-    def _mlx5_present(self) -> bool:
-        return any(d.startswith("mlx5_") for d in self.devices_by_pci().values())
 
     # -- scrape ----------------------------------------------------------------------------
 
@@ -303,9 +306,8 @@ class NicCollector(Collector):
         for ifname, mod in sorted(state.modules.items()):
             self._module(fams, ifname, mod)
         if self.settings.health_reporters:
-            by_pci = self.devices_by_pci()
             for r in state.reporters.value or ():
-                device = by_pci.get(r.bus_device.partition("/")[2], "")
+                device = state.by_pci.get(r.bus_device.partition("/")[2], "")
                 labels = [device, r.handle, r.name]
                 fams.add(HEALTHY, labels, int(r.state == "healthy"))
                 fams.add(ERRORS, labels, r.errors)
