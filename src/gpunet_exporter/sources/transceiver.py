@@ -151,14 +151,13 @@ def _text(raw: bytes) -> str:
     return "".join(c if 32 <= ord(c) < 127 else "?" for c in raw.decode("latin-1")).strip()
 
 
-def _u16(page: bytes, offset: int) -> int:
-    return int(struct.unpack_from(">H", page, offset - PAGE_LEN if offset >= PAGE_LEN
-                                  else offset)[0])
+def _u16(page: bytes, offset: int, fmt: str = ">H") -> int:
+    """The big-endian word at the EEPROM ``offset`` (an upper page's 128-255 as its 0-127)."""
+    return int(struct.unpack_from(fmt, page, offset % PAGE_LEN)[0])
 
 
 def _s16(page: bytes, offset: int) -> int:
-    return int(struct.unpack_from(">h", page, offset - PAGE_LEN if offset >= PAGE_LEN
-                                  else offset)[0])
+    return _u16(page, offset, ">h")
 
 
 def _power(raw: int) -> float:
@@ -175,7 +174,7 @@ def _levels(page: bytes, offset: int, convert: Callable[[int], float], signed: b
     return {level: convert(read(page, offset + 2 * i)) for i, level in enumerate(LEVELS)}
 
 
-def pages_to_read(lower: bytes, page0: bytes) -> list[tuple[int, int]]:
+def pages_to_read(lower: bytes) -> list[tuple[int, int]]:
     """The upper pages (page, bank) worth reading after the lower page and upper page 00h: those
     the module says exist (a flat memory has none) and that hold monitors or thresholds."""
     ident = lower[0]
@@ -288,6 +287,6 @@ def read_module(reader: EepromReader, ifname: str) -> Module:
     # SFF-8472 (SFP) needs no more: its vendor fields are in the lower 128 bytes at 0x50.
     if lower and (lower[0] in SFF8636 or lower[0] in CMIS):
         pages[(0, 0)] = reader.read(ifname, 0, 0, PAGE_LEN, PAGE_LEN)
-        for page, bank in pages_to_read(lower, pages[(0, 0)]):
+        for page, bank in pages_to_read(lower):
             pages[(page, bank)] = reader.read(ifname, page, bank, PAGE_LEN, PAGE_LEN)
     return decode(lower, pages)
