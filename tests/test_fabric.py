@@ -383,6 +383,19 @@ def test_bad_environment_setting_is_one_clear_error(tmp_path: Path) -> None:
         make_collector(FabricCollector, "/", {"environment": ["LD_PRELOAD"]})
 
 
+@pytest.mark.parametrize(("setting", "value", "says"), [
+    ("prometheus_url", "prometheus:9090", "not an http:// or https:// URL"),
+    ("prometheus_url", "file:///etc/passwd", "not an http:// or https:// URL"),
+    ("host_pattern", "^(\\S+", "not a regular expression"),
+    ("host_pattern", "^\\S+", "has no group"),
+])
+def test_bad_localization_setting_is_one_clear_error(setting: str, value: str,
+                                                     says: str) -> None:
+    from gpunet_exporter.errors import ConfigError
+    with pytest.raises((ValueError, ConfigError), match=f"fabric.{setting}: .*{says}"):
+        make_collector(FabricCollector, "/", {setting: value})
+
+
 def test_off_by_default() -> None:
     assert FabricCollector.default_enabled is False
     assert os.environ.get("IBSIM_SOCKNAME") is None  # the tests never leak a simulator

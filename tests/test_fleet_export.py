@@ -89,7 +89,7 @@ def test_a_pairs_file_gives_exactly_the_fleet_series(node: Node) -> None:
         pair("n4", transport="Socket", gdr=False, peer_leaf="leaf-a")))
     s = node.scrape()
     assert fleet(s) == {
-        ("gpunet_fleet_node_info", lbl(leaf="leaf-a")): 1,
+        ("gpunet_fleet_node_info", lbl(name="n1", leaf="leaf-a")): 1,
         ("gpunet_fleet_round_timestamp_seconds", lbl()): 1767225600.0,
         ("gpunet_fleet_pairs_dropped", lbl()): 0,
         ("gpunet_fleet_pair_success", lbl(peer="n2")): 1,
@@ -113,7 +113,7 @@ def test_a_pairs_file_gives_exactly_the_fleet_series(node: Node) -> None:
     assert not [k for k in s if k[0] == "gpunet_probe_success"]
     node.write(pairs_file(pair("n2"), leaf=None))
     s = node.scrape()
-    assert value(s, "gpunet_fleet_node_info", leaf="") == 1
+    assert s[("gpunet_fleet_node_info", lbl(name="n1", leaf=""))] == 1
     (info,) = series(s, "gpunet_fleet_pair_info")
     assert dict(info)["leaf"] == "" and dict(info)["cross_leaf"] == ""
 

@@ -18,7 +18,7 @@ PACKAGE = "gpunet_exporter"
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("sources", ("sources",)),
     ("core", ("__init__", "errors", "files", "config", "flags", "logs", "statefile", "collector",
-              "background", "inventory", "registry")),
+              "background", "inventory", "registry", "localize")),
     ("nccl", ("nccl",)),
     ("probe", ("probe",)),
     ("collectors", ("collectors",)),

@@ -46,9 +46,10 @@ def fast_rules(tmp: Path, hold: Mapping[str, str] | None = None) -> Path:
 
 def start_prometheus(tmp: Path, static_configs: list[dict[str, Any]],
                      alertmanager: str | None = None, hold: Mapping[str, str] | None = None,
-                     ) -> tuple[subprocess.Popen[bytes], str]:
+                     port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """Prometheus scraping ``static_configs`` as job ``gpunet`` every second with
-    :func:`fast_rules` (``hold``), alerting ``alertmanager`` (host:port) if given; the process
+    :func:`fast_rules` (``hold``), alerting ``alertmanager`` (host:port) if given, on ``port``
+    (default: a free one; a target that queries Prometheus must know it first); the process
     and its URL."""
     config: dict[str, Any] = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s",
@@ -59,7 +60,7 @@ def start_prometheus(tmp: Path, static_configs: list[dict[str, Any]],
     if alertmanager:
         config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
+    port = port or free_port()
     proc = start(["prometheus", f"--config.file={tmp / 'prometheus.yml'}",
                   f"--storage.tsdb.path={tmp / 'prom-data'}",
                   f"--web.listen-address=127.0.0.1:{port}"], tmp / "prometheus.log")

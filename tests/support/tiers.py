@@ -44,7 +44,7 @@ import pytest
 # share a fixture that does; by module name. Drawn up with GPUNET_TIER_AUDIT (2026-11-27).
 SYSTEM_MODULES: frozenset[str] = frozenset({
     "test_alerts_e2e", "test_cli", "test_commands", "test_demo", "test_doctor",
-    "test_fabric_alerts", "test_fleet_launcher_netns", "test_fleet_netns",
+    "test_fabric_alerts", "test_fabric_paths", "test_fleet_launcher_netns", "test_fleet_netns",
     "test_fleet_rules_netns", "test_fleet_slurm", "test_golden", "test_grafana_fabric",
     "test_grafana_pairs", "test_hostile_http", "test_image", "test_isolation",
     "test_kubernetes_exporter", "test_load", "test_parity", "test_prometheus",
@@ -277,9 +277,10 @@ def mark(items: Iterable[pytest.Item]) -> None:
 # namespaces, a Prometheus with its exporters): their tests run on one worker, so that no two
 # workers build the same thing (tests/test_tiers.py checks the list against the modules).
 GROUPED_MODULES: frozenset[str] = frozenset({
-    "test_alerts_e2e", "test_demo", "test_doctor", "test_fleet_netns", "test_fleet_rules_netns",
-    "test_fleet_slurm", "test_fuzz", "test_golden", "test_grafana_fabric", "test_grafana_pairs",
-    "test_image", "test_kubernetes_exporter", "test_slurm_healthcheck", "test_web_config",
+    "test_alerts_e2e", "test_demo", "test_doctor", "test_fabric_paths", "test_fleet_netns",
+    "test_fleet_rules_netns", "test_fleet_slurm", "test_fuzz", "test_golden",
+    "test_grafana_fabric", "test_grafana_pairs", "test_image", "test_kubernetes_exporter",
+    "test_slurm_healthcheck", "test_web_config",
 })
 
 # Modules whose tests (or group) take longest, longest first (durations of 2026-11-27): they are

@@ -12,19 +12,23 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import shutil
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 from prometheus_client.core import Metric
 
+from gpunet_exporter import localize
 from gpunet_exporter.background import Fresh, Refresher, add_freshness, last_success_spec
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec, Scrape
+from gpunet_exporter.collectors.probe import NODE_INFO
 from gpunet_exporter.collectors.tables import load
 from gpunet_exporter.config import Settings, setting
-from gpunet_exporter.sources import ibdiag
+from gpunet_exporter.sources import ibdiag, promapi
 from gpunet_exporter.sources.commands import CommandError
 
 _SP = ("switch", "port")
@@ -32,7 +36,14 @@ _SW = ("switch",)
 _LINKS = "iblinkinfo -l --switches-only (from the sweep's ibnetdiscover)"
 _QE = "ibqueryerrors --switch"
 _BY = {"tx": "PortXmitData", "rx": "PortRcvData"}
-STEP_NAMES = ibdiag.STEPS
+PAIRS_STEP = "pairs"  # the fleet's pair verdicts, read from Prometheus (fabric.prometheus_url)
+STEP_NAMES = (*ibdiag.STEPS, PAIRS_STEP)
+# The fleet's recorded pair health (1 healthy, 0 failed or slow; mixin.alerts.collective records
+# it under this name), per pair as each end's exporter sees it, with the end's node name.
+HEALTHY_PAIRS = "instance_peer:gpunet_fleet_pair_healthy:bool"
+PAIRS_QUERY = (f"min by (name, peer) (\n  {HEALTHY_PAIRS}\n"
+               f"  * on (instance, job) group_left (name) {NODE_INFO.name}\n)")
+_LOCALIZE = f"dump_fts paths joined with the fleet's {HEALTHY_PAIRS} (fabric.prometheus_url)"
 TOOL_NAMES = ("ibnetdiscover", "iblinkinfo", "ibqueryerrors", "dump_fts")  # ibdiag.Tools fields
 
 
@@ -120,6 +131,22 @@ ROUTES_UNBALANCED = MetricSpec(
     "gpunet_fabric_leaf_routes_unbalanced", "gauge",
     "1 when an active uplink of a leaf routes more than one host LID more than another, else 0",
     _SW, "boolean", "dump_fts")
+LINK_VERDICT = MetricSpec(
+    "gpunet_fabric_link_verdict", "gauge",
+    "Always 1: what the last localization concluded of a switch-to-switch cable (its spine end)",
+    ("switch", "port", "verdict"), "", _LOCALIZE)
+LINK_PAIRS = MetricSpec(
+    "gpunet_fabric_link_probe_pairs", "gauge",
+    "Fleet pairs of the last localization whose paths cross the cable, healthy or not",
+    ("switch", "port", "result"), "pairs", _LOCALIZE)
+LOCALIZED_PAIRS = MetricSpec(
+    "gpunet_fabric_localization_pairs", "gauge",
+    "Fleet pairs of the last localization: " + ", ".join(localize.PAIR_RESULTS),
+    ("result",), "pairs", _LOCALIZE)
+NODES_BLAMED = MetricSpec(
+    "gpunet_fabric_localization_nodes_blamed", "gauge",
+    "Nodes, not cables, that the last localization found to explain unhealthy pairs", (),
+    "nodes", _LOCALIZE)
 SWITCHES = MetricSpec(
     "gpunet_fabric_switches", "gauge", "Switches the last sweep found", (), "switches", _LINKS)
 SWEEP_SUCCESS = MetricSpec(
@@ -141,7 +168,8 @@ STEP_DURATION = MetricSpec(
 SPECS = (SWITCH_INFO, PORT_INFO, STATE, PHYS_STATE, WIDTH, LANE_SPEED, RATE, RATE_SUPPORTED,
          DEGRADED, *(s for s, _, _ in COUNTERS.values()), ROUTED, UPLINKS, HOST_CAPACITY,
          UPLINK_CAPACITY, OVERSUBSCRIPTION, UPLINK_RATE, IMBALANCE, ROUTES_IMBALANCE,
-         ROUTES_UNBALANCED, SWITCHES, SWEEP_SUCCESS, SWEEP_LAST_SUCCESS, SWEEP_DURATION,
+         ROUTES_UNBALANCED, LINK_VERDICT, LINK_PAIRS, LOCALIZED_PAIRS, NODES_BLAMED, SWITCHES,
+         SWEEP_SUCCESS, SWEEP_LAST_SUCCESS, SWEEP_DURATION,
          STEP_SUCCESS, STEP_DURATION)
 
 
@@ -164,6 +192,12 @@ class FabricSettings(Settings):
     balance_min_bytes_per_second: float = setting(
         "mean traffic per uplink below which a leaf's uplink imbalance is not judged (an idle "
         "fabric's few management packets are never even)", default=1e8, minimum=0)
+    prometheus_url: str = setting(
+        "Prometheus whose fleet pair verdicts the sweep's paths are joined with, to name the "
+        "cable slow pairs share (http://host:9090); empty: no path localization", default="")
+    host_pattern: str = setting(
+        "regular expression whose first group is a host's node name in its HCA's node "
+        "description (the rest names the rail)", default=r"^(\S+)")
 
 
 def _program(name: str, folder: str) -> str:
@@ -207,6 +241,17 @@ class FabricCollector(Collector):
             if not sep or not key:
                 raise ValueError(f"fabric.environment: {item!r} is not NAME=value")
             env[key] = value
+        url = cfg.prometheus_url
+        if url and not url.startswith(("http://", "https://")):
+            raise ValueError(f"fabric.prometheus_url: {url!r} is not an http:// or https:// URL")
+        try:
+            pattern = re.compile(cfg.host_pattern)
+        except re.error as exc:
+            raise ValueError(f"fabric.host_pattern: {cfg.host_pattern!r} is not a regular "
+                             f"expression ({exc})") from None
+        if pattern.groups < 1:
+            raise ValueError(f"fabric.host_pattern: {cfg.host_pattern!r} has no group (the "
+                             "first group is the host's name)")
         folder = cfg.tools_dir
         self.tools = ibdiag.Tools(
             ibnetdiscover=_program("ibnetdiscover", folder),
@@ -219,6 +264,7 @@ class FabricCollector(Collector):
         self._last: ibdiag.Fabric | None = None  # the last good sweep
         self._counters_at: dict[str, tuple[float, dict[tuple[str, int], dict[str, int]]]] = {}
         self._families: list[Metric] = []  # the last sweep's, built once in the background
+        self._localized: list[Metric] = []  # the last good localization's families
         self._steps: dict[str, tuple[bool, float]] = {}
         self._sweep: Fresh[float] = Fresh()  # value: the last good sweep's duration
         self._tools_missing = self._missing()  # looked up again by every round
@@ -243,10 +289,12 @@ class FabricCollector(Collector):
         for step, why in fabric.failed.items():
             self.ctx.log_once(logging.WARNING, "fabric sweep: %s failed: %s", step, why)
         families = self._build(fabric)
+        if self.settings.prometheus_url:
+            families += self._localize(fabric)
         with self._lock:
             self._families = families
             self._steps = {s: (s not in fabric.failed, fabric.step_seconds.get(s, 0.0))
-                           for s in STEP_NAMES}
+                           for s in STEP_NAMES if s in fabric.step_seconds}
             self._sweep = self._sweep.succeeded(fabric.duration, fabric.at)
 
     def _missing(self) -> bool:
@@ -260,7 +308,7 @@ class FabricCollector(Collector):
         if fabric.errors is None and last is not None:
             fabric.errors = last.errors  # the last good ones, as a failed step promises
         if fabric.routes is None and last is not None:
-            fabric.routes = last.routes
+            fabric.routes, fabric.forwarding = last.routes, last.forwarding
         if "counters" in fabric.failed and last is not None:
             fabric.counters = last.counters
         self._last = fabric
@@ -271,15 +319,7 @@ class FabricCollector(Collector):
         for link in fabric.links:
             names.setdefault(link.switch, link.switch_name)
             by_switch.setdefault(link.switch, []).append(link)
-        roles: dict[str, str] = {}
-        for sw, links in by_switch.items():
-            up = [lk for lk in links if lk.state == 4 and lk.remote]
-            if any(lk.remote not in switches for lk in up):
-                roles[sw] = "leaf"
-            elif up:
-                roles[sw] = "spine"
-            else:
-                roles[sw] = ""
+        roles = self._roles(fabric)
         fams.add(SWITCHES, [], float(len(switches)))
         for sw in sorted(by_switch):
             fams.add(SWITCH_INFO, [sw, names[sw], roles[sw]], 1.0)
@@ -329,6 +369,22 @@ class FabricCollector(Collector):
         self._balance(fams, fabric, by_switch, roles, switches)
         return list(fams)
 
+    @staticmethod
+    def _roles(fabric: ibdiag.Fabric) -> dict[str, str]:
+        """Switch GUID -> "leaf" (an active port to a host), "spine" (active ports to switches
+        only) or "" (no active port)."""
+        switches = {link.switch for link in fabric.links}
+        roles: dict[str, str] = {}
+        for link in fabric.links:
+            up = link.state == 4 and bool(link.remote)
+            if up and link.remote not in switches:
+                roles[link.switch] = "leaf"
+            elif up and roles.get(link.switch) != "leaf":
+                roles[link.switch] = "spine"
+            else:
+                roles.setdefault(link.switch, "")
+        return roles
+
     def _balance(self, fams: Families, fabric: ibdiag.Fabric,
                  by_switch: dict[str, list[ibdiag.Link]], roles: dict[str, str],
                  switches: set[str]) -> None:
@@ -374,6 +430,44 @@ class FabricCollector(Collector):
                     fams.add(UPLINK_RATE, [sw, direction], mean)
                     if mean > 0 and mean >= floor:
                         fams.add(IMBALANCE, [sw, direction], max(rates) / mean - 1)
+
+    def _localize(self, fabric: ibdiag.Fabric) -> list[Metric]:
+        """The pairs step: the fleet's pair verdicts from Prometheus, joined with this sweep's
+        paths (gpunet_exporter.localize). A failed query costs only these families."""
+        t0 = time.monotonic()
+        try:
+            rows = promapi.query(self.settings.prometheus_url, PAIRS_QUERY,
+                                 float(self.settings.timeout_seconds))
+        except promapi.QueryError as exc:
+            fabric.failed[PAIRS_STEP] = str(exc)
+            self.ctx.log_once(logging.WARNING, "fabric sweep: %s failed: %s", PAIRS_STEP, exc)
+            return self._localized  # the last good ones, as for every step
+        finally:
+            fabric.step_seconds[PAIRS_STEP] = time.monotonic() - t0
+        health: dict[tuple[str, str], bool] = {}
+        for labels, value in rows:
+            a, b = labels.get("name", ""), labels.get("peer", "")
+            if a and b and a != b:
+                key = (min(a, b), max(a, b))
+                health[key] = health.get(key, True) and value >= 1
+        if fabric.forwarding is None:  # no routes step has succeeded yet
+            return []
+        roles = self._roles(fabric)
+        r = localize.routes(fabric.links, fabric.forwarding,
+                            (sw for sw, role in roles.items() if role == "spine"),
+                            self.settings.host_pattern)
+        found = localize.localize(r, health)
+        fams = Families()
+        for cable, verdict in sorted(found.verdicts.items()):
+            fams.add(LINK_VERDICT, [cable.switch, str(cable.port), verdict], 1.0)
+        for cable, (ok, bad) in sorted(found.crossing.items()):
+            fams.add(LINK_PAIRS, [cable.switch, str(cable.port), "healthy"], float(ok))
+            fams.add(LINK_PAIRS, [cable.switch, str(cable.port), "unhealthy"], float(bad))
+        for result, n in found.pairs.items():
+            fams.add(LOCALIZED_PAIRS, [result], float(n))
+        fams.add(NODES_BLAMED, [], float(len(found.nodes_blamed)))
+        self._localized = list(fams)
+        return self._localized
 
     @staticmethod
     def _capacity(fams: Families, sw: str, links: list[ibdiag.Link],

@@ -175,8 +175,8 @@ PAIR_INFO = MetricSpec(
     "", _PAIRS)
 NODE_INFO = MetricSpec(
     "gpunet_fleet_node_info", "gauge",
-    "Always 1 while a pairs file is read: this node's leaf as the pair probe knows it",
-    ("leaf",), "", _PAIRS)
+    "Always 1 while a pairs file is read: this node's name (its peers' peer label for it) and leaf",
+    ("name", "leaf"), "", _PAIRS)
 ROUND_TS = MetricSpec(
     "gpunet_fleet_round_timestamp_seconds", "gauge",
     "Unix time of the last pair round this node took part in (alert when it grows old)", (),
@@ -334,7 +334,7 @@ class ProbeCollector(Collector):
 
     @staticmethod
     def _export_pairs(fams: Families, view: pairs.Pairs, max_peers: int) -> None:
-        fams.add(NODE_INFO, [view.leaf or ""], 1)
+        fams.add(NODE_INFO, [view.node, view.leaf or ""], 1)
         fams.add(ROUND_TS, [], view.round_timestamp)
         # Failed pairs first (stable otherwise): the cap never hides a bad peer behind good ones.
         kept = sorted(view.pairs, key=lambda p: not p.failed)[:max_peers]

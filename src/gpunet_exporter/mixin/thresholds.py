@@ -243,6 +243,9 @@ class Fabric(Settings):
         "a leaf's host-facing capacity over its uplink capacity above which it counts as "
         "oversubscribed (2: the rule of thumb for training fabrics, at most 2:1; 1 for a "
         "non-blocking design that must stay so)", 2, minimum=0)
+    path_min_pairs: int = setting(
+        "unhealthy fleet pairs a switch-to-switch cable must explain before the path "
+        "localization's verdict on it pages (one slow pair may be noise)", 2, minimum=1)
     stale_seconds: float = setting(
         "age of the last successful fabric sweep that counts as stale (15 sweeps at the "
         f"default {_SWEEP_SECONDS} s fabric.interval_seconds)", 15 * _SWEEP_SECONDS, minimum=1)

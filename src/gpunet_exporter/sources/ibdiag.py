@@ -55,6 +55,7 @@ class Link:
     remote: str = ""  # neighbour's port GUID ("" when down)
     remote_port: int | None = None
     remote_name: str = ""
+    remote_lid: int | None = None
     could_width: int | None = None  # "Could be 12X": the widest both ends support, when wider
     could_lane_gbps: float | None = None
 
@@ -113,6 +114,7 @@ def parse_iblinkinfo(text: str) -> list[Link]:
             lane_gbps=lane if state and state > 1 else None,
             remote=_guid(m["rguid"]) if m["rguid"] else "",
             remote_port=int(m["rport"]) if m["rport"] else None,
+            remote_lid=int(m["rlid"]) if m["rlid"] else None,
             remote_name=m["rname"].strip(),
             could_width=int(could_w.group(1)) if could_w else None,
             could_lane_gbps=_lane(could_s.group(1) or could_s.group(2)) if could_s else None))
@@ -144,25 +146,64 @@ def parse_ibqueryerrors(text: str) -> dict[tuple[str, int], dict[str, int]]:
 
 
 _FT_HEAD = re.compile(r"^Unicast lids .* guid (0x[0-9a-fA-F]+) ")
-_FT_ENTRY = re.compile(r"^0x[0-9a-fA-F]+ (\d+) : \((Channel Adapter|Switch|Router) ")
+_FT_ENTRY = re.compile(r"^0x([0-9a-fA-F]+) (\d+) : \((Channel Adapter|Switch|Router) "
+                       r"portguid (0x[0-9a-fA-F]+): '(.*)'\)")
+
+
+@dataclass(frozen=True)
+class Destination:
+    """What a LID of the forwarding tables is: a host (channel adapter) port, a switch or a
+    router, its port GUID and its node description."""
+
+    kind: str  # "Channel Adapter", "Switch", "Router"
+    guid: str
+    name: str
+
+
+@dataclass
+class Forwarding:
+    """Every switch's linear forwarding table, from ``dump_fts``: switch GUID -> {destination
+    LID: out port} (port 0: the switch itself), and what each LID is."""
+
+    tables: dict[str, dict[int, int]] = field(default_factory=dict)
+    lids: dict[int, Destination] = field(default_factory=dict)
+
+    def host_lids_per_port(self) -> dict[str, dict[int, int]]:
+        """Switch GUID -> {out port: number of host LIDs its table sends out of it}."""
+        out: dict[str, dict[int, int]] = {}
+        for sw, table in self.tables.items():
+            counts = out.setdefault(sw, {})
+            for lid, port in table.items():
+                dest = self.lids.get(lid)
+                if dest is not None and dest.kind == "Channel Adapter":
+                    counts[port] = counts.get(port, 0) + 1
+        return out
+
+
+def parse_forwarding(text: str) -> Forwarding:
+    """The forwarding tables ``dump_fts`` (or ``dump_lfts.sh``) prints; lines it cannot read
+    are skipped."""
+    out = Forwarding()
+    current: dict[int, int] | None = None
+    for line in text.splitlines():
+        head = _FT_HEAD.match(line)
+        if head:
+            current = out.tables.setdefault(_guid(head.group(1)), {})
+            continue
+        entry = _FT_ENTRY.match(line)
+        if entry and current is not None:
+            lid = int(entry.group(1), 16)
+            current[lid] = int(entry.group(2))
+            out.lids.setdefault(lid, Destination(entry.group(3), _guid(entry.group(4)),
+                                                 entry.group(5).strip()))
+    return out
 
 
 def parse_dump_fts(text: str) -> dict[str, dict[int, int]]:
     """Switch GUID -> {out port: number of channel adapter (host) LIDs the switch's linear
     forwarding table sends out of it}, from ``dump_fts`` (or ``dump_lfts.sh``). A switch whose
     table routes no host LID has an empty map."""
-    out: dict[str, dict[int, int]] = {}
-    current: dict[int, int] | None = None
-    for line in text.splitlines():
-        head = _FT_HEAD.match(line)
-        if head:
-            current = out.setdefault(_guid(head.group(1)), {})
-            continue
-        entry = _FT_ENTRY.match(line)
-        if entry and current is not None and entry.group(2) == "Channel Adapter":
-            port = int(entry.group(1))
-            current[port] = current.get(port, 0) + 1
-    return out
+    return parse_forwarding(text).host_lids_per_port()
 
 
 @dataclass
@@ -175,6 +216,7 @@ class Fabric:
     counters: dict[tuple[str, int], dict[str, int]] = field(default_factory=dict)
     errors: dict[tuple[str, int], dict[str, int]] | None = None  # None: the step failed
     routes: dict[str, dict[int, int]] | None = None
+    forwarding: Forwarding | None = None  # the tables routes counts; None: the step failed
     step_seconds: dict[str, float] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
 
@@ -245,7 +287,9 @@ def sweep(tools: Tools) -> Fabric:
         fabric.errors = optional("errors", tools.argv(
             tools.ibqueryerrors, "--switch", "--threshold-file", _zero_thresholds(tmp),
             "--load-cache", cache), parse_ibqueryerrors, ok_status=(0, 1))
-        fabric.routes = optional("routes", tools.argv(tools.dump_fts), parse_dump_fts)
+        fabric.forwarding = optional("routes", tools.argv(tools.dump_fts), parse_forwarding)
+        if fabric.forwarding is not None:
+            fabric.routes = fabric.forwarding.host_lids_per_port()
     fabric.duration = time.monotonic() - start
     fabric.at = time.time()
     return fabric

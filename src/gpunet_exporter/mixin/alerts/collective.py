@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gpunet_exporter.collectors import fabric
 from gpunet_exporter.mixin.alerts.common import NODE, SCOPE, Alert, Rule, simple
 from gpunet_exporter.mixin.alerts.common import number as _g
 from gpunet_exporter.mixin.check import Check, DoctorCheck, Note, Simple, Snapshot, checks
@@ -28,7 +29,7 @@ FLEET_MEDIAN_BW = f"job:{PAIR_BW}:median"
 FLEET_MAD_BW = f"job:{PAIR_BW}:mad"
 FLEET_NODES = "job:gpunet_fleet_nodes_reporting:count"
 PAIR_RATIO = f"instance_peer:{PAIR_BW}:ratio_to_fleet_median"
-PAIR_HEALTHY = "instance_peer:gpunet_fleet_pair_healthy:bool"
+PAIR_HEALTHY = fabric.HEALTHY_PAIRS  # the fabric collector's path localization reads it
 NODE_PAIRS = "instance:gpunet_fleet_pairs:count"
 NODE_PAIRS_HEALTHY = "instance:gpunet_fleet_pairs_healthy:count"
 PEER_PAIRS = "peer:gpunet_fleet_pairs:count"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gpunet_exporter.localize import AMBIGUOUS, SUSPECT
 from gpunet_exporter.mixin.alerts.common import Alert
 from gpunet_exporter.mixin.alerts.common import number as _g
 from gpunet_exporter.mixin.thresholds import Thresholds
@@ -124,6 +125,18 @@ ALERTS: tuple[Alert, ...] = (
           f"The forwarding table of leaf {_SWITCH} sends more than one host LID more out of one "
           "uplink than out of another; its busiest uplink routes "
           f"{{{{ $value | humanizePercentage }}}} more host LIDs than the mean. {_SWEPT}"),
+    Alert("GpunetFabricPathSuspect", "fabric", "warning", "5m",
+          lambda t: _fabric_port(
+              'gpunet_fabric_link_probe_pairs{result="unhealthy"}\n'
+              "  * on (instance, switch, port) group_left (verdict)\n"
+              f'  gpunet_fabric_link_verdict{{verdict=~"{SUSPECT}|{AMBIGUOUS}"}}\n'
+              f"  >= {t.fabric.path_min_pairs}"),
+          "Slow fleet pairs share a switch-to-switch cable",
+          f"{_SWPORT} is {{{{ if eq $labels.verdict \"{SUSPECT}\" }}}}the one cable"
+          "{{ else }}one of several cables, in the same paths and not told apart,{{ end }} that "
+          "{{ $value }} slow or failed fleet pairs share while no healthy pair crosses it "
+          "(the forwarding tables' paths joined with the pair results): a degraded or "
+          f"congested link between two switches. {_SWEPT}"),
     Alert("GpunetFabricSweepFailing", "fabric", "warning", "15m",
           lambda t: ("gpunet_fabric_step_success == 0\n"
                      "or on (instance, job)\ngpunet_fabric_sweep_success == 0"),
