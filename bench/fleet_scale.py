@@ -89,6 +89,7 @@ from scrape import emit, machine  # noqa: E402  (bench/scrape.py, next to this s
 
 from gpunet_exporter.collector import Families  # noqa: E402
 from gpunet_exporter.collectors.probe import ProbeCollector  # noqa: E402
+from gpunet_exporter.mixin import rules  # noqa: E402
 from gpunet_exporter.probe import pairs, plan  # noqa: E402
 
 from support import prometheus as prom  # noqa: E402
@@ -611,8 +612,8 @@ def prometheus_run(n: int, per_node: int, single: bool, evaluations: int) -> dic
             "fleet_rules_median_seconds": rules_median,
             "fleet_rules_query_stats": census,
             "prometheus_cpu_seconds_per_recording_evaluation":
-                prom_cpu / max(1, len(groups.get("gpunet-recording", {}).get("group_seconds",
-                                                                              []))),
+                prom_cpu / max(1, len(groups.get(rules.FLEET_GROUP, {}).get("group_seconds",
+                                                                            []))),
             "server_errors": _Server.errors,
             "group_last_duration_metric": last,
             "rule_evaluation_duration_quantiles": quantiles,
@@ -621,9 +622,12 @@ def prometheus_run(n: int, per_node: int, single: bool, evaluations: int) -> dic
             "outliers_named": len(fired["GpunetFleetBandwidthOutlier"]),
             "sanity_problems": problems,
         }
-        rec = per_group.get("gpunet-recording", {})
-        log(f"  recording group median {rec.get('group_seconds', {}).get('median', 0) * 1e3:.1f}"
-            f" ms, head series {row['head_series']:.0f}, RSS "
+        rec = per_group.get(rules.FLEET_GROUP, {})
+        leaves = per_group.get(rules.LEAF_GROUP, {})
+        log(f"  fleet group median {rec.get('group_seconds', {}).get('median', 0) * 1e3:.1f}"
+            f" ms, leaves group median "
+            f"{leaves.get('group_seconds', {}).get('median', 0) * 1e3:.1f} ms, head series "
+            f"{row['head_series']:.0f}, RSS "
             f"{row['prometheus_rss_bytes'] / 2**20:.0f} MiB, sanity "
             f"{problems if problems else 'ok'}")
         return row
@@ -827,20 +831,20 @@ def markdown(report: Mapping[str, Any]) -> str:
     if report["prometheus"]:
         out += ["", "### Rules in Prometheus", "",
                 "| mode | nodes | pairs/node | samples/scrape | fleet series/node | head series | "
-                "recording group median / max ms | fleet rules in it, median ms | alerts group "
-                "median / max ms | health group median ms | RSS MiB | Prometheus CPU | CPU s per "
-                "recording evaluation | sanity |",
+                f"{rules.FLEET_GROUP} group median / max ms | {rules.LEAF_GROUP} group median / "
+                "max ms | alerts group median / max ms | health group median ms | RSS MiB | "
+                "Prometheus CPU | CPU s per fleet group evaluation | sanity |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in report["prometheus"]:
             g = r["groups"]
-            rec, al = g.get("gpunet-recording", {}), g.get("gpunet-alerts", {})
-            he = g.get("gpunet-health", {})
+            rec, lv = g.get(rules.FLEET_GROUP, {}), g.get(rules.LEAF_GROUP, {})
+            al, he = g.get(rules.ALERTS_GROUP, {}), g.get(rules.HEALTH_GROUP, {})
             out.append(
                 f"| {r['mode']} | {r['nodes']} | {r['pairs_per_node']} | "
                 f"{r['samples_per_scrape']['median']:.0f} | {r['fleet_series_per_node']:.2f} | "
                 f"{r['head_series']:.0f} | {ms(rec['group_seconds']['median'])} / "
                 f"{ms(rec['group_seconds']['max'])} | "
-                f"{ms(rec['fleet_rules_seconds']['median'])} | "
+                f"{ms(lv['group_seconds']['median'])} / {ms(lv['group_seconds']['max'])} | "
                 f"{ms(al['group_seconds']['median'])} / {ms(al['group_seconds']['max'])} | "
                 f"{ms(he['group_seconds']['median'])} | "
                 f"{r['prometheus_rss_bytes'] / 2**20:.0f} | "
@@ -922,12 +926,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["fit"] = {}
     for k in args.pairs:
         pts = [r for r in runs if r["mode"] == "targets" and r["pairs_per_node"] == k]
-        report["fit"][f"recording group, targets, {k} pairs/node"] = fit(
-            pts, "gpunet-recording", "group_seconds")
+        report["fit"][f"fleet group, targets, {k} pairs/node"] = fit(
+            pts, rules.FLEET_GROUP, "group_seconds")
     pts = [r for r in runs if r["mode"] == "targets"]
-    report["fit"]["recording group, targets, all points"] = fit(
-        pts, "gpunet-recording", "group_seconds")
-    report["fit"]["alerts group, targets, all points"] = fit(pts, "gpunet-alerts",
+    report["fit"]["fleet group, targets, all points"] = fit(
+        pts, rules.FLEET_GROUP, "group_seconds")
+    report["fit"]["alerts group, targets, all points"] = fit(pts, rules.ALERTS_GROUP,
                                                              "group_seconds")
     report["store"], report["rendezvous_state"] = [], []
     try:

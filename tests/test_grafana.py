@@ -54,7 +54,7 @@ RECORDING_RULES = {
     "instance_class:gpunet_alerts_firing:count",
     # the pair plan's (gpunet-pairs)
     f"instance:{_PAIR_BW}:median", f"job:{_PAIR_BW}:median", f"job:{_PAIR_BW}:mad",
-    f"instance_peer:{_PAIR_BW}:ratio_to_fleet_median", "instance:gpunet_fleet_pairs:count",
+    f"instance_peer:{_PAIR_BW}:ratio_to_fleet_median",
     "instance:gpunet_fleet_pairs_healthy:count", f"leaf:{_PAIR_BW}:median_intra_leaf",
     f"leaf:{_PAIR_BW}:median_cross_leaf", f"leaf:{_PAIR_BW}:cross_to_intra_leaf_ratio",
 }

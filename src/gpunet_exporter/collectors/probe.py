@@ -185,8 +185,12 @@ PAIRS_DROPPED = MetricSpec(
     "gpunet_fleet_pairs_dropped", "gauge",
     "Peers of the last plan left out of the gpunet_fleet_pair_* metrics, over "
     "probe.fleet_max_peers", (), "peers", _PAIRS)
+PAIRS_MEASURED = MetricSpec(
+    "gpunet_fleet_pairs_measured", "gauge",
+    "Pairs of the last plan exported here that were measured, succeeded or failed (not skipped)",
+    (), "pairs", _PAIRS)
 FLEET_METRICS = (PAIR_BUSBW, PAIR_LATENCY, PAIR_SUCCESS, PAIR_SKIPPED, PAIR_INFO, NODE_INFO,
-                 ROUND_TS, PAIRS_DROPPED)
+                 ROUND_TS, PAIRS_DROPPED, PAIRS_MEASURED)
 FLEET_SCOPE = "fleet"  # where an unreadable pairs.json counts in gpunet_probe_failures_total
 
 
@@ -339,6 +343,7 @@ class ProbeCollector(Collector):
         # Failed pairs first (stable otherwise): the cap never hides a bad peer behind good ones.
         kept = sorted(view.pairs, key=lambda p: not p.failed)[:max_peers]
         fams.add(PAIRS_DROPPED, [], len(view.pairs) - len(kept))
+        fams.add(PAIRS_MEASURED, [], sum(1 for p in kept if p.skipped is None))
         for p in kept:
             gdr = "" if p.gdr is None else str(p.gdr).lower()
             # cross_leaf: "true" or "false" when both leaves are known, else empty (absent).
@@ -352,7 +357,10 @@ class ProbeCollector(Collector):
             fams.add(PAIR_SUCCESS, [p.peer], int(p.ok))
             if p.latency_seconds is not None:
                 fams.add(PAIR_LATENCY, [p.peer], p.latency_seconds)
-            if p.bus_bandwidth_bytes_per_second is not None:
+            # Only a pair that succeeded has a bandwidth: an end that measured while the other
+            # failed keeps its number in the file, but the fleet's statistics (docs/fleet.md)
+            # read the series as it is, with no filter on success to recompute.
+            if p.ok and p.bus_bandwidth_bytes_per_second is not None:
                 fams.add(PAIR_BUSBW, [p.peer], p.bus_bandwidth_bytes_per_second)
 
     @staticmethod

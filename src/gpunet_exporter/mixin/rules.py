@@ -23,10 +23,24 @@ import yaml
 from gpunet_exporter.errors import ConfigError
 from gpunet_exporter.files import read_regular
 from gpunet_exporter.flags import Parser
-from gpunet_exporter.mixin.alerts import ALERT_NAMES, ALERTS, recording
+from gpunet_exporter.mixin.alerts import (
+    ALERT_NAMES,
+    ALERTS,
+    fleet_recording,
+    leaf_recording,
+    recording,
+)
 from gpunet_exporter.mixin.alerts.common import ALERTS_FIRING, CLASSES
 from gpunet_exporter.mixin.promql import add_matchers, exporter_series
 from gpunet_exporter.mixin.thresholds import Thresholds, load
+
+# The rule groups, in the file's order. Prometheus evaluates each group on its own, so a
+# group's evaluation time is its rules' alone (bench/fleet_scale.py measures each).
+RECORDING_GROUP = "gpunet-recording"  # the node rules' recording rules
+FLEET_GROUP = "gpunet-fleet"  # the pair plan's per-node and fleet statistics
+LEAF_GROUP = "gpunet-fleet-leaves"  # the pair plan's per-leaf medians
+ALERTS_GROUP = "gpunet-alerts"
+HEALTH_GROUP = "gpunet-health"
 
 __all__ = ["ALERTS", "ALERTS_FIRING", "ALERT_NAMES", "CLASSES", "HEADER", "dump_yaml", "entry",
            "main", "render", "rule_groups"]
@@ -67,9 +81,11 @@ def rule_groups(t: Thresholds) -> dict[str, Any]:
         "labels": {"class": c},
     } for c in CLASSES]
     return {"groups": [
-        {"name": "gpunet-recording", "rules": _labelled(recording(t), extra, t)},
-        {"name": "gpunet-alerts", "rules": alerts},
-        {"name": "gpunet-health", "rules": _labelled(health, extra, t)},
+        {"name": RECORDING_GROUP, "rules": _labelled(recording(t), extra, t)},
+        {"name": FLEET_GROUP, "rules": _labelled(fleet_recording(t), extra, t)},
+        {"name": LEAF_GROUP, "rules": _labelled(leaf_recording(t), extra, t)},
+        {"name": ALERTS_GROUP, "rules": alerts},
+        {"name": HEALTH_GROUP, "rules": _labelled(health, extra, t)},
     ]}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gpunet_exporter.collectors import fabric
+from gpunet_exporter.collectors import probe as probe_collector
 from gpunet_exporter.mixin.alerts.common import NODE, SCOPE, Alert, Rule, simple
 from gpunet_exporter.mixin.alerts.common import number as _g
 from gpunet_exporter.mixin.check import Check, DoctorCheck, Note, Simple, Snapshot, checks
@@ -22,22 +23,20 @@ FLEET_MEDIAN_BUSBW = "scope_size:gpunet_probe_allreduce_bus_bandwidth_bytes_per_
 # from its own pairs, and a peer from the pairs that name it, on the other nodes' series.
 PAIR_BW = "gpunet_fleet_pair_bus_bandwidth_bytes_per_second"
 PAIR_OK = "gpunet_fleet_pair_success"
-# The bandwidth of the pairs that ran (success 1), recorded once: every statistic reads it.
-PAIR_RAN_BW = f"instance_peer:{PAIR_BW}:ran"
 NODE_MEDIAN_BW = f"instance:{PAIR_BW}:median"
 FLEET_MEDIAN_BW = f"job:{PAIR_BW}:median"
 FLEET_MAD_BW = f"job:{PAIR_BW}:mad"
 FLEET_NODES = "job:gpunet_fleet_nodes_reporting:count"
 PAIR_RATIO = f"instance_peer:{PAIR_BW}:ratio_to_fleet_median"
 PAIR_HEALTHY = fabric.HEALTHY_PAIRS  # the fabric collector's path localization reads it
-NODE_PAIRS = "instance:gpunet_fleet_pairs:count"
+NODE_PAIRS = "gpunet_fleet_pairs_measured"  # served by each node's exporter
 NODE_PAIRS_HEALTHY = "instance:gpunet_fleet_pairs_healthy:count"
-PEER_PAIRS = "peer:gpunet_fleet_pairs:count"
-PEER_PAIRS_HEALTHY = "peer:gpunet_fleet_pairs_healthy:count"
 # Per pair: this node's leaf, the peer's leaf and whether they differ (cross_leaf "true"/"false";
 # absent when either leaf is unknown), as the exporter labels them; GpunetFleetLinkSlow carries
 # them for Alertmanager, and the leaf medians select by cross_leaf.
 PAIR_INFO = "gpunet_fleet_pair_info"
+# Each node's name in the plan (its peers' `peer`) and leaf: the join from `peer` to `instance`.
+NODE_INFO = probe_collector.NODE_INFO.name
 LEAF_INTRA_BW = f"leaf:{PAIR_BW}:median_intra_leaf"
 LEAF_CROSS_BW = f"leaf:{PAIR_BW}:median_cross_leaf"
 LEAF_CROSS_RATIO = f"leaf:{PAIR_BW}:cross_to_intra_leaf_ratio"
@@ -78,6 +77,13 @@ def _probe_stale(t: Thresholds) -> str:
             f"{stale}\n  and on (instance)\n    time() - "
             f"gpunet_probe_idle_since_timestamp_seconds > {stale}\n)\nor\n  time() - "
             f"gpunet_probe_last_success_timestamp_seconds{{scope=\"inter\"}} > {stale}")
+
+
+def node_suspect(t: Thresholds) -> str:
+    """The nodes whose every measured pair (at least fleet.suspect_min_pairs) failed or was
+    slow, by instance: GpunetFleetNodeSuspect, and what GpunetFleetLinkSlow leaves out."""
+    return (f"{NODE_PAIRS} >= {t.fleet.suspect_min_pairs}\n"
+            f"  and on (instance, job) {NODE_PAIRS_HEALTHY} == 0")
 
 
 def _fleet_outlier(t: Thresholds) -> str:
@@ -331,8 +337,7 @@ ALERTS: tuple[Alert, ...] = (
           f"{NODE} but none gave a report: the job's health is unknown."),
     # --- the pair plan across the fleet (issue 18) ---------------------------------------------
     Alert("GpunetFleetNodeSuspect", "collective", "warning", "5m",
-          lambda t: (f"{NODE_PAIRS} >= {t.fleet.suspect_min_pairs}\n"
-                     f"  and on (instance, job) {NODE_PAIRS_HEALTHY} == 0"),
+          node_suspect,
           "Node in every failing or slow pair of the pair plan",
           "All {{ $value }} pairs of {{ $labels.instance }} failed or were slow in the last "
           "pair round while the fleet's other pairs were not: the node, not its links, is the "
@@ -352,43 +357,47 @@ ALERTS: tuple[Alert, ...] = (
 
 
 def recording(t: Thresholds) -> list[Rule]:
-    """The probes' fleet median per scope and size, and the pair plan's statistics."""
+    """The probes' fleet median per scope and size (the node rules' group)."""
     return [{
         "record": FLEET_MEDIAN_BUSBW,
         "expr": ("quantile by (scope, size) (0.5, "
                  "gpunet_probe_allreduce_bus_bandwidth_bytes_per_second)"),
-    }, *_fleet_recording(t)]
+    }]
 
 
-def _fleet_recording(t: Thresholds) -> list[Rule]:
-    """The pair plan's recording rules: per-node and fleet statistics of the pair bandwidth
-    (successful pairs only), each pair's health, and the per-leaf intra and cross medians."""
+def fleet_recording(t: Thresholds) -> list[Rule]:
+    """The pair plan's recording rules, a group of their own (rules.FLEET_GROUP): per-node and
+    fleet statistics of the pair bandwidth, each pair's health and each node's healthy pairs.
+    The exporter serves a bandwidth only for a pair that succeeded, and its own count of
+    measured pairs (NODE_PAIRS), so no rule filters or counts the pairs again."""
     f = t.fleet
-
-    def leaf_median(cross: str) -> str:
-        """Per leaf, the median of the pairs that ran from its nodes to peers on the same leaf
-        (cross "false") or on another (cross "true"), both leaves known (PAIR_INFO)."""
-        return (f"quantile by (job, leaf) (0.5,\n  {PAIR_RAN_BW}\n"
-                f"  * on (instance, job, peer) group_left (leaf)\n"
-                f'  {PAIR_INFO}{{cross_leaf="{cross}"}}\n)')
-
     return [
-        {"record": PAIR_RAN_BW,
-         "expr": f"{PAIR_BW}\nand on (instance, job, peer) {PAIR_OK} == 1"},
-        {"record": NODE_MEDIAN_BW, "expr": f"quantile by (instance, job) (0.5, {PAIR_RAN_BW})"},
+        {"record": NODE_MEDIAN_BW, "expr": f"quantile by (instance, job) (0.5, {PAIR_BW})"},
         {"record": FLEET_MEDIAN_BW, "expr": f"quantile by (job) (0.5, {NODE_MEDIAN_BW})"},
         {"record": FLEET_MAD_BW,
          "expr": (f"quantile by (job) (0.5,\n  abs({NODE_MEDIAN_BW}\n"
                   f"    - on (job) group_left {FLEET_MEDIAN_BW})\n)")},
         {"record": FLEET_NODES, "expr": f"count by (job) ({NODE_MEDIAN_BW})"},
-        {"record": PAIR_RATIO, "expr": f"{PAIR_RAN_BW}\n/ on (job) group_left {FLEET_MEDIAN_BW}"},
+        {"record": PAIR_RATIO, "expr": f"{PAIR_BW}\n/ on (job) group_left {FLEET_MEDIAN_BW}"},
         {"record": PAIR_HEALTHY,
          "expr": (f"{PAIR_RATIO} >= bool {_g(f.link_slow_ratio)}\n"
                   f"or on (instance, job, peer)\n{PAIR_OK} == bool 1")},
-        {"record": NODE_PAIRS, "expr": f"count by (instance, job) ({PAIR_OK})"},
         {"record": NODE_PAIRS_HEALTHY, "expr": f"sum by (instance, job) ({PAIR_HEALTHY})"},
-        {"record": PEER_PAIRS, "expr": f"count by (job, peer) ({PAIR_OK})"},
-        {"record": PEER_PAIRS_HEALTHY, "expr": f"sum by (job, peer) ({PAIR_HEALTHY})"},
+    ]
+
+
+def leaf_recording(t: Thresholds) -> list[Rule]:
+    """The per-leaf intra and cross medians, a group of their own (rules.LEAF_GROUP): they read
+    only scraped series, and cost as much as the rest of the fleet's rules together."""
+
+    def leaf_median(cross: str) -> str:
+        """Per leaf, the median of the pairs that ran from its nodes to peers on the same leaf
+        (cross "false") or on another (cross "true"), both leaves known (PAIR_INFO)."""
+        return (f"quantile by (job, leaf) (0.5,\n  {PAIR_BW}\n"
+                f"  * on (instance, job, peer) group_left (leaf)\n"
+                f'  {PAIR_INFO}{{cross_leaf="{cross}"}}\n)')
+
+    return [
         {"record": LEAF_INTRA_BW, "expr": leaf_median("false")},
         {"record": LEAF_CROSS_BW, "expr": leaf_median("true")},
         {"record": LEAF_CROSS_RATIO,

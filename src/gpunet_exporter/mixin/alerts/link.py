@@ -318,17 +318,20 @@ HEALTH_REPORTER_RECOVERING = Simple(
 
 
 def _fleet_link_slow(t: Thresholds) -> str:
-    """A pair slow or failed while this node has a healthy pair, unless the fleet's view of the
-    peer (the pairs that name it, on every other node) makes the peer the suspect: then
-    GpunetFleetNodeSuspect names it and its pairs are not blamed as links. The alert carries
-    the pair's leaf, peer_leaf and cross_leaf (gpunet_fleet_pair_info) for Alertmanager's
-    inhibition."""
+    """A pair slow or failed while this node has a healthy pair, unless the peer is the
+    suspect (GpunetFleetNodeSuspect on the peer's own exporter, found through its name in
+    gpunet_fleet_node_info): then that alert names it and its pairs are not blamed as links.
+    The alert carries the pair's leaf, peer_leaf and cross_leaf (gpunet_fleet_pair_info) for
+    Alertmanager's inhibition."""
     f = t.fleet
+    suspect = collective.node_suspect(t).replace("\n", "\n      ")
     return (f"(\n  (\n    {collective.PAIR_RATIO} < {_g(f.link_slow_ratio)}\n"
             f"    or on (instance, job, peer)\n    0 * ({collective.PAIR_OK} == 0)\n  )\n"
             f"  and on (instance, job) {collective.NODE_PAIRS_HEALTHY} >= 1\n"
-            f"  unless on (job, peer) (\n    {collective.PEER_PAIRS} >= {f.suspect_min_pairs}\n"
-            f"    and on (job, peer) {collective.PEER_PAIRS_HEALTHY} == 0\n  )\n)\n"
+            "  unless on (job, peer) label_replace(\n"
+            f"    (\n      {suspect}\n    )\n"
+            f"    * on (instance, job) group_left (name) {collective.NODE_INFO},\n"
+            '    "peer", "$1", "name", "(.+)"\n  )\n)\n'
             # The leaves, for Alertmanager: GpunetFleetCrossLeafSlow inhibits cross-leaf pairs.
             "* on (instance, job, peer) group_left (leaf, peer_leaf, cross_leaf) "
             f"{collective.PAIR_INFO}")
