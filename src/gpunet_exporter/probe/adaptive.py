@@ -207,7 +207,14 @@ def _first(state: State) -> Round:
 def next_round(state: State) -> Round | None:
     """The next round's disjoint pairs; None when the pass is done (nothing left to test, or
     ``max_rounds`` rounds run)."""
-    if len(state.results) >= state.max_rounds or len(state.nodes) < 2:
+    if len(state.results) >= state.max_rounds:
+        return None
+    return _round(state)
+
+
+def _round(state: State) -> Round | None:
+    """The next round, however many rounds ran."""
+    if len(state.nodes) < 2:
         return None
     if not state.results:
         return _first(state)
@@ -232,7 +239,7 @@ def next_round(state: State) -> Round | None:
 def verdict(state: State) -> Verdict:
     """What the pass's evidence says (see the module's docstring for the model)."""
     ev = _Evidence(state)
-    more = next_round(state) is not None
+    more = _round(state) is not None
     unresolved: list[tuple[str, str]] = []
     for n in ev.suspects():
         others = sorted(set(ev.negs[n]), key=ev.order.__getitem__)
