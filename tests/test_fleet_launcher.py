@@ -617,3 +617,48 @@ def test_a_node_that_gets_busy_mid_pair_kills_its_ranks(tmp_path: Path) -> None:
     [line] = _summary_lines(done[0][1])
     assert (line["node"], line["peer"], line["ok"], line["skipped"]) == (
         "n0", "n1", False, pairs.PEER_BUSY)
+
+
+# -- adaptive passes (issue 35) ---------------------------------------------------------------
+
+def test_an_adaptive_pass_names_the_bad_node_of_six(tmp_path: Path) -> None:
+    """Six nodes on loopback, n4's pair ends unable to run gloo (its GLOO_SOCKET_IFNAME names
+    no interface: its ranks fail at once, their peers' ranks at the pair timeout). The adaptive
+    pass re-pairs only n4 and its first partner: n4 is named bad in at most 3 rounds, no
+    healthy node is, every node's pairs.json holds its pairs of the pass, and rank 0 prints
+    one line per pair and round, then the verdict. No pair is judged slow (--slow-ratio 0):
+    gloo on two shared cores measures the CPUs' load, not a link (seen: a healthy node's two
+    pairs under half the median, and the node named bad)."""
+    nodes = [f"n{i}" for i in range(6)]
+    pair_port = str(free_port())
+    flags = ("--kind", "adaptive", "--seed", "3", "--port", pair_port, *launch.QUICK,
+             "--pair-timeout", "30", "--slow-ratio", "0")
+    broken = {"GLOO_SOCKET_IFNAME": "gpunet-none"}
+    launches = [launch.Launch(n, tmp_path / n, flags, env=broken if n == "n4" else {})
+                for n in nodes]
+    done = launch.finish(launch.start(launches, launcher="srun", master="127.0.0.1",
+                                      port=free_port()), timeout=400)
+    assert [rc for rc, _ in done] == [0] * 6, "\n".join(out[-3000:] for _, out in done)
+    lines = _summary_lines(done[0][1])
+    verdict = lines[-1]["verdict"]
+    assert verdict["bad_nodes"] == ["n4"], lines
+    assert verdict["rounds"] <= 3 and verdict["done"] and not verdict["unresolved"]
+    assert verdict["suspect_links"] == []
+    per_pair = lines[:-1]
+    assert len(per_pair) == verdict["pairs"]
+    rounds: dict[int, list[str]] = {}
+    for s in per_pair:
+        rounds.setdefault(int(s["round"]), []).extend((s["node"], s["peer"]))
+        assert s["ok"] == ("n4" not in (s["node"], s["peer"])), s
+    assert all(len(v) == len(set(v)) for v in rounds.values())  # disjoint pairs
+    assert len(rounds[0]) == 6  # everyone in round 1
+    assert sorted(rounds) == list(range(verdict["rounds"]))
+    for n in nodes:
+        got = pairs.read(pairs.pairs_path(str(tmp_path / n)))
+        peers = {s["peer"] if s["node"] == n else s["node"] for s in per_pair
+                 if n in (s["node"], s["peer"])}
+        assert (got.plan, {p.peer for p in got.pairs}) == ("adaptive", peers), (n, got)
+        for p in got.pairs:
+            assert p.ok == (p.peer != "n4" and n != "n4"), (n, p)
+    assert not [line for _, out in done[1:] for line in out.splitlines()
+                if line.startswith("{")]
