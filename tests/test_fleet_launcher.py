@@ -206,6 +206,10 @@ def test_a_barrier_that_times_out_releases_everyone_waiting_there() -> None:
 @pytest.mark.parametrize("argv, env, want", [
     (["--gpus-per-node", "0"], {"RANK": "0", "WORLD_SIZE": "2"}, "--gpus-per-node must be"),
     (["--kind", "repair"], {"RANK": "0", "WORLD_SIZE": "2"}, "a repair plan needs --suspects"),
+    (["--kind", "adaptive", "--max-rounds", "0"], {"RANK": "0", "WORLD_SIZE": "2"},
+     "--max-rounds must be from 1 to 64"),
+    (["--kind", "adaptive", "--slow-ratio", "2"], {"RANK": "0", "WORLD_SIZE": "2"},
+     "--slow-ratio must be from 0 to 1"),
     ([], {}, "RANK and WORLD_SIZE are not set"),
     ([], {"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR and MASTER_PORT must be set"),
     (["--node-name", "a/b"], {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",

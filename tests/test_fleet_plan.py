@@ -386,3 +386,21 @@ def test_the_verdict_as_json() -> None:
     assert adaptive.verdict_json(v) == {"verdict": {
         "bad_nodes": ["n3"], "suspect_links": [], "suspect_leaves": [], "unresolved": [],
         "rounds": 2, "pairs": 5, "done": True}}
+
+
+def test_a_link_is_followed_to_its_leaf_across_a_third_one() -> None:
+    """x's traffic across the spine goes through a bad uplink of its leaf (a fat tree routes
+    by destination, so every cross-leaf pair of x crosses it): round 1 fails x's pair, round 2
+    clears both ends on their own leaves, round 3 meets each end with a third leaf, and only
+    x's fails: leaf a is named, alone."""
+    nodes = [f"{leaf}{i}" for leaf in "abc" for i in range(3)]
+    leaves = {n: n[0] for n in nodes}
+    first = adaptive.next_round(adaptive.start(nodes, leaves))
+    assert first is not None
+    x, y = next(p for p in first if leaves[p[0]] == "a" and leaves[p[1]] != "a")
+    cross = {frozenset((x, m)) for m in nodes if leaves[m] != "a"}
+    v, rounds = run_pass(nodes, set(), leaves, bad_pairs=cross)
+    assert v.bad_nodes == () and v.suspect_leaves == (("a",),), (v, rounds)
+    third = {"b", "c"} - {leaves[y]}
+    assert any(x in p and {leaves[m] for m in p} & third for p in rounds[2]), rounds
+    assert len(rounds) == 3 and not v.unresolved

@@ -63,8 +63,9 @@ def start(nodes: Sequence[str], leaves: Mapping[str, str] | None = None, *,
     if not 1 <= max_rounds <= MAX_ROUNDS_LIMIT:
         raise PlanError(f"max rounds must be from 1 to {MAX_ROUNDS_LIMIT}, got {max_rounds}")
     got = {}
+    known = set(ns)
     for n, leaf in (leaves or {}).items():
-        if n in ns:
+        if n in known:
             if not isinstance(leaf, str) or not leaf:
                 raise PlanError(f"the leaf of {n!r} must be a non-empty string, got {leaf!r}")
             got[n] = leaf
@@ -122,6 +123,12 @@ class _Evidence:
                 self.skips[a] += 1
                 self.skips[b] += 1
         self.bad = {n for n in state.nodes if self._bad(n)}
+        self.good = sorted(self.cleared, key=self.order.__getitem__)
+        self.good_by_leaf: dict[str, list[str]] = {}
+        for g in self.good:
+            leaf = self.leaf(g)
+            if leaf is not None:
+                self.good_by_leaf.setdefault(leaf, []).append(g)
 
     def leaf(self, n: str) -> str | None:
         return self.state.leaves.get(n)
@@ -163,22 +170,63 @@ class _Evidence:
                 out.append((a, b))
         return out
 
-    def retests(self) -> list[Pair]:
-        """Suspected links tested once: they are run again, once, to tell a link from a blip."""
-        return [p for p in self.links() if len(self.history[frozenset(p)]) == 1]
+    def cross(self, a: str, b: str) -> bool:
+        return None not in (self.leaf(a), self.leaf(b)) and self.leaf(a) != self.leaf(b)
+
+    def failed_across(self, n: str, but: str) -> bool:
+        """Whether ``n`` failed a cross-leaf pair with a known-good node other than ``but``."""
+        return any(m != but and m in self.cleared and self.cross(n, m) for m in self.negs[n])
+
+    def passed_away(self, n: str, leaves: set[str | None]) -> bool:
+        """Whether ``n`` passed a pair with a node on none of ``leaves``."""
+        return any(o == OK and n in (a, b) and self.leaf(b if a == n else a) not in leaves
+                   for (a, b), o in self.tests)
+
+    def follow_ups(self, busy: set[str]) -> Round:
+        """For each suspected link tested once, and not yet confirmed by another failure of
+        one of its ends across the spine: each cross-leaf end that has not passed with a third
+        leaf meets a known-good node of one (whose end's leaf it is shows: the end whose probe
+        fails); when both ends have, or no third leaf is free, the pair itself once more (a
+        link, or a blip that passes). A link of a leaf already named needs none."""
+        out: Round = []
+        links = self.links()
+        named = {leaf for group in _leaves(self, links) if len(group) == 1 for leaf in group}
+        for a, b in links:
+            if len(self.history[frozenset((a, b))]) > 1 or a in busy or b in busy:
+                continue
+            if self.cross(a, b) and (self.failed_across(a, b) or self.failed_across(b, a)
+                                     or {self.leaf(a), self.leaf(b)} & named):
+                continue  # confirmed, and its leaf named
+            probes: Round = []
+            if self.cross(a, b):
+                taken = {self.leaf(a), self.leaf(b)}
+                for n in (a, b):
+                    if self.passed_away(n, {self.leaf(a), self.leaf(b)}):
+                        continue
+                    m = next((g for g in self.good if self.leaf(g) not in taken
+                              and g not in busy and g not in self.partners[n]
+                              and g not in (a, b)), None)
+                    if m is not None:
+                        probes.append((n, m))
+                        busy.update((n, m))
+                        taken.add(self.leaf(m))  # the other end's probe: yet another leaf
+            if not probes:
+                probes = [(a, b)]
+                busy.update((a, b))
+            out.extend(probes)
+        return out
 
     def partner(self, n: str, busy: set[str], pending: Sequence[str]) -> str | None:
         """A partner for ``n`` this round: a known-good node it has not been paired with (of
         its own leaf first), else another node still to be tested."""
         def pick(pool: Sequence[str]) -> str | None:
-            free = [m for m in pool if m != n and m not in busy and m not in self.partners[n]
-                    and m not in self.bad]
-            same = [m for m in free if self.leaf(n) is not None and self.leaf(m) == self.leaf(n)]
-            got = same or free
-            return got[0] if got else None
+            return next((m for m in pool if m != n and m not in busy
+                         and m not in self.partners[n] and m not in self.bad), None)
 
-        good = sorted(self.cleared, key=self.order.__getitem__)
-        return pick(good) or pick(pending)
+        mine = self.leaf(n)
+        same = self.good_by_leaf.get(mine, []) if mine is not None else []
+        others = [m for m in pending if mine is not None and self.leaf(m) == mine]
+        return pick(same) or pick(self.good) or pick(others) or pick(pending)
 
 
 def _first(state: State) -> Round:
@@ -229,10 +277,7 @@ def _round(state: State) -> Round | None:
         if m is not None:
             out.append((n, m))
             busy.update((n, m))
-    for a, b in ev.retests():
-        if a not in busy and b not in busy:
-            out.append((a, b))
-            busy.update((a, b))
+    out.extend(ev.follow_ups(busy))
     return out or None
 
 
