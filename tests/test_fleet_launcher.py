@@ -18,10 +18,11 @@ import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from gpunet_exporter.probe import fleet, pairs, plan, results, runner
+from gpunet_exporter.probe import adaptive, fleet, pairs, plan, results, runner
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.sources.commands import Child
 
@@ -624,6 +625,54 @@ def test_a_node_that_gets_busy_mid_pair_kills_its_ranks(tmp_path: Path) -> None:
 
 
 # -- adaptive passes (issue 35) ---------------------------------------------------------------
+
+def test_rank_0_plans_each_round_from_both_ends_views() -> None:
+    """An adaptive pass's store keys, without processes: round 1's turns and head, then the
+    outcomes rank 0 agrees from the ends' views (ok only when both ends say so, a busy end's
+    pair not measured, a pair without any view failed) and the next round they give."""
+    torch_dist = pytest.importorskip("torch.distributed")
+    store = torch_dist.HashStore()
+    ms = members(8, address="127.0.0.1")
+    p = fleet._Pass(ms, args("--kind", "adaptive", "--port", "30000"), seed=0)
+    p.publish(store, 0)
+    assert fleet._take(store, "adaptive/0", 1) == {"done": False, "pairs": 4}
+    (a, b), (c, d), (e, f), (g, h) = p.round
+    ta = fleet._turn(fleet._take(store, f"adaptive/0/turn/{a}", 1))
+    tb = fleet._turn(fleet._take(store, f"adaptive/0/turn/{b}", 1))
+    assert (ta.peer, ta.serve, tb.peer, tb.serve, ta.port) == (b, True, a, False, tb.port)
+
+    def view(node: str, peer: str, **kw: Any) -> None:
+        base: dict[str, Any] = {"ok": True, "bus_bandwidth_bytes_per_second": 1e9, **kw}
+        fleet._put(store, f"adaptive/0/view/{node}",
+                   pairs.pair_json(pairs.Pair(peer=peer, peer_leaf=None, **base)))
+
+    view(a, b)
+    view(b, a)  # both ends ok
+    view(c, d)
+    view(d, c, ok=False, bus_bandwidth_bytes_per_second=None, error="timed out")  # one failed
+    view(e, f, ok=False, bus_bandwidth_bytes_per_second=None, error="x", skipped=pairs.BUSY)
+    view(f, e, ok=False, bus_bandwidth_bytes_per_second=None, error="reset")  # peer yielded
+    # g and h: no view at all (dead)
+    p.collect(store, 0)
+    assert dict(p.state.results[0]) == {(a, b): "ok", (c, d): "failed", (e, f): "skipped",
+                                        (g, h): "failed"}
+    assert [(x["node"], x["peer"], x["ok"]) for x in p.lines] == [
+        (a, b, True), (c, d, False), (e, f, False), (g, h, False)]
+    assert p.lines[2]["skipped"] == pairs.BUSY
+    assert p.lines[3]["error"] == "no report from either end"
+    p.publish(store, 1)
+    nxt = {n for pair in p.round for n in pair}
+    assert {c, d, e, f, g, h} <= nxt  # suspects and the unmeasured, with a and b, known good
+    assert fleet._take(store, "adaptive/1", 1)["pairs"] == len(p.round) == 4
+    for m in ms:  # a turn for each node of the round, none for the others
+        assert store.check([fleet.PREFIX + f"adaptive/1/turn/{m.node}"]) == (m.node in nxt)
+    p.round = []
+    p.state = adaptive.start([m.node for m in ms])  # nothing left to test: the pass ends
+    p.state = adaptive.record(p.state, {(ms[i].node, ms[i + 1].node): adaptive.OK
+                                        for i in range(0, 8, 2)})
+    p.publish(store, 2)
+    assert fleet._take(store, "adaptive/2", 1) == {"done": True, "pairs": 0}
+
 
 def test_an_adaptive_pass_names_the_bad_node_of_six(tmp_path: Path) -> None:
     """Six nodes on loopback, n4's pair ends unable to run gloo (its GLOO_SOCKET_IFNAME names
