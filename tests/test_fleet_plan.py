@@ -404,3 +404,27 @@ def test_a_link_is_followed_to_its_leaf_across_a_third_one() -> None:
     third = {"b", "c"} - {leaves[y]}
     assert any(x in p and {leaves[m] for m in p} & third for p in rounds[2]), rounds
     assert len(rounds) == 3 and not v.unresolved
+
+
+def test_a_leaf_cut_off_from_the_spine_blames_no_node() -> None:
+    """Every cross-leaf pair of leaf a fails (all its uplinks): a's nodes fail round 1 and
+    have no good node of their own leaf; they meet each other, pass, and a is named."""
+    nodes = [f"{leaf}{i}" for leaf in "abc" for i in range(4)]
+    leaves = {n: n[0] for n in nodes}
+    cross = {frozenset((x, m)) for x in nodes for m in nodes
+             if leaves[x] == "a" and leaves[m] != "a"}
+    v, rounds = run_pass(nodes, set(), leaves, bad_pairs=cross)
+    assert v.bad_nodes == () and v.suspect_leaves == (("a",),), (v, rounds)
+    assert rounds[1][:2] == [("a0", "a1"), ("a2", "a3")]  # of its own leaf, before others
+
+
+def test_a_node_alone_on_its_leaf_that_fails_across_the_spine_is_unresolved() -> None:
+    """x is alone on its leaf: failing with good nodes of other leaves cannot tell the node from
+    its leaf's uplinks, so it is not named bad, and not tested further once it failed with 2."""
+    nodes = ["x", *(f"b{i}" for i in range(4)), *(f"c{i}" for i in range(3))]
+    leaves = {n: n[0] for n in nodes}
+    v, rounds = run_pass(nodes, {"x"}, leaves)
+    assert v.bad_nodes == () and [w for w, _ in v.unresolved] == ["x"]
+    assert "the node or its leaf's uplinks" in v.unresolved[0][1]
+    # its round-1 partner, cleared in round 2, and its round-2 one: CONFIRM known-good nodes
+    assert sum("x" in p for rnd in rounds for p in rnd) == adaptive.CONFIRM

@@ -25,8 +25,7 @@ KIND = "adaptive"
 MAX_ROUNDS = 8  # the pass stops after this many rounds, decided or not (--max-rounds)
 MAX_ROUNDS_LIMIT = 64
 SLOW_RATIO = 0.5  # bus bandwidth under this x the pass's median: slow (fleet.link_slow_ratio's)
-CONFIRM = 2  # distinct known-good nodes a suspect must fail with to be bad
-CONFIRM_CROSS = 3  # the same when none of them is on its own leaf (the uplinks could explain 2)
+CONFIRM = 2  # distinct known-good nodes a suspect must fail with to be bad, one on its leaf
 UNTESTED_TRIES = 2  # rounds a node whose pairs were not measured is tried in
 
 OK, SLOW, FAILED, SKIPPED = "ok", "slow", "failed", "skipped"
@@ -123,6 +122,7 @@ class _Evidence:
                 self.skips[a] += 1
                 self.skips[b] += 1
         self.bad = {n for n in state.nodes if self._bad(n)}
+        self.stuck = {n for n in state.nodes if self.negs[n] and self._stuck(n)}
         self.good = sorted(self.cleared, key=self.order.__getitem__)
         self.good_by_leaf: dict[str, list[str]] = {}
         for g in self.good:
@@ -136,15 +136,23 @@ class _Evidence:
     def _bad(self, n: str) -> bool:
         if n in self.cleared:
             return False
-        good = sorted(set(self.negs[n]) & self.cleared)
-        if len(good) >= CONFIRM_CROSS:
-            return True
-        same = self.leaf(n) is None or any(self.leaf(g) in (None, self.leaf(n)) for g in good)
-        return len(good) >= CONFIRM and same
+        good = set(self.negs[n]) & self.cleared
+        return len(good) >= CONFIRM and any(not self.cross(n, g) for g in good)
+
+    def _stuck(self, n: str) -> bool:
+        """A suspect that failed only across the spine, with CONFIRM known-good nodes or more,
+        and has no node of its own leaf left to meet: the node, or its leaf's uplinks (a dead
+        uplink fails every cross-leaf pair of the nodes routed through it); more pairs across
+        the spine cannot tell which."""
+        if n in self.cleared or n in self.bad or len(set(self.negs[n]) & self.cleared) < CONFIRM:
+            return False
+        mine = self.leaf(n)
+        return not any(m != n and self.leaf(m) == mine and m not in self.partners[n]
+                       and m not in self.bad for m in self.state.nodes)
 
     def suspects(self) -> list[str]:
-        return [n for n in self.state.nodes
-                if n not in self.cleared and n not in self.bad and self.negs[n]]
+        return [n for n in self.state.nodes if n not in self.cleared and n not in self.bad
+                and n not in self.stuck and self.negs[n]]
 
     def untested(self) -> list[str]:
         return [n for n in self.state.nodes if n not in self.cleared and not self.negs[n]
@@ -217,8 +225,10 @@ class _Evidence:
         return out
 
     def partner(self, n: str, busy: set[str], pending: Sequence[str]) -> str | None:
-        """A partner for ``n`` this round: a known-good node it has not been paired with (of
-        its own leaf first), else another node still to be tested."""
+        """A partner for ``n`` this round, one it has not met: a known-good node of its own
+        leaf, else a node of its own leaf still to be tested (a pass clears both; with the
+        leaf's uplinks at fault, the only pairs that can), else any known-good node, else any
+        node still to be tested."""
         def pick(pool: Sequence[str]) -> str | None:
             return next((m for m in pool if m != n and m not in busy
                          and m not in self.partners[n] and m not in self.bad), None)
@@ -226,7 +236,7 @@ class _Evidence:
         mine = self.leaf(n)
         same = self.good_by_leaf.get(mine, []) if mine is not None else []
         others = [m for m in pending if mine is not None and self.leaf(m) == mine]
-        return pick(same) or pick(self.good) or pick(others) or pick(pending)
+        return pick(same) or pick(others) or pick(self.good) or pick(pending)
 
 
 def _first(state: State) -> Round:
@@ -286,14 +296,16 @@ def verdict(state: State) -> Verdict:
     ev = _Evidence(state)
     more = _round(state) is not None
     unresolved: list[tuple[str, str]] = []
-    for n in ev.suspects():
-        others = sorted(set(ev.negs[n]), key=ev.order.__getitem__)
-        if more:
-            why = f"undecided after {len(state.results)} rounds (--max-rounds)"
-        else:
-            why = (f"failed with {', '.join(others)}, none known good or too few: no other "
-                   "node left to test it with")
-        unresolved.append((n, why))
+    suspects = set(ev.suspects())
+    for n in state.nodes:
+        others = ", ".join(sorted(set(ev.negs[n]), key=ev.order.__getitem__))
+        if n in ev.stuck:
+            unresolved.append((n, f"failed only across the spine ({others}) and no node of its "
+                                  "leaf is left to test it with: the node or its leaf's uplinks"))
+        elif n in suspects:
+            unresolved.append((n, f"undecided after {len(state.results)} rounds (--max-rounds)"
+                               if more else f"failed with {others}, none known good or too "
+                               "few: no other node left to test it with"))
     for n in state.nodes:
         if n not in ev.cleared and not ev.negs[n]:
             unresolved.append((n, "not measured: its pairs were skipped" if ev.skips[n]
