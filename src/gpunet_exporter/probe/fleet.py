@@ -101,7 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ring: pair each node with the next HOPS nodes, 2 x HOPS pairs per node "
                         "(2: four pairs, what the fleet rules judge a node by most robustly) (1)")
     p.add_argument("--seed", type=int, default=None,
-                   help="random: the shuffle's seed (default: rank 0's clock, so runs differ)")
+                   help="random, adaptive: the shuffle's seed (default: rank 0's clock, so "
+                        "runs differ)")
     p.add_argument("--suspects", default="", help="repair: the suspect nodes, comma-separated")
     p.add_argument("--good", default=None,
                    help="repair: the known-good nodes (default: every node not a suspect)")
