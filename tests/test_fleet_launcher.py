@@ -18,10 +18,11 @@ import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from gpunet_exporter.probe import fleet, pairs, plan, results, runner
+from gpunet_exporter.probe import adaptive, fleet, pairs, plan, results, runner
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.sources.commands import Child
 
@@ -206,6 +207,10 @@ def test_a_barrier_that_times_out_releases_everyone_waiting_there() -> None:
 @pytest.mark.parametrize("argv, env, want", [
     (["--gpus-per-node", "0"], {"RANK": "0", "WORLD_SIZE": "2"}, "--gpus-per-node must be"),
     (["--kind", "repair"], {"RANK": "0", "WORLD_SIZE": "2"}, "a repair plan needs --suspects"),
+    (["--kind", "adaptive", "--max-rounds", "0"], {"RANK": "0", "WORLD_SIZE": "2"},
+     "--max-rounds must be from 1 to 64"),
+    (["--kind", "adaptive", "--slow-ratio", "2"], {"RANK": "0", "WORLD_SIZE": "2"},
+     "--slow-ratio must be from 0 to 1"),
     ([], {}, "RANK and WORLD_SIZE are not set"),
     ([], {"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR and MASTER_PORT must be set"),
     (["--node-name", "a/b"], {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
@@ -617,3 +622,96 @@ def test_a_node_that_gets_busy_mid_pair_kills_its_ranks(tmp_path: Path) -> None:
     [line] = _summary_lines(done[0][1])
     assert (line["node"], line["peer"], line["ok"], line["skipped"]) == (
         "n0", "n1", False, pairs.PEER_BUSY)
+
+
+# -- adaptive passes (issue 35) ---------------------------------------------------------------
+
+def test_rank_0_plans_each_round_from_both_ends_views() -> None:
+    """An adaptive pass's store keys, without processes: round 1's turns and head, then the
+    outcomes rank 0 agrees from the ends' views (ok only when both ends say so, a busy end's
+    pair not measured, a pair without any view failed) and the next round they give."""
+    torch_dist = pytest.importorskip("torch.distributed")
+    store = torch_dist.HashStore()
+    ms = members(8, address="127.0.0.1")
+    p = fleet._Pass(ms, args("--kind", "adaptive", "--port", "30000"), seed=0)
+    p.publish(store, 0)
+    assert fleet._take(store, "adaptive/0", 1) == {"done": False, "pairs": 4}
+    (a, b), (c, d), (e, f), (g, h) = p.round
+    ta = fleet._turn(fleet._take(store, f"adaptive/0/turn/{a}", 1))
+    tb = fleet._turn(fleet._take(store, f"adaptive/0/turn/{b}", 1))
+    assert (ta.peer, ta.serve, tb.peer, tb.serve, ta.port) == (b, True, a, False, tb.port)
+
+    def view(node: str, peer: str, **kw: Any) -> None:
+        base: dict[str, Any] = {"ok": True, "bus_bandwidth_bytes_per_second": 1e9, **kw}
+        fleet._put(store, f"adaptive/0/view/{node}",
+                   pairs.pair_json(pairs.Pair(peer=peer, peer_leaf=None, **base)))
+
+    view(a, b)
+    view(b, a)  # both ends ok
+    view(c, d)
+    view(d, c, ok=False, bus_bandwidth_bytes_per_second=None, error="timed out")  # one failed
+    view(e, f, ok=False, bus_bandwidth_bytes_per_second=None, error="x", skipped=pairs.BUSY)
+    view(f, e, ok=False, bus_bandwidth_bytes_per_second=None, error="reset")  # peer yielded
+    # g and h: no view at all (dead)
+    p.collect(store, 0)
+    assert dict(p.state.results[0]) == {(a, b): "ok", (c, d): "failed", (e, f): "skipped",
+                                        (g, h): "failed"}
+    assert [(x["node"], x["peer"], x["ok"]) for x in p.lines] == [
+        (a, b, True), (c, d, False), (e, f, False), (g, h, False)]
+    assert p.lines[2]["skipped"] == pairs.BUSY
+    assert p.lines[3]["error"] == "no report from either end"
+    p.publish(store, 1)
+    nxt = {n for pair in p.round for n in pair}
+    assert {c, d, e, f, g, h} <= nxt  # suspects and the unmeasured, with a and b, known good
+    assert fleet._take(store, "adaptive/1", 1)["pairs"] == len(p.round) == 4
+    for m in ms:  # a turn for each node of the round, none for the others
+        assert store.check([fleet.PREFIX + f"adaptive/1/turn/{m.node}"]) == (m.node in nxt)
+    p.round = []
+    p.state = adaptive.start([m.node for m in ms])  # nothing left to test: the pass ends
+    p.state = adaptive.record(p.state, {(ms[i].node, ms[i + 1].node): adaptive.OK
+                                        for i in range(0, 8, 2)})
+    p.publish(store, 2)
+    assert fleet._take(store, "adaptive/2", 1) == {"done": True, "pairs": 0}
+
+
+def test_an_adaptive_pass_names_the_bad_node_of_six(tmp_path: Path) -> None:
+    """Six nodes on loopback, n4's pair ends unable to run gloo (its GLOO_SOCKET_IFNAME names
+    no interface: its ranks fail at once, their peers' ranks at the pair timeout). The adaptive
+    pass re-pairs only n4 and its first partner: n4 is named bad in at most 3 rounds, no
+    healthy node is, every node's pairs.json holds its pairs of the pass, and rank 0 prints
+    one line per pair and round, then the verdict. No pair is judged slow (--slow-ratio 0):
+    gloo on two shared cores measures the CPUs' load, not a link (seen: a healthy node's two
+    pairs under half the median, and the node named bad)."""
+    nodes = [f"n{i}" for i in range(6)]
+    pair_port = str(free_port())
+    flags = ("--kind", "adaptive", "--seed", "3", "--port", pair_port, *launch.QUICK,
+             "--pair-timeout", "30", "--slow-ratio", "0")
+    broken = {"GLOO_SOCKET_IFNAME": "gpunet-none"}
+    launches = [launch.Launch(n, tmp_path / n, flags, env=broken if n == "n4" else {})
+                for n in nodes]
+    done = launch.finish(launch.start(launches, launcher="srun", master="127.0.0.1",
+                                      port=free_port()), timeout=400)
+    assert [rc for rc, _ in done] == [0] * 6, "\n".join(out[-3000:] for _, out in done)
+    lines = _summary_lines(done[0][1])
+    verdict = lines[-1]["verdict"]
+    assert verdict["bad_nodes"] == ["n4"], lines
+    assert verdict["rounds"] <= 3 and verdict["done"] and not verdict["unresolved"]
+    assert verdict["suspect_links"] == []
+    per_pair = lines[:-1]
+    assert len(per_pair) == verdict["pairs"]
+    rounds: dict[int, list[str]] = {}
+    for s in per_pair:
+        rounds.setdefault(int(s["round"]), []).extend((s["node"], s["peer"]))
+        assert s["ok"] == ("n4" not in (s["node"], s["peer"])), s
+    assert all(len(v) == len(set(v)) for v in rounds.values())  # disjoint pairs
+    assert len(rounds[0]) == 6  # everyone in round 1
+    assert sorted(rounds) == list(range(verdict["rounds"]))
+    for n in nodes:
+        got = pairs.read(pairs.pairs_path(str(tmp_path / n)))
+        peers = {s["peer"] if s["node"] == n else s["node"] for s in per_pair
+                 if n in (s["node"], s["peer"])}
+        assert (got.plan, {p.peer for p in got.pairs}) == ("adaptive", peers), (n, got)
+        for p in got.pairs:
+            assert p.ok == (p.peer != "n4" and n != "n4"), (n, p)
+    assert not [line for _, out in done[1:] for line in out.splitlines()
+                if line.startswith("{")]

@@ -5,6 +5,7 @@ four nodes is tests/test_fleet_slurm.py."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from gpunet_exporter.probe import fleet
 
 from support import slurm
 from support.paths import REPO
@@ -114,6 +117,22 @@ def test_settings_reach_the_command_line(run_script: Any) -> None:
     assert r.of("srun")[0]["NCCL_NVLS_ENABLE"] == "1"
     r = run_script(env={**env, "GPUNET_FLEET_GPUS_PER_NODE": "4"})
     assert r.of("srun")[0]["argv"][16:18] == ["--gpus-per-node", "4"]
+
+
+def test_an_adaptive_pass_through_the_kind_setting(run_script: Any) -> None:
+    """GPUNET_FLEET_KIND=adaptive reaches `gpunet-probe fleet`, whose own parser takes the line
+    (the script passes --hops to every kind; an adaptive pass ignores it)."""
+    r = run_script(env={**JOB, "GPUNET_FLEET_KIND": "adaptive",
+                        "GPUNET_FLEET_ARGS": "--max-rounds 4"})
+    assert r.returncode == 0, r.stderr
+    [srun] = r.of("srun")
+    argv = srun["argv"][srun["argv"].index("fleet") + 1:]
+    assert argv[argv.index("--kind") + 1] == "adaptive"
+    p = argparse.ArgumentParser()
+    fleet.add_arguments(p)
+    args = p.parse_args(argv)
+    fleet._check(args)
+    assert (args.kind, args.max_rounds) == ("adaptive", 4)
 
 
 def test_exit_status_is_the_probes(run_script: Any) -> None:

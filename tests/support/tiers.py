@@ -87,6 +87,7 @@ SYSTEM_TESTS: dict[str, frozenset[str]] = {
     "test_fleet_launcher": frozenset({
         "test_a_busy_node_costs_its_pairs_a_measurement_not_a_failure",
         "test_a_node_that_gets_busy_mid_pair_kills_its_ranks",
+        "test_an_adaptive_pass_names_the_bad_node_of_six",
         "test_bad_input_is_one_line_and_exit_2",
         "test_four_nodes_on_loopback_write_the_ring_on_both_ends",
         "test_the_gpus_are_busy_with_a_process_of_another_session",

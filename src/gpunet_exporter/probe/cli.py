@@ -2,7 +2,7 @@
 
     gpunet-probe run --state-dir DIR [--backend nccl|gloo] [--sizes 8KiB,1MiB,64MiB] ...
     gpunet-probe explain-log [--json] FILE...
-    gpunet-probe fleet --state-dir DIR [--kind ring|random|leaf|repair] ... (one per node)
+    gpunet-probe fleet --state-dir DIR [--kind ring|random|leaf|repair|adaptive] ... (per node)
     gpunet-probe plan --nodes a,b,c --kind ring|random|repair|leaf [--hops K] [--seed N]
         [--suspects a,b] [--good c,d] [--leaves a=l1,b=l2,...]
 

@@ -27,13 +27,13 @@ import yaml
 from gpunet_exporter.errors import ConfigError, short
 from gpunet_exporter.files import read_regular
 from gpunet_exporter.flags import Parser
-from gpunet_exporter.probe import idle, pairs, plan, results, run_options, runner
+from gpunet_exporter.probe import adaptive, idle, pairs, plan, results, run_options, runner
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.sources.commands import Child
 from gpunet_exporter.sources.sysfs import Root, parse_uint
 
 PROG = "gpunet-probe fleet"
-KINDS = ("ring", "random", "leaf", "repair")
+KINDS = ("ring", "random", "leaf", "repair", adaptive.KIND)
 NODE_ENV = ("GPUNET_NODE", "SLURMD_NODENAME")
 LEAF_ENV = "GPUNET_LEAF"
 PREFIX = "gpunet-fleet/"
@@ -92,11 +92,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", required=True,
                    help="the exporter's probe.state_dir: pairs.json is written there")
     p.add_argument("--kind", choices=KINDS, default="ring", help="the pairing plan (ring)")
+    p.add_argument("--max-rounds", type=int, default=adaptive.MAX_ROUNDS,
+                   help=f"adaptive: the most rounds of a pass ({adaptive.MAX_ROUNDS})")
+    p.add_argument("--slow-ratio", type=float, default=adaptive.SLOW_RATIO,
+                   help="adaptive: a pair under this fraction of the pass's median bus "
+                        f"bandwidth counts as slow, as a failed one does ({adaptive.SLOW_RATIO})")
     p.add_argument("--hops", type=int, default=1,
                    help="ring: pair each node with the next HOPS nodes, 2 x HOPS pairs per node "
                         "(2: four pairs, what the fleet rules judge a node by most robustly) (1)")
     p.add_argument("--seed", type=int, default=None,
-                   help="random: the shuffle's seed (default: rank 0's clock, so runs differ)")
+                   help="random, adaptive: the shuffle's seed (default: rank 0's clock, so "
+                        "runs differ)")
     p.add_argument("--suspects", default="", help="repair: the suspect nodes, comma-separated")
     p.add_argument("--good", default=None,
                    help="repair: the known-good nodes (default: every node not a suspect)")
@@ -151,6 +157,11 @@ def _check(args: argparse.Namespace) -> None:
         raise FleetError(f"--port must be a TCP port, got {args.port}")
     if not 1 <= args.hops <= 16:
         raise FleetError(f"--hops must be from 1 to 16, got {args.hops}")
+    if not 1 <= args.max_rounds <= adaptive.MAX_ROUNDS_LIMIT:
+        raise FleetError(f"--max-rounds must be from 1 to {adaptive.MAX_ROUNDS_LIMIT}, got "
+                         f"{args.max_rounds}")
+    if not 0 <= args.slow_ratio <= 1:
+        raise FleetError(f"--slow-ratio must be from 0 to 1, got {args.slow_ratio}")
     if args.kind == "repair" and not _names(args.suspects):
         raise FleetError("a repair plan needs --suspects")
     extra = list(args.run_args)
@@ -219,12 +230,7 @@ def schedules(members: Sequence[Member], args: argparse.Namespace, seed: int
               ) -> tuple[plan.Plan, dict[str, list[Turn]]]:
     """The plan for ``members`` and each node's turns in it; FleetError for a plan that cannot
     be made (two nodes of one name, a leaf plan without leaves)."""
-    seen: dict[str, Member] = {}
-    for m in members:
-        if m.node in seen:
-            raise FleetError(f"node name {m.node!r} is used by two nodes ({seen[m.node].address}"
-                             f" and {m.address}): set --node-name or GPUNET_NODE")
-        seen[m.node] = m
+    seen = by_name(members)
     nodes = sorted(seen, key=_natural)
     leaves = {m.node: m.leaf for m in members if m.leaf}
     try:
@@ -236,14 +242,35 @@ def schedules(members: Sequence[Member], args: argparse.Namespace, seed: int
         raise FleetError(str(exc)) from exc
     turns: dict[str, list[Turn]] = {n: [] for n in nodes}
     for r, rnd in enumerate(made):
-        serving: dict[str, int] = {}  # pairs of this round served at one address (one host)
-        for a, b in rnd:
-            master = seen[a].address
-            port = args.port + serving.get(master, 0)
-            serving[master] = serving.get(master, 0) + 1
-            turns[a].append(Turn(r, b, seen[b].leaf, True, master, port))
-            turns[b].append(Turn(r, a, seen[a].leaf, False, master, port))
+        for node, t in round_turns(r, rnd, seen, args.port).items():
+            turns[node].append(t)
     return made, turns
+
+
+def by_name(members: Sequence[Member]) -> dict[str, Member]:
+    """``members`` by node name; FleetError for two nodes of one name."""
+    seen: dict[str, Member] = {}
+    for m in members:
+        if m.node in seen:
+            raise FleetError(f"node name {m.node!r} is used by two nodes ({seen[m.node].address}"
+                             f" and {m.address}): set --node-name or GPUNET_NODE")
+        seen[m.node] = m
+    return seen
+
+
+def round_turns(r: int, rnd: plan.Round, seen: Mapping[str, Member], port: int
+                ) -> dict[str, Turn]:
+    """Each node's turn in round ``r``: the first node of a pair serves; pairs of the round
+    served at one address (one host) take the next ports."""
+    out: dict[str, Turn] = {}
+    serving: dict[str, int] = {}
+    for a, b in rnd:
+        master = seen[a].address
+        at = port + serving.get(master, 0)
+        serving[master] = serving.get(master, 0) + 1
+        out[a] = Turn(r, b, seen[b].leaf, True, master, at)
+        out[b] = Turn(r, a, seen[a].leaf, False, master, at)
+    return out
 
 
 def _turn_json(t: Turn) -> dict[str, Any]:
@@ -488,6 +515,8 @@ class StoreBroken(Exception):
 def run(args: argparse.Namespace, store: Store, rank: int, world: int, me: Member,
         env: Mapping[str, str], seed: int, out: Any = sys.stdout) -> int:
     """The whole fleet run of one node, through ``store``. Returns the exit status."""
+    if args.kind == adaptive.KIND:
+        return run_adaptive(args, store, rank, world, me, env, seed, out)
     wait = args.pair_timeout + 60
     _put(store, f"member/{rank}", {"node": me.node, "address": me.address, "leaf": me.leaf})
     members: list[Member] = []
@@ -661,6 +690,152 @@ def _summary(store: Store, members: Sequence[Member], out: Any) -> None:
                     {"ok": False, "error": "no report from this node"}
                 print(json.dumps({"round": t.round, "node": n, **v, "peer": t.peer}), file=out,
                       flush=True)
+
+
+# -- adaptive passes (issue 35) -------------------------------------------------------------
+
+def run_adaptive(args: argparse.Namespace, store: Store, rank: int, world: int, me: Member,
+                 env: Mapping[str, str], seed: int, out: Any = sys.stdout) -> int:
+    """An adaptive pass (probe/adaptive.py): rank 0 plans one round at a time from the agreed
+    outcomes of the rounds before, under ``adaptive/<round>`` in the store; each node runs its
+    turn there, if it has one, and puts its end's view of it before the round's barrier. The
+    end (views, agreement, pairs.json) is as in ``run``; rank 0 prints one line per pair of
+    each round, as agreed when it planned the next, then the verdict. docs/fleet.md,
+    "Adaptive plans"."""
+    wait = args.pair_timeout + 60
+    _put(store, f"member/{rank}", {"node": me.node, "address": me.address, "leaf": me.leaf})
+    pass_: _Pass | None = None
+    if rank == 0:
+        members = [Member(**_take(store, f"member/{r}", wait)) for r in range(world)]
+        try:
+            pass_ = _Pass(members, args, seed)
+            _put(store, "plan", {"rounds": 0, "error": None})
+        except FleetError as exc:
+            _put(store, "plan", {"rounds": 0, "error": str(exc)})
+    head = _take(store, "plan", wait)
+    if head["error"]:
+        print(f"{PROG}: {head['error']}", file=sys.stderr)
+        return EXIT_BAD_ARGS
+    mine: list[pairs.Pair] = []
+    heard: list[Callable[[], str | None]] = []
+    barriers = Barriers(store, world)
+    gpus = Gpus(args.nvml_module, args.procfs, args.backend)
+    r = 0
+    try:
+        while True:
+            if pass_ is not None:
+                pass_.publish(store, r)
+            if _take(store, f"adaptive/{r}", wait)["done"]:
+                break
+            key = PREFIX + f"adaptive/{r}/turn/{me.node}"
+            if store.check([key]):
+                t = _turn(json.loads(store.get(key)))
+                heard.append(_yielded(store, t))
+                p = run_pair(args, t, env, gpus, heard[-1])
+                mine.append(p)
+                if p.skipped is not None:
+                    print(f"{PROG}: {me.node}: round {r}: the pair with {t.peer} is not "
+                          f"measured ({p.skipped}): {p.error}", file=sys.stderr, flush=True)
+                    if p.skipped in (pairs.BUSY, pairs.UNKNOWN):
+                        _put(store, f"yield/{r}/{me.node}", p.skipped)
+                _put(store, f"adaptive/{r}/view/{me.node}", pairs.pair_json(p))
+            if not barriers.wait(f"round/{r}", args.pair_timeout + 20):
+                print(f"{PROG}: {me.node}: not every node finished round {r}; going on, "
+                      f"waiting for the {barriers.expected} of {world} that did",
+                      file=sys.stderr)
+            if pass_ is not None:
+                pass_.collect(store, r)
+            r += 1
+    except (StoreBroken, RuntimeError, TimeoutError) as exc:
+        print(f"{PROG}: {me.node}: the rendezvous store failed in round {r}: {exc}",
+              file=sys.stderr)
+        write(args, me, _last_per_peer(mine))
+        return EXIT_RENDEZVOUS
+    mine = [_peer_did_not_run(p, ask()) if p.failed else p for p, ask in zip(mine, heard,
+                                                                             strict=True)]
+    _put(store, f"view/{me.node}", [pairs.pair_json(p) for p in _last_per_peer(mine)])
+    try:
+        barriers.wait("views", args.pair_timeout + 20)
+    except StoreBroken as exc:
+        print(f"{PROG}: {me.node}: {exc}", file=sys.stderr)
+        write(args, me, _last_per_peer(mine))
+        return EXIT_RENDEZVOUS
+    write(args, me, _last_per_peer([_agree(p, store, me.node, VIEW_SECONDS) for p in mine]))
+    if not barriers.wait("done", args.pair_timeout + 20):
+        print(f"{PROG}: {me.node}: not every node finished", file=sys.stderr)
+    if pass_ is not None:  # the others are done with the store, which rank 0 may be serving
+        for line in pass_.lines:
+            print(json.dumps(line), file=out, flush=True)
+        print(json.dumps(adaptive.verdict_json(adaptive.verdict(pass_.state))), file=out,
+              flush=True)
+    return 0
+
+
+def _last_per_peer(mine: Sequence[pairs.Pair]) -> list[pairs.Pair]:
+    """One entry per peer, the last measurement (a pair run again replaces its first)."""
+    return list({p.peer: p for p in mine}.values())
+
+
+class _Pass:
+    """Rank 0's side of an adaptive pass: the planner's state, the measurements so far, and
+    every node's turns."""
+
+    def __init__(self, members: Sequence[Member], args: argparse.Namespace, seed: int) -> None:
+        self.seen = by_name(members)
+        nodes = sorted(self.seen, key=_natural)
+        leaves = {m.node: m.leaf for m in members if m.leaf}
+        self.args = args
+        try:
+            self.state = adaptive.start(nodes, leaves, max_rounds=args.max_rounds, seed=seed)
+        except plan.PlanError as exc:
+            raise FleetError(str(exc)) from exc
+        self.measured: list[dict[plan.Pair, tuple[str, float | None]]] = []
+        self.turns: dict[str, list[Turn]] = {n: [] for n in nodes}
+        self.round: plan.Round = []
+        self.lines: list[dict[str, Any]] = []  # one per pair and round, as _summary's
+
+    def publish(self, store: Store, r: int) -> None:
+        """Round ``r``'s turns, each under its node's key, then the round's head."""
+        rnd = adaptive.next_round(self.state)
+        self.round = rnd or []
+        for node, t in round_turns(r, self.round, self.seen, self.args.port).items():
+            self.turns[node].append(t)
+            _put(store, f"adaptive/{r}/turn/{node}", _turn_json(t))
+        _put(store, f"adaptive/{r}", {"done": rnd is None, "pairs": len(self.round)})
+
+    def collect(self, store: Store, r: int) -> None:
+        """Round ``r``'s outcomes from both ends' views, agreed, into the planner's state. A
+        view missing after the barrier is a dead node's: its pair failed."""
+        got: dict[plan.Pair, tuple[str, float | None]] = {}
+        for a, b in self.round:
+            va, vb = (self._view(store, r, a, b), self._view(store, r, b, a))
+            p = agree(va, vb) if va is not None else vb
+            seen = {"ok": False, "error": "no report from either end"} if p is None else \
+                pairs.pair_json(p)
+            self.lines.append({"round": r, "node": a, **seen, "peer": b})
+            if p is None or p.failed:
+                got[(a, b)] = (adaptive.FAILED, None)
+            elif p.skipped is not None:
+                got[(a, b)] = (adaptive.SKIPPED, None)
+            else:
+                got[(a, b)] = (adaptive.OK, p.bus_bandwidth_bytes_per_second)
+        self.measured.append(got)
+        state = adaptive.start(self.state.nodes, self.state.leaves,
+                               max_rounds=self.state.max_rounds, seed=self.state.seed)
+        for outcomes in adaptive.with_slow(self.measured, self.args.slow_ratio):
+            state = adaptive.record(state, outcomes)
+        self.state = state
+
+    @staticmethod
+    def _view(store: Store, r: int, node: str, peer: str) -> pairs.Pair | None:
+        key = PREFIX + f"adaptive/{r}/view/{node}"
+        try:
+            if not store.check([key]):
+                return None
+            p = pairs.parse_pair(json.loads(store.get(key)), "a peer's view")
+        except (RuntimeError, ValueError, pairs.BadPairs):
+            return None
+        return p if p.peer == peer else None
 
 
 # -- entry point ---------------------------------------------------------------------------
