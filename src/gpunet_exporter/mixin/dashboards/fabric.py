@@ -210,6 +210,22 @@ def fabric(t: Thresholds) -> Json:
         overrides=[override("physical state", ("mappings", PHYS_STATE),
                             ("custom.cellOptions", {"type": "color-text"}))]), 12, 8)
 
+    unhealthy = sel("gpunet_fabric_link_probe_pairs", 'result="unhealthy"')
+    named = sel("gpunet_fabric_link_verdict", 'verdict=~"suspect|ambiguous"')
+    lay.add(table(
+        "Cables the slow fleet pairs share", "Switch-to-switch cables that the path "
+        "localization names (docs/fabric.md): the fleet's unhealthy pairs whose paths, as the "
+        "forwarding tables route them, cross the cable while no healthy pair does. suspect: "
+        "the one explanation; ambiguous: as good as other cables of the same paths. Empty: "
+        "nothing named, or fabric.prometheus_url unset. From "
+        f"{t.fabric.path_min_pairs} pairs it alerts (GpunetFabricPathSuspect).",
+        [target(fabric_named(fabric_neighbour(
+            f"{unhealthy}\n  * on ({FABRIC_PORT}) group_left (verdict)\n  {named}")),
+            table=True)], "short",
+        rename={"name": "switch name", "remote_name": "neighbour", "Value": "unhealthy pairs",
+                "switch": "switch GUID"},
+        order=["name", "port", "remote_name", "verdict", "Value", "switch"]), 24, 8)
+
     lay.row("Errors and congestion")
     error_targets = [
         target(f"topk(10, {fabric_named(rate(f'gpunet_fabric_port_{name}_total'))} > 0)",
