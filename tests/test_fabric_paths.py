@@ -22,6 +22,7 @@ import yaml
 from gpunet_exporter import localize
 from gpunet_exporter.collector import Scrape
 from gpunet_exporter.collectors.fabric import FabricCollector
+from gpunet_exporter.mixin import dashboards
 from gpunet_exporter.probe import pairs
 from gpunet_exporter.sources import ibdiag
 
@@ -259,6 +260,15 @@ def test_shipped_rules_name_the_spine_port_end_to_end(sim: ibsim.Sim, tmp_path: 
                          if a["labels"]["alertname"] == "GpunetFabricPathSuspect")
             assert alert["labels"]["remote_name"] == "L2"
             assert "the one cable" in alert["annotations"]["description"]
+            # The fabric dashboard's table of named cables shows it, with its evidence.
+            (panel,) = [p for p in dashboards.iter_panels(
+                dashboards.dashboards()["gpunet-fabric.json"])
+                if p["title"] == "Cables the slow fleet pairs share"]
+            rows = query(url, dashboards.substitute(panel["targets"][0]["expr"], {
+                "instance": fabric_instance, "job": "gpunet"}))
+            assert [(r["metric"]["name"], r["metric"]["port"], r["metric"]["remote_name"],
+                     r["metric"]["verdict"], float(r["value"][1])) for r in rows] == [
+                ("S1", "2", "L2", "suspect", float(len(slow)))]
             assert f"{len(slow)} slow or failed" in alert["annotations"]["description"]
 
             slow_node = {p for p in itertools.combinations(nodes, 2) if "L3H2" in p}

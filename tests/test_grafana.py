@@ -54,7 +54,7 @@ RECORDING_RULES = {
     "instance_class:gpunet_alerts_firing:count",
     # the pair plan's (gpunet-pairs)
     f"instance:{_PAIR_BW}:median", f"job:{_PAIR_BW}:median", f"job:{_PAIR_BW}:mad",
-    f"instance_peer:{_PAIR_BW}:ratio_to_fleet_median",
+    f"instance_peer:{_PAIR_BW}:slow_ratio_to_fleet_median",
     "instance:gpunet_fleet_pairs_healthy:count", f"leaf:{_PAIR_BW}:median_intra_leaf",
     f"leaf:{_PAIR_BW}:median_cross_leaf", f"leaf:{_PAIR_BW}:cross_to_intra_leaf_ratio",
 }
@@ -369,7 +369,7 @@ def test_pair_matrix_is_node_by_peer() -> None:
     assert len(matrix) == 1
     (t,) = matrix[0]["targets"]
     assert t["instant"] and t["format"] == "table"
-    assert metric_names(t["expr"]) == {f"instance_peer:{_PAIR_BW}:ratio_to_fleet_median",
+    assert metric_names(t["expr"]) == {_PAIR_BW, f"job:{_PAIR_BW}:median",
                                        "gpunet_fleet_pair_success"}
     (grouping,) = [x["options"] for x in matrix[0]["transformations"]
                    if x["id"] == "groupingToMatrix"]

@@ -48,6 +48,8 @@ VARIABLES = {"instance": NODE, "job": JOB, "leaf": "L2", "__rate_interval": "30s
              "__interval": "1s", "__range": "5m", "datasource": "prometheus"}
 
 DASH = gen.dashboards()["gpunet-fabric.json"]
+# Needs the fleet's pair results (fabric.prometheus_url): tests/test_fabric_paths.py runs it.
+PATHS_PANEL = "Cables the slow fleet pairs share"
 PANELS = {p["title"]: p for p in gen.iter_panels(DASH)}
 
 
@@ -170,7 +172,7 @@ def test_health_matrix_codes_each_fault(stack: Stack) -> None:
 def test_every_fabric_panel_query_returns_data(stack: Stack) -> None:
     """Every query of the fabric dashboard, for the sweeping node and leaf L2, returns at least
     one series (the uplink imbalance once two sweeps have measured L2's uplinks)."""
-    queries = [(title, expr) for title, expr in gen.queries(DASH)]
+    queries = [(title, expr) for title, expr in gen.queries(DASH) if title != PATHS_PANEL]
     assert len(queries) >= 15
 
     def empty() -> list[str]:

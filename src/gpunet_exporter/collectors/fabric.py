@@ -25,7 +25,7 @@ from prometheus_client.core import Metric
 from gpunet_exporter import localize
 from gpunet_exporter.background import Fresh, Refresher, add_freshness, last_success_spec
 from gpunet_exporter.collector import Collector, CollectorContext, Families, MetricSpec, Scrape
-from gpunet_exporter.collectors.probe import NODE_INFO
+from gpunet_exporter.collectors.probe import NODE_INFO, PAIR_SUCCESS
 from gpunet_exporter.collectors.tables import load
 from gpunet_exporter.config import Settings, setting
 from gpunet_exporter.sources import ibdiag, promapi
@@ -38,12 +38,16 @@ _QE = "ibqueryerrors --switch"
 _BY = {"tx": "PortXmitData", "rx": "PortRcvData"}
 PAIRS_STEP = "pairs"  # the fleet's pair verdicts, read from Prometheus (fabric.prometheus_url)
 STEP_NAMES = (*ibdiag.STEPS, PAIRS_STEP)
-# The fleet's recorded pair health (1 healthy, 0 failed or slow; mixin.alerts.collective records
-# it under this name), per pair as each end's exporter sees it, with the end's node name.
-HEALTHY_PAIRS = "instance_peer:gpunet_fleet_pair_healthy:bool"
-PAIRS_QUERY = (f"min by (name, peer) (\n  {HEALTHY_PAIRS}\n"
+# The fleet's slow pairs as its rules record them (mixin.alerts.collective: the bandwidth over
+# the fleet's median node, only where below fleet.link_slow_ratio), and each pair's success:
+# a pair is healthy when it succeeded and is not slow. Per pair as each end's exporter sees
+# it, with the end's node name.
+SLOW_PAIRS = ("instance_peer:gpunet_fleet_pair_bus_bandwidth_bytes_per_second:"
+              "slow_ratio_to_fleet_median")
+PAIRS_QUERY = (f"min by (name, peer) (\n  (\n    0 * {SLOW_PAIRS}\n"
+               f"    or on (instance, job, peer)\n    {PAIR_SUCCESS.name} == bool 1\n  )\n"
                f"  * on (instance, job) group_left (name) {NODE_INFO.name}\n)")
-_LOCALIZE = f"dump_fts paths joined with the fleet's {HEALTHY_PAIRS} (fabric.prometheus_url)"
+_LOCALIZE = "dump_fts paths joined with the fleet's pair results (fabric.prometheus_url)"
 TOOL_NAMES = ("ibnetdiscover", "iblinkinfo", "ibqueryerrors", "dump_fts")  # ibdiag.Tools fields
 
 

@@ -189,8 +189,12 @@ PAIRS_MEASURED = MetricSpec(
     "gpunet_fleet_pairs_measured", "gauge",
     "Pairs of the last plan exported here that were measured, succeeded or failed (not skipped)",
     (), "pairs", _PAIRS)
+PAIRS_SUCCEEDED = MetricSpec(
+    "gpunet_fleet_pairs_succeeded", "gauge",
+    "Pairs of the last plan exported here that were measured and succeeded", (), "pairs",
+    _PAIRS)
 FLEET_METRICS = (PAIR_BUSBW, PAIR_LATENCY, PAIR_SUCCESS, PAIR_SKIPPED, PAIR_INFO, NODE_INFO,
-                 ROUND_TS, PAIRS_DROPPED, PAIRS_MEASURED)
+                 ROUND_TS, PAIRS_DROPPED, PAIRS_MEASURED, PAIRS_SUCCEEDED)
 FLEET_SCOPE = "fleet"  # where an unreadable pairs.json counts in gpunet_probe_failures_total
 
 
@@ -344,6 +348,7 @@ class ProbeCollector(Collector):
         kept = sorted(view.pairs, key=lambda p: not p.failed)[:max_peers]
         fams.add(PAIRS_DROPPED, [], len(view.pairs) - len(kept))
         fams.add(PAIRS_MEASURED, [], sum(1 for p in kept if p.skipped is None))
+        fams.add(PAIRS_SUCCEEDED, [], sum(1 for p in kept if p.ok))
         for p in kept:
             gdr = "" if p.gdr is None else str(p.gdr).lower()
             # cross_leaf: "true" or "false" when both leaves are known, else empty (absent).

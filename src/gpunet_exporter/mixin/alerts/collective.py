@@ -27,9 +27,11 @@ NODE_MEDIAN_BW = f"instance:{PAIR_BW}:median"
 FLEET_MEDIAN_BW = f"job:{PAIR_BW}:median"
 FLEET_MAD_BW = f"job:{PAIR_BW}:mad"
 FLEET_NODES = "job:gpunet_fleet_nodes_reporting:count"
-PAIR_RATIO = f"instance_peer:{PAIR_BW}:ratio_to_fleet_median"
-PAIR_HEALTHY = fabric.HEALTHY_PAIRS  # the fabric collector's path localization reads it
-NODE_PAIRS = "gpunet_fleet_pairs_measured"  # served by each node's exporter
+# The pairs that ran below fleet.link_slow_ratio of the fleet's median node, valued at that
+# ratio: few series (the fabric collector's path localization reads them too).
+PAIR_SLOW = fabric.SLOW_PAIRS
+NODE_PAIRS = probe_collector.PAIRS_MEASURED.name  # served by each node's exporter
+NODE_PAIRS_OK = probe_collector.PAIRS_SUCCEEDED.name
 NODE_PAIRS_HEALTHY = "instance:gpunet_fleet_pairs_healthy:count"
 # Per pair: this node's leaf, the peer's leaf and whether they differ (cross_leaf "true"/"false";
 # absent when either leaf is unknown), as the exporter labels them; GpunetFleetLinkSlow carries
@@ -77,6 +79,13 @@ def _probe_stale(t: Thresholds) -> str:
             f"{stale}\n  and on (instance)\n    time() - "
             f"gpunet_probe_idle_since_timestamp_seconds > {stale}\n)\nor\n  time() - "
             f"gpunet_probe_last_success_timestamp_seconds{{scope=\"inter\"}} > {stale}")
+
+
+def pair_ratio(sel: Callable[[str], str] = str, fleet_sel: Callable[[str], str] = str) -> str:
+    """Each pair's bandwidth over the fleet's median node (``sel`` and ``fleet_sel`` add a
+    dashboard's matchers to the per-node and the per-job series): computed where it is read,
+    since only the slow pairs are recorded."""
+    return f"{sel(PAIR_BW)}\n/ on (job) group_left {fleet_sel(FLEET_MEDIAN_BW)}"
 
 
 def node_suspect(t: Thresholds) -> str:
@@ -367,9 +376,10 @@ def recording(t: Thresholds) -> list[Rule]:
 
 def fleet_recording(t: Thresholds) -> list[Rule]:
     """The pair plan's recording rules, a group of their own (rules.FLEET_GROUP): per-node and
-    fleet statistics of the pair bandwidth, each pair's health and each node's healthy pairs.
-    The exporter serves a bandwidth only for a pair that succeeded, and its own count of
-    measured pairs (NODE_PAIRS), so no rule filters or counts the pairs again."""
+    fleet statistics of the pair bandwidth, the slow pairs and each node's healthy pairs. The
+    exporter serves a bandwidth only for a pair that succeeded, and its own counts of measured
+    and succeeded pairs, so no rule filters or counts the pairs again; and only the few slow
+    pairs are recorded per pair (reading 40,000 pairs costs little, writing them back much)."""
     f = t.fleet
     return [
         {"record": NODE_MEDIAN_BW, "expr": f"quantile by (instance, job) (0.5, {PAIR_BW})"},
@@ -378,11 +388,11 @@ def fleet_recording(t: Thresholds) -> list[Rule]:
          "expr": (f"quantile by (job) (0.5,\n  abs({NODE_MEDIAN_BW}\n"
                   f"    - on (job) group_left {FLEET_MEDIAN_BW})\n)")},
         {"record": FLEET_NODES, "expr": f"count by (job) ({NODE_MEDIAN_BW})"},
-        {"record": PAIR_RATIO, "expr": f"{PAIR_BW}\n/ on (job) group_left {FLEET_MEDIAN_BW}"},
-        {"record": PAIR_HEALTHY,
-         "expr": (f"{PAIR_RATIO} >= bool {_g(f.link_slow_ratio)}\n"
-                  f"or on (instance, job, peer)\n{PAIR_OK} == bool 1")},
-        {"record": NODE_PAIRS_HEALTHY, "expr": f"sum by (instance, job) ({PAIR_HEALTHY})"},
+        {"record": PAIR_SLOW,
+         "expr": pair_ratio() + f" < {_g(f.link_slow_ratio)}"},
+        {"record": NODE_PAIRS_HEALTHY,
+         "expr": (f"{NODE_PAIRS_OK}\n  - on (instance, job) count by (instance, job) "
+                  f"({PAIR_SLOW})\nor on (instance, job)\n{NODE_PAIRS_OK}")},
     ]
 
 

@@ -323,9 +323,8 @@ def _fleet_link_slow(t: Thresholds) -> str:
     gpunet_fleet_node_info): then that alert names it and its pairs are not blamed as links.
     The alert carries the pair's leaf, peer_leaf and cross_leaf (gpunet_fleet_pair_info) for
     Alertmanager's inhibition."""
-    f = t.fleet
     suspect = collective.node_suspect(t).replace("\n", "\n      ")
-    return (f"(\n  (\n    {collective.PAIR_RATIO} < {_g(f.link_slow_ratio)}\n"
+    return (f"(\n  (\n    {collective.PAIR_SLOW}\n"
             f"    or on (instance, job, peer)\n    0 * ({collective.PAIR_OK} == 0)\n  )\n"
             f"  and on (instance, job) {collective.NODE_PAIRS_HEALTHY} >= 1\n"
             "  unless on (job, peer) label_replace(\n"

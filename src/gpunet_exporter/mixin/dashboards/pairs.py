@@ -12,7 +12,8 @@ from gpunet_exporter.mixin.alerts.collective import (
     NODE_PAIRS,
     NODE_PAIRS_HEALTHY,
     PAIR_BW,
-    PAIR_RATIO,
+    PAIR_SLOW,
+    pair_ratio,
 )
 from gpunet_exporter.mixin.alerts.common import number
 from gpunet_exporter.mixin.dashboards.common import (
@@ -60,7 +61,7 @@ def firing(alerts: str, *, per_instance: bool = True) -> str:
 
 def pair_state() -> str:
     """Each pair's bus bandwidth over the fleet's median node, or -1 when the pair failed."""
-    return (f"({sel(PAIR_RATIO)} or on (instance, job, peer) "
+    return (f"({pair_ratio(sel, jsel)} or on (instance, job, peer) "
             f"({sel('gpunet_fleet_pair_success')} == 0) - 1)")
 
 
@@ -89,7 +90,7 @@ def pairs(t: Thresholds) -> Json:
                  thresholds=OK_RED), 4, 4)
     lay.add(stat("Slow pairs", "Pairs that ran but reached less than fleet.link_slow_ratio "
                  f"({slow_pct}) of the fleet's median node, counted from each end.",
-                 [target(count_or_zero(f"{sel(PAIR_RATIO)} < {number(f.link_slow_ratio)}"))],
+                 [target(count_or_zero(sel(PAIR_SLOW)))],
                  "short",
                  thresholds=OK_RED), 4, 4)
     lay.add(stat("Suspect nodes", "Nodes on which GpunetFleetNodeSuspect or "
@@ -139,7 +140,7 @@ def pairs(t: Thresholds) -> Json:
         "Pair bus bandwidth / fleet median, node x peer",
         "One row per node (instance), one column per peer (the node name the plan uses), "
         "from the last round: each pair's bus bandwidth over the fleet's median node "
-        "(recording rule " + PAIR_RATIO + "). Green from 80%, orange below, red below "
+        "(" + PAIR_BW + " over " + FLEET_MEDIAN_BW + "). Green from 80%, orange below, red below "
         f"fleet.link_slow_ratio ({slow_pct}); FAILED: the pair gave no result. A node "
         "whose row and "
         "column are red is the suspect; one red cell, mirrored across the diagonal, a link. "
