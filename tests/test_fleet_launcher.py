@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from gpunet_exporter.probe import fleet, pairs, plan, results, runner
+from gpunet_exporter.probe import fleet, pairs, pairworker, plan, results, runner
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.sources.commands import Child
 
@@ -456,7 +456,7 @@ def test_a_busy_node_starts_no_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     def no_child(*_: object, **__: object) -> None:
         raise AssertionError("a rank was started on a busy node")
 
-    monkeypatch.setattr(fleet, "Child", no_child)
+    monkeypatch.setattr(pairworker, "Child", no_child)  # the pair workers' start
     got = fleet.run_pair(args(*launch.QUICK, state=tmp_path), SKIP_TURN, {},
                          FakeGpus((pairs.BUSY, "the GPUs are busy: 7 (python) is not the "
                                                 "probe's")))
@@ -563,18 +563,23 @@ def test_a_busy_node_costs_its_pairs_a_measurement_not_a_failure(tmp_path: Path)
         pairs.PEER_BUSY, pairs.BUSY)
 
 
+WORKER_LINE = re.compile(r"^gpunet-probe fleet: local rank (\d+): pair worker (\d+) "
+                         r"\((started for this pair|kept from an earlier pair)\)$", re.M)
+
+
+def _workers_of(folder: Path) -> list[tuple[int, bool]]:
+    """(pid, started for this pair) of each pair worker that ran the pair end whose folder is
+    ``folder``, as its probe.log says."""
+    try:
+        text = (folder / "probe.log").read_text()
+    except OSError:
+        return []
+    return [(int(m[2]), m[3].startswith("started")) for m in WORKER_LINE.finditer(text)]
+
+
 def _ranks_of(folder: Path) -> list[int]:
-    """PIDs of the `gpunet-probe run` ranks whose state directory is ``folder``."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                argv = fh.read().split(b"\0")
-        except OSError:
-            continue
-        if b"run" in argv and str(folder).encode() in argv:
-            out.append(int(pid))
-    return out
+    """PIDs of the pair workers running the pair end whose state directory is ``folder``."""
+    return [pid for pid, _ in _workers_of(folder) if os.path.exists(f"/proc/{pid}")]
 
 
 def test_a_node_that_gets_busy_mid_pair_kills_its_ranks(tmp_path: Path) -> None:
