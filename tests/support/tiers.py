@@ -87,7 +87,12 @@ SYSTEM_TESTS: dict[str, frozenset[str]] = {
     "test_fleet_launcher": frozenset({
         "test_a_busy_node_costs_its_pairs_a_measurement_not_a_failure",
         "test_a_node_that_gets_busy_mid_pair_kills_its_ranks",
+        "test_a_worker_killed_for_a_busy_gpu_is_replaced_for_the_next_pair",
+        "test_a_worker_not_started_by_the_fleet_says_so_and_exits_2",
+        "test_a_worker_that_dies_mid_pair_costs_only_that_pair",
         "test_bad_input_is_one_line_and_exit_2",
+        "test_each_node_keeps_one_worker_for_all_its_pairs",
+        "test_idle_workers_are_killed_when_other_work_comes_between_pairs",
         "test_four_nodes_on_loopback_write_the_ring_on_both_ends",
         "test_the_gpus_are_busy_with_a_process_of_another_session",
         "test_the_watch_kills_the_ranks_the_moment_the_pair_must_stop",

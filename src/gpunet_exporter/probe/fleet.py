@@ -325,16 +325,17 @@ def _no_word() -> str | None:
     return None
 
 
-def pair_workers(args: argparse.Namespace) -> pairworker.Workers:
+def pair_workers(args: argparse.Namespace, gpus: Gpus) -> pairworker.Workers:
     """The node's pair workers for a pass: each runs ``gpunet-probe run``'s round with the
-    fleet's options and those after --, one pair after another."""
+    fleet's options and those after --, one pair after another; killed between pairs too when
+    ``gpus`` stop being free."""
     run = run_options.RunOptions(
         state_dir=args.state_dir, scope="inter", rounds=1, timeout_seconds=args.pair_timeout,
         backend=args.backend, sizes=tuple(args.sizes), warmup=args.warmup,
         iterations=args.iterations)
     argv = [sys.executable, "-m", "gpunet_exporter.probe.cli", "pair-worker",
             *run_options.argv(run), *args.run_args]
-    return pairworker.Workers(argv, os.path.join(args.state_dir, FLEET_SUBDIR))
+    return pairworker.Workers(argv, os.path.join(args.state_dir, FLEET_SUBDIR), gpus.look)
 
 
 def run_pair(args: argparse.Namespace, turn: Turn, env: Mapping[str, str], gpus: Gpus,
@@ -349,9 +350,10 @@ def run_pair(args: argparse.Namespace, turn: Turn, env: Mapping[str, str], gpus:
     peer's end did not run (it is asked every WATCH_SECONDS): in all three cases the pair is not
     measured (``skipped``). A killed worker is started afresh for the node's next pair."""
     own = workers is None
-    workers = workers or pair_workers(args)
+    workers = workers or pair_workers(args, gpus)
     try:
-        return _run_pair(args, turn, env, gpus, peer_yielded, workers)
+        with workers.pair():
+            return _run_pair(args, turn, env, gpus, peer_yielded, workers)
     finally:
         if own:
             workers.close()
@@ -552,7 +554,7 @@ def run(args: argparse.Namespace, store: Store, rank: int, world: int, me: Membe
     barriers = Barriers(store, world)
     broken = False
     gpus = Gpus(args.nvml_module, args.procfs, args.backend)
-    workers = pair_workers(args)  # kept from pair to pair for the pass (issue 35)
+    workers = pair_workers(args, gpus)  # kept from pair to pair for the pass (issue 35)
     for r in range(int(head["rounds"])):
         t = by_round.get(r)
         if t is not None:

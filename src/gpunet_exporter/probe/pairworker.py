@@ -25,7 +25,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import IO, Any
 
@@ -38,6 +38,7 @@ CONTROL_ENV = "GPUNET_PAIR_WORKER_CONTROL"  # "<job fd>,<reply fd>" of a started
 LOG_DIR = ".nccl"  # under <state-dir>/fleet: NCCL's logs of a pass's workers (not a node name)
 MAX_LINE = 16384  # a job or a reply longer than this is not one
 PARENT_SECONDS = 0.5  # how often a worker looks whether the fleet process is still there
+WATCH_SECONDS = 0.5  # how often idle workers' GPUs are looked at (fleet.WATCH_SECONDS too)
 STOP_SECONDS = 5.0  # a worker has this long to exit at the end of the pass before it is killed
 EXIT_BAD_JOB = 2
 
@@ -196,25 +197,47 @@ class Worker:
         self._close_pipes()
         return rc
 
-    def stop(self, timeout: float = STOP_SECONDS) -> None:
-        """The end of the pass: the end of its pipe, then ``timeout`` to exit, then a kill."""
+    def end(self) -> None:
+        """The end of its pipe: it exits once its pair, if any, is done."""
         if self._jobs is not None:
             with contextlib.suppress(OSError):
                 os.close(self._jobs)
             self._jobs = None
+
+    def stop(self, timeout: float = STOP_SECONDS) -> None:
+        """The end of the pass: the end of its pipe, then ``timeout`` to exit, then a kill."""
+        self.end()
         self.child.stop(timeout)
         self._close_pipes()
 
 
 class Workers:
     """A node's pair workers for one pass, one per local rank: each started at the first pair
-    that needs it (after it died or was killed: afresh) and kept while it lives."""
+    that needs it (after it died or was killed: afresh) and kept while it lives.
 
-    def __init__(self, argv: Sequence[str], state_dir: str) -> None:
+    Between pairs they hold their CUDA contexts, so they are watched then too: every
+    WATCH_SECONDS, while no pair runs (``pair()``), ``look`` is asked about the GPUs (with the
+    workers, the fleet's own processes), and when it says the pair ends must not run (other
+    work came), every worker is killed at once, as a running pair end's ranks are."""
+
+    def __init__(self, argv: Sequence[str], state_dir: str,
+                 look: Callable[[Sequence[Worker]], tuple[str, str] | None] | None = None
+                 ) -> None:
         self.argv = list(argv)
         self.logdir = os.path.join(state_dir, LOG_DIR)
+        self.look = look
         self.by_local: dict[int, Worker] = {}
         self.started = 0  # workers started in this pass
+        self.killed_idle: tuple[str, str] | None = None  # why the idle watch last killed them
+        self._lock = threading.Lock()  # held while a pair runs, and while the watch looks
+        self._closed = threading.Event()
+        self._watch: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def pair(self) -> Iterator[None]:
+        """While a pair runs: the pair end's own watch looks at the GPUs, not the idle one."""
+        with self._lock:
+            yield
 
     def get(self, local: int, env: Mapping[str, str], log: IO[Any]) -> tuple[Worker, bool]:
         """The worker of local rank ``local``, and whether it was started now (with ``env``, its
@@ -230,22 +253,52 @@ class Workers:
         w = Worker(self.argv, {**env, "GPUNET_PROBE_LOG_DIR": self.logdir}, log)
         self.by_local[local] = w
         self.started += 1
+        if self._watch is None and self.look is not None:
+            self._watch = threading.Thread(target=self._idle_watch, name="idle-workers",
+                                           daemon=True)
+            self._watch.start()
         return w, True
 
+    def _idle_watch(self) -> None:
+        assert self.look is not None
+        while not self._closed.wait(WATCH_SECONDS):
+            if not self._lock.acquire(blocking=False):
+                continue  # a pair runs: its own watch looks
+            try:
+                running = self.running()
+                stop = self.look(running) if running else None
+                if stop is not None and not self._closed.is_set():
+                    self.killed_idle = stop
+                    self.kill()
+                    print(f"gpunet-probe fleet: pair workers killed between pairs: {stop[1]}",
+                          file=sys.stderr, flush=True)
+            except Exception as exc:  # the watch must not die of one bad look
+                print(f"gpunet-probe fleet: the idle pair workers' watch: {exc}",
+                      file=sys.stderr, flush=True)
+            finally:
+                self._lock.release()
+
     def running(self) -> list[Worker]:
-        return [w for w in self.by_local.values() if w.alive]
+        return [w for w in list(self.by_local.values()) if w.alive]
 
     def kill(self) -> None:
         """Kill every worker now (the GPUs are wanted by other work)."""
-        for w in self.by_local.values():
+        for w in list(self.by_local.values()):
             w.kill()
         self.by_local.clear()
 
     def close(self) -> None:
         """The end of the pass: every worker exits (or is killed after STOP_SECONDS)."""
-        for w in self.by_local.values():
-            w.stop()
-        self.by_local.clear()
+        self._closed.set()
+        with self._lock:  # not while the idle watch is looking
+            for w in self.by_local.values():
+                w.end()  # all told first: they exit side by side
+            deadline = time.monotonic() + STOP_SECONDS
+            for w in self.by_local.values():
+                w.stop(max(0.1, deadline - time.monotonic()))
+            self.by_local.clear()
+        if self._watch is not None:
+            self._watch.join(timeout=5)
 
 
 # -- the worker's side ------------------------------------------------------------------------

@@ -496,6 +496,7 @@ def worker(args: RunOptions, cluster: Cluster | None = None,
         os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
     warnings.filterwarnings("ignore", message=".*NumPy.*")
     marks = log_marks(logdir)  # NCCL's log of this process so far: not this group's
+    began = time.monotonic()
     try:
         probe = _Probe(args, cluster, scope, control is not None, rendezvous)
     except Exception as exc:
@@ -507,6 +508,9 @@ def worker(args: RunOptions, cluster: Cluster | None = None,
             control.reply("failed")
         return EXIT_NO_GPU if isinstance(exc, _NoGpu) else EXIT_ROUND_FAILED
     probe.log_marks = marks
+    if rendezvous is not None:  # a pair worker's: its pair's probe.log tells the group's cost
+        print(f"gpunet-probe: {scope} rank {cluster.rank} of {cluster.world_size}: group up in "
+              f"{time.monotonic() - began:.3f} s", file=sys.stderr, flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     round_no = 0
