@@ -809,3 +809,23 @@ def test_idle_workers_are_killed_when_other_work_comes_between_pairs(tmp_path: P
     assert all(p.ok for v in views.values() for p in v), views
     [(new, started)] = _workers_of(tmp_path / "n0" / "fleet" / "n3")
     assert started and new != pid
+
+
+def test_a_kept_workers_group_reads_only_its_own_lines_of_nccls_log(tmp_path: Path) -> None:
+    """NCCL opens its debug file once per process: a worker's one file holds every pair's
+    lines. A pair's transports come from the lines after the marks taken before its group was
+    made: the second group (sockets) does not inherit the first one's P2P."""
+    fixtures = Path(__file__).parent / "fixtures" / "nccl"
+    log = tmp_path / f"nccl.inter.vm.{os.getpid()}.log"
+    log.write_bytes((fixtures / "nccl-2.28.9-h200x2-p2p-rank0.log").read_bytes())
+    (tmp_path / "nccl.inter.vm.1.log").write_text("another process's\n")
+    marks = runner.log_marks(str(tmp_path))
+    assert marks == {log.name: log.stat().st_size}
+    with log.open("ab") as fh:
+        fh.write((fixtures / "nccl-2.28.9-h200x2-socket-rank0.log").read_bytes())
+    from gpunet_exporter.nccl import log as ncclog
+
+    second = ncclog.summarize(runner._parse_log_from(str(log), marks[log.name]))
+    both = ncclog.summarize(runner._parse_log_from(str(log), 0))
+    assert (second["transports"], second["net_transports"]) == (["NET"], ["Socket"])
+    assert sorted(both["transports"]) == ["NET", "P2P"]

@@ -347,7 +347,8 @@ def main(argv: Sequence[str]) -> int:
             job = parse_job(line)
         except BadJob as exc:
             print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
-            os.write(reply_fd, f"done {EXIT_BAD_JOB}\n".encode())
+            with contextlib.suppress(OSError):  # the fleet may be gone
+                os.write(reply_fd, f"done {EXIT_BAD_JOB}\n".encode())
             return EXIT_BAD_JOB
         _output_to(job.log)
         # What `gpunet-probe run` would have read from its environment, for anything that does.
