@@ -335,7 +335,7 @@ def pair_workers(args: argparse.Namespace, gpus: Gpus) -> pairworker.Workers:
         iterations=args.iterations)
     argv = [sys.executable, "-m", "gpunet_exporter.probe.cli", "pair-worker",
             *run_options.argv(run), *args.run_args]
-    return pairworker.Workers(argv, os.path.join(args.state_dir, FLEET_SUBDIR), gpus.look)
+    return pairworker.Workers(argv, args.state_dir, gpus.look)
 
 
 def run_pair(args: argparse.Namespace, turn: Turn, env: Mapping[str, str], gpus: Gpus,

@@ -35,7 +35,7 @@ from gpunet_exporter.sources.commands import Child
 
 PROG = "gpunet-probe pair-worker"
 CONTROL_ENV = "GPUNET_PAIR_WORKER_CONTROL"  # "<job fd>,<reply fd>" of a started worker
-LOG_DIR = ".nccl"  # under <state-dir>/fleet: NCCL's logs of a pass's workers (not a node name)
+LOG_DIR = "fleet-nccl"  # under <state-dir>: NCCL's logs of a pass's workers (fleet/ has peers)
 MAX_LINE = 16384  # a job or a reply longer than this is not one
 PARENT_SECONDS = 0.5  # how often a worker looks whether the fleet process is still there
 WATCH_SECONDS = 0.5  # how often idle workers' GPUs are looked at (fleet.WATCH_SECONDS too)
