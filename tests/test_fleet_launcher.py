@@ -829,3 +829,33 @@ def test_a_kept_workers_group_reads_only_its_own_lines_of_nccls_log(tmp_path: Pa
     both = ncclog.summarize(runner._parse_log_from(str(log), 0))
     assert (second["transports"], second["net_transports"]) == (["NET"], ["Socket"])
     assert sorted(both["transports"]) == ["NET", "P2P"]
+
+
+_SLOW_TO_EXIT = """
+import os, sys, time
+job, reply = (int(x) for x in os.environ[sys.argv[1]].split(","))
+os.read(job, 4096)
+os.write(reply, b"done 4\\n")
+time.sleep(30)  # on its way out, slowly (a torch process's exit takes its time)
+"""
+
+
+def test_a_worker_whose_pair_failed_is_not_given_the_next_one(tmp_path: Path) -> None:
+    """A worker exits after a pair that did not end in 0; until it is gone it must not be
+    taken for a live one (its next job would be lost and the pair fail): a fresh worker."""
+    workers = pairworker.Workers([sys.executable, "-c", _SLOW_TO_EXIT, pairworker.CONTROL_ENV],
+                                 str(tmp_path))
+    job = pairworker.Job(0, 2, 0, "127.0.0.1", 29600, str(tmp_path), str(tmp_path / "log"))
+    try:
+        with open(tmp_path / "log", "wb") as log:
+            first, new = workers.get(0, dict(os.environ), log)
+            assert new
+            first.send(job)
+            assert first.wait(20) == 4
+            assert first.alive  # still there, leaving
+            second, new = workers.get(0, dict(os.environ), log)
+            assert new and second.pid != first.pid
+            assert not first.alive and not _alive(first.pid)  # killed and reaped
+            assert workers.started == 2
+    finally:
+        workers.close()

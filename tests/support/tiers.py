@@ -90,6 +90,7 @@ SYSTEM_TESTS: dict[str, frozenset[str]] = {
         "test_a_worker_killed_for_a_busy_gpu_is_replaced_for_the_next_pair",
         "test_a_worker_not_started_by_the_fleet_says_so_and_exits_2",
         "test_a_worker_that_dies_mid_pair_costs_only_that_pair",
+        "test_a_worker_whose_pair_failed_is_not_given_the_next_one",
         "test_bad_input_is_one_line_and_exit_2",
         "test_each_node_keeps_one_worker_for_all_its_pairs",
         "test_idle_workers_are_killed_when_other_work_comes_between_pairs",

@@ -123,6 +123,12 @@ class Worker:
     def alive(self) -> bool:
         return self._jobs is not None and self.child.poll() is None
 
+    @property
+    def reusable(self) -> bool:
+        """Alive, and its last pair (if any) ended in 0: after any other end it is on its way
+        out (main), and a job given to it now would be lost."""
+        return self._code in (None, 0) and self.alive
+
     def send(self, job: Job) -> None:
         """Give it ``job``; OSError when it is gone."""
         if self._jobs is None:
@@ -243,7 +249,7 @@ class Workers:
         """The worker of local rank ``local``, and whether it was started now (with ``env``, its
         output to ``log``). OSError when it cannot be started."""
         w = self.by_local.get(local)
-        if w is not None and w.alive:
+        if w is not None and w.reusable:
             return w, False
         if w is not None:
             w.kill()  # reaped, its pipes closed
