@@ -34,9 +34,15 @@ nvidia-smi shows it and its resident host memory, and the launcher's own. The su
 last, and in probe_check.json) has the ratios per size and the memory per scope.
 
 fleet: `gpunet-probe fleet` with NCCL across simulated nodes that share the GPU (srun's
-environment, one NCCL_HOSTID per node): a ring over --nodes nodes, then a repair pass that must
-merge into the files; every node's pairs.json must hold its ring peers, measured, with the
-transport NCCL reported (Socket without an HCA), and one node's exporter must serve them.
+environment, one NCCL_HOSTID per node, which each node's persistent pair worker inherits): a
+ring over --nodes nodes, then a repair pass that must merge into the files; every node's
+pairs.json must hold its ring peers, measured, with the transport NCCL reported (Socket
+without an HCA), and one node's exporter must serve them. Then `ring --hops 2` over 4 simulated
+nodes (three rounds, three pairs per node): its pairs measured over Socket too (the transport
+read from a worker's NCCL log kept across pairs), one pair worker started per node for the
+whole pass, and the pair round's time under 3 s (median over the rounds; issue 35). Each pass's
+round times (first pair end's start to last pair end's end, from the pair ends' probe.log
+lines), the time its groups took to come up, and its worker starts are printed and kept.
 
 job (issue 31): that the probe never gets in a training job's way, on every GPU of the machine,
 with bench/standin_job.py as the job (one rank per GPU, NCCL; each step bf16 matmuls and a
@@ -92,6 +98,7 @@ import io
 import json
 import os
 import pstats
+import re
 import shutil
 import signal
 import statistics
@@ -1003,22 +1010,60 @@ def probe(args: argparse.Namespace) -> int:
     return finish(out, checks, args.out, "probe_check.json")
 
 
-def _fleet_run(site: Path, tmp: Path, nodes: list[str], extra: list[str]
+def _fleet_run(site: Path, tmp: Path, nodes: list[str], extra: list[str], prefix: str = "fleet"
                ) -> tuple[list[int], list[str], float]:
     port, pair_port = free_port(), free_port()
     procs = []
     started = time.monotonic()
     for rank, node in enumerate(nodes):
+        # NCCL_HOSTID: each simulated node a host of its own for NCCL, in the fleet's
+        # environment, which its pair workers inherit (read at NCCL's first use in each).
         env = {**os.environ, "PYTHONPATH": str(site), "NCCL_HOSTID": f"sim-{node}",
                "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(len(nodes)),
                "SLURM_LOCALID": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "gpunet_exporter.probe.cli", "fleet", "--state-dir",
-             str(tmp / f"fleet-{node}"), "--node-name", node, "--port", str(pair_port),
+             str(tmp / f"{prefix}-{node}"), "--node-name", node, "--port", str(pair_port),
              "--pair-timeout", "120", *extra], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=500)[0] for p in procs]
     return [p.returncode for p in procs], outs, time.monotonic() - started
+
+
+_PAIR_END = re.compile(r"pair end took ([0-9.]+) s \(wall clock ([0-9.]+) to ([0-9.]+)\)")
+_GROUP_UP = re.compile(r"group up in ([0-9.]+) s")
+_WORKER = re.compile(r"local rank \d+: pair worker (\d+) \((started|kept)")
+
+
+def fleet_rounds(tmp: Path, prefix: str, summary: list[dict[str, Any]]) -> dict[str, Any]:
+    """A pass's time per round from its pair ends' probe.log lines (``pair end took ... (wall
+    clock A to B)``): a round lasts from the first of its pair ends' A to the last one's B.
+    With the time each pair end's group took to come up (``group up in``), and how many pair
+    workers each node started (``started for this pair``) and with which PIDs."""
+    spans: dict[int, list[tuple[float, float]]] = {}
+    ups: dict[int, list[float]] = {}
+    workers: dict[str, list[tuple[int, bool]]] = {}
+    for line in summary:
+        r = int(line["round"])
+        for node, peer in ((line["node"], line["peer"]), (line["peer"], line["node"])):
+            try:
+                text = (tmp / f"{prefix}-{node}" / "fleet" / peer / "probe.log").read_text()
+            except OSError:
+                continue
+            m = _PAIR_END.search(text)
+            if m:
+                spans.setdefault(r, []).append((float(m[2]), float(m[3])))
+            ups.setdefault(r, []).extend(float(g) for g in _GROUP_UP.findall(text))
+            workers.setdefault(node, []).extend(
+                (int(pid), how == "started") for pid, how in _WORKER.findall(text))
+    rounds = [round(max(b for _, b in v) - min(a for a, _ in v), 3)
+              for _, v in sorted(spans.items())]
+    return {"round_seconds": rounds,
+            "median_round_seconds": round(statistics.median(rounds), 3) if rounds else None,
+            "group_up_seconds_by_round": {r: sorted(round(x, 3) for x in v)
+                                          for r, v in sorted(ups.items())},
+            "worker_starts": {n: sum(s for _, s in w) for n, w in sorted(workers.items())},
+            "worker_pids": {n: sorted({p for p, _ in w}) for n, w in sorted(workers.items())}}
 
 
 def fleet(args: argparse.Namespace) -> int:
@@ -1040,6 +1085,7 @@ def fleet(args: argparse.Namespace) -> int:
             except (OSError, ValueError):
                 files[n] = {}
         out["ring"] = {"returncodes": rcs, "wall_seconds": round(wall, 1), "summary": summary,
+                       **fleet_rounds(tmp, "fleet", summary),
                        "logs": [o[-2000:] for o in outs] if any(rcs) else []}
         print("\n== ring over", len(nodes), "simulated nodes on one GPU, NCCL")
         print(json.dumps(out["ring"], indent=1))
@@ -1077,6 +1123,40 @@ def fleet(args: argparse.Namespace) -> int:
         print(json.dumps(out["exported"], indent=1))
         checks.eq("fleet: node 0's exporter serves its peers", out["exported"]["peers"],
                   ring_peers[nodes[0]])
+        # ring --hops 2 over four simulated nodes: three rounds, the pair workers kept
+        four = [f"sim{i}" for i in range(4)]
+        rcs3, outs3, wall3 = _fleet_run(site, tmp, four, ["--kind", "ring", "--hops", "2", "--",
+                                                          "--no-skip-busy"], prefix="hops2")
+        summary3 = [json.loads(line) for line in outs3[0].splitlines() if line.startswith("{")]
+        files3 = {}
+        for n in four:
+            try:
+                files3[n] = json.loads((tmp / f"hops2-{n}" / "pairs.json").read_text())
+            except (OSError, ValueError):
+                files3[n] = {}
+        timing = fleet_rounds(tmp, "hops2", summary3)
+        out["ring_hops2"] = {"returncodes": rcs3, "wall_seconds": round(wall3, 1),
+                             "rounds": len({s["round"] for s in summary3}), **timing,
+                             "summary": summary3,
+                             "logs": [o[-2000:] for o in outs3] if any(rcs3) else []}
+        print("\n== ring --hops 2 over 4 simulated nodes on one GPU, NCCL, pair workers kept")
+        print(json.dumps({k: v for k, v in out["ring_hops2"].items() if k != "summary"},
+                         indent=1))
+        checks.eq("fleet ring --hops 2: every node exited 0", rcs3, [0] * len(four))
+        pairs3 = [p for f in files3.values() for p in f.get("pairs", [])]
+        checks.eq("fleet ring --hops 2: three pairs per node, every pair ok and measured",
+                  [len(f.get("pairs", [])) for f in files3.values()] == [3] * 4
+                  and all(p["ok"] and (p["bus_bandwidth_bytes_per_second"] or 0) > 0
+                          for p in pairs3), True)
+        checks.eq("fleet ring --hops 2: NCCL's transport recorded for every pair, kept workers "
+                  "too (Socket)", sorted({str(p["transport"]) for p in pairs3}), ["Socket"])
+        checks.eq("fleet ring --hops 2: one pair worker started per node for the pass",
+                  timing["worker_starts"], dict.fromkeys(four, 1))
+        median = timing["median_round_seconds"]
+        print(f"\n   pair round time (s) per round: {timing['round_seconds']}, median {median} "
+              f"(ring over {len(nodes)}: {out['ring']['round_seconds']})", flush=True)
+        checks.eq("fleet: pair round under 3 s (median round of ring --hops 2, seconds)",
+                  median, "< 3", ok=median is not None and median < 3)
     return finish(out, checks, args.out, "fleet_check.json")
 
 

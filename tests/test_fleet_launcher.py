@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from gpunet_exporter.probe import adaptive, fleet, pairs, plan, results, runner
+from gpunet_exporter.probe import adaptive, fleet, pairs, pairworker, plan, results, runner
 from gpunet_exporter.sources import nvml
 from gpunet_exporter.sources.commands import Child
 
@@ -461,7 +461,7 @@ def test_a_busy_node_starts_no_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     def no_child(*_: object, **__: object) -> None:
         raise AssertionError("a rank was started on a busy node")
 
-    monkeypatch.setattr(fleet, "Child", no_child)
+    monkeypatch.setattr(pairworker, "Child", no_child)  # the pair workers' start
     got = fleet.run_pair(args(*launch.QUICK, state=tmp_path), SKIP_TURN, {},
                          FakeGpus((pairs.BUSY, "the GPUs are busy: 7 (python) is not the "
                                                 "probe's")))
@@ -568,18 +568,23 @@ def test_a_busy_node_costs_its_pairs_a_measurement_not_a_failure(tmp_path: Path)
         pairs.PEER_BUSY, pairs.BUSY)
 
 
+WORKER_LINE = re.compile(r"^gpunet-probe fleet: local rank (\d+): pair worker (\d+) "
+                         r"\((started for this pair|kept from an earlier pair)\)$", re.M)
+
+
+def _workers_of(folder: Path) -> list[tuple[int, bool]]:
+    """(pid, started for this pair) of each pair worker that ran the pair end whose folder is
+    ``folder``, as its probe.log says."""
+    try:
+        text = (folder / "probe.log").read_text()
+    except OSError:
+        return []
+    return [(int(m[2]), m[3].startswith("started")) for m in WORKER_LINE.finditer(text)]
+
+
 def _ranks_of(folder: Path) -> list[int]:
-    """PIDs of the `gpunet-probe run` ranks whose state directory is ``folder``."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                argv = fh.read().split(b"\0")
-        except OSError:
-            continue
-        if b"run" in argv and str(folder).encode() in argv:
-            out.append(int(pid))
-    return out
+    """PIDs of the pair workers running the pair end whose state directory is ``folder``."""
+    return [pid for pid, _ in _workers_of(folder) if os.path.exists(f"/proc/{pid}")]
 
 
 def test_a_node_that_gets_busy_mid_pair_kills_its_ranks(tmp_path: Path) -> None:
@@ -715,3 +720,240 @@ def test_an_adaptive_pass_names_the_bad_node_of_six(tmp_path: Path) -> None:
             assert p.ok == (p.peer != "n4" and n != "n4"), (n, p)
     assert not [line for _, out in done[1:] for line in out.splitlines()
                 if line.startswith("{")]
+
+
+# -- the persistent pair worker (issue 35) ----------------------------------------------------
+
+WORKER_DONE = re.compile(r"^gpunet-probe pair-worker (\d+): pair (\d+): rank \d+ of 2: exit 0 "
+                         r"after [0-9.]+ s$", re.M)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_each_node_keeps_one_worker_for_all_its_pairs(tmp_path: Path) -> None:
+    """ring --hops 2 over four nodes on loopback: three rounds, three pairs per node. Each node
+    starts one pair worker, at its first pair, and that process runs all three of its pairs
+    (the worker's own count says 1, 2, 3), every pair measured; none is left at the end."""
+    nodes = [f"n{i}" for i in range(4)]
+    pair_port = str(free_port())
+    launches = [launch.Launch(n, tmp_path / n, ("--hops", "2", "--port", pair_port,
+                                                *launch.QUICK, "--pair-timeout", "60"))
+                for n in nodes]
+    done = launch.finish(launch.start(launches, launcher="srun", master="127.0.0.1",
+                                      port=free_port()), timeout=180)
+    assert [rc for rc, _ in done] == [0, 0, 0, 0], "\n".join(out[-3000:] for _, out in done)
+    made = plan.make("ring", nodes, seed=0, hops=2, suspects=[], good=None, leaves=None)
+    assert len(made) == 3
+    pids: set[int] = set()
+    for n in nodes:
+        got = pairs.read(pairs.pairs_path(str(tmp_path / n)))
+        order = plan.peers(made, n)  # in round order
+        assert [p.peer for p in got.pairs] == order and len(order) == 3
+        assert all(p.ok and (p.bus_bandwidth_bytes_per_second or 0) > 0 for p in got.pairs), got
+        ran = [_workers_of(tmp_path / n / "fleet" / peer) for peer in order]
+        assert [[started for _, started in r] for r in ran] == [[True], [False], [False]], ran
+        [pid] = {pid for r in ran for pid, _ in r}
+        counts = [[(int(m[1]), int(m[2])) for m in WORKER_DONE.finditer(
+            (tmp_path / n / "fleet" / peer / "probe.log").read_text())] for peer in order]
+        assert counts == [[(pid, 1)], [(pid, 2)], [(pid, 3)]], counts
+        pids.add(pid)
+    assert len(pids) == 4
+    assert not [pid for pid in pids if _alive(pid)]  # each exited with its pass
+
+
+def _two_rounds(tmp_path: Path, delays: dict[str, str]
+                ) -> tuple[list[launch.Launch], dict[str, Path]]:
+    """A ring over four nodes (round 0: n0-n1, n2-n3; round 1: n1-n2, n3-n0) on the NVML
+    stand-in, each node's GPU processes listed in the file returned for it."""
+    pair_port = str(free_port())
+    listings = {f"n{i}": tmp_path / f"n{i}-nvml-processes" for i in range(4)}
+    launches = []
+    for n, listing in listings.items():
+        listing.write_text("")
+        flags, env = launch.fake_gpus(listing)
+        if n in delays:
+            env[runner.DELAY_ENV] = delays[n]
+        launches.append(launch.Launch(n, tmp_path / n, (
+            *flags, "--port", pair_port, *launch.QUICK, "--pair-timeout", "60"), env=env))
+    return launches, listings
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def test_a_worker_killed_for_a_busy_gpu_is_replaced_for_the_next_pair(tmp_path: Path) -> None:
+    """n1's GPU gets a foreign process while n1's worker runs its pair with n0 (slowed down);
+    the watch kills it, and once the process is gone, n1's next pair (with n2) is measured by a
+    fresh worker. n0's worker, killed on n1's word, is replaced too; n2 and n3 keep theirs."""
+    # n1 late in round 0 (rank 1 there), and n3 (rank 1 with n2): round 0 lasts until the
+    # test has taken the foreign process off n1's list again.
+    launches, listings = _two_rounds(tmp_path, {"n1": "1:3", "n3": "1:0.3"})
+    with launch.foreign_process() as job:
+        procs = launch.start(launches, launcher="srun", master="127.0.0.1", port=free_port())
+        first = wait_for(lambda: _ranks_of(tmp_path / "n1" / "fleet" / "n0"), "n1's worker",
+                         timeout=60)
+        wait_for(lambda: _ranks_of(tmp_path / "n0" / "fleet" / "n1"), "n0's worker", timeout=60)
+        listings["n1"].write_text(f"0 {job.pid}\n")
+        wait_for(lambda: "ranks killed" in _read(tmp_path / "n1" / "fleet" / "n0" / "probe.log"),
+                 "n1's worker killed", timeout=30)
+        listings["n1"].write_text("")
+        done = launch.finish(procs, timeout=120)
+    assert [rc for rc, _ in done] == [0] * 4, "\n".join(out[-3000:] for _, out in done)
+    assert not _alive(first[0])
+    n1 = {p.peer: p for p in pairs.read(pairs.pairs_path(str(tmp_path / "n1"))).pairs}
+    n0 = {p.peer: p for p in pairs.read(pairs.pairs_path(str(tmp_path / "n0"))).pairs}
+    assert (n1["n0"].skipped, n0["n1"].skipped) == (pairs.BUSY, pairs.PEER_BUSY)
+    assert n1["n2"].ok and (n1["n2"].bus_bandwidth_bytes_per_second or 0) > 0, n1["n2"]
+    assert n0["n3"].ok and (n0["n3"].bus_bandwidth_bytes_per_second or 0) > 0, n0["n3"]
+    for node, killed, nxt in (("n1", "n0", "n2"), ("n0", "n1", "n3")):
+        [(old, _)] = _workers_of(tmp_path / node / "fleet" / killed)
+        [(new, started)] = _workers_of(tmp_path / node / "fleet" / nxt)
+        assert started and new != old, (node, old, new)
+    for node, second in (("n2", "n1"), ("n3", "n0")):  # untouched: one worker for both pairs
+        assert [s for _, s in _workers_of(tmp_path / node / "fleet" / second)] == [False]
+
+
+def test_a_worker_that_dies_mid_pair_costs_only_that_pair(tmp_path: Path) -> None:
+    """n1's worker is killed (SIGKILL, from outside) once its pair's group with n0 is up: that
+    pair fails on both ends (n0's worker sees the connection go), and both nodes' next pairs
+    are measured by fresh workers; the other pairs are measured as usual."""
+    launches, _ = _two_rounds(tmp_path, {"n1": "1:3", "n3": "1:0.3"})
+    procs = launch.start(launches, launcher="srun", master="127.0.0.1", port=free_port())
+    folder = tmp_path / "n1" / "fleet" / "n0"
+    wait_for(lambda: "group up" in _read(folder / "probe.log"), "n1's group", timeout=60)
+    [pid] = _ranks_of(folder)
+    os.kill(pid, 9)
+    done = launch.finish(procs, timeout=120)
+    assert [rc for rc, _ in done] == [0] * 4, "\n".join(out[-3000:] for _, out in done)
+    views = {n: {p.peer: p for p in pairs.read(pairs.pairs_path(str(tmp_path / n))).pairs}
+             for n in ("n0", "n1", "n2", "n3")}
+    assert views["n1"]["n0"].failed and views["n0"]["n1"].failed
+    assert views["n1"]["n0"].error == f"no result (ranks exited [-9]): " \
+        f"[Errno 2] No such file or directory: '{folder / 'inter.json'}'"
+    measured = [(n, peer) for n, v in views.items() for peer, p in v.items()
+                if p.ok and (p.bus_bandwidth_bytes_per_second or 0) > 0]
+    assert sorted(measured) == [("n0", "n3"), ("n1", "n2"), ("n2", "n1"), ("n2", "n3"),
+                                ("n3", "n0"), ("n3", "n2")]
+    [(new, started)] = _workers_of(tmp_path / "n1" / "fleet" / "n2")
+    assert started and new != pid
+
+
+@pytest.mark.parametrize("line, want", [
+    (b"{not json\n", "a job is a JSON object"),
+    (b"[1]\n", "a job is a JSON object"),
+    (b'{"rank": 2, "world": 2, "local": 0, "master": "h", "port": 1, "state_dir": "/s", '
+     b'"log": "/l"}', "job: rank 2 of 2 at port 1"),
+    (b'{"rank": true, "world": 2, "local": 0, "master": "h", "port": 1, "state_dir": "/s", '
+     b'"log": "/l"}', "job: rank must be a whole number, got True"),
+    (b'{"rank": 0, "world": 2, "local": 0, "master": "", "port": 1, "state_dir": "/s", '
+     b'"log": "/l"}', "job: master must be a non-empty string"),
+])
+def test_a_bad_job_is_refused_with_one_line(line: bytes, want: str) -> None:
+    with pytest.raises(pairworker.BadJob, match=re.escape(want)):
+        pairworker.parse_job(line)
+
+
+def test_a_job_says_what_a_ranks_environment_said() -> None:
+    t = fleet.Turn(round=1, peer="b", peer_leaf=None, serve=False, master="10.0.0.9", port=29601)
+    job = pairworker.job_for(fleet.child_env({}, t, local=1, gpus=2), "/s/fleet/b", "/l")
+    assert pairworker.parse_job(job.line()) == job
+    assert (job.rank, job.world, job.local, job.master, job.port) == (3, 4, 1, "10.0.0.9", 29601)
+
+
+def test_a_worker_not_started_by_the_fleet_says_so_and_exits_2(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != pairworker.CONTROL_ENV}
+    p = subprocess.run([sys.executable, "-m", "gpunet_exporter.probe.cli", "pair-worker",
+                        "--state-dir", str(tmp_path)], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        f"gpunet-probe pair-worker: started by gpunet-probe fleet only "
+        f"({pairworker.CONTROL_ENV} is not set)"]
+
+
+def test_idle_workers_are_killed_when_other_work_comes_between_pairs(tmp_path: Path) -> None:
+    """n0 and n1 are done with round 0 and wait at its barrier, holding their workers, while
+    n2 and n3 still measure (n3 slowed down). A process of another session appears on n0's
+    GPU: n0's worker is killed within a few watches, while round 0 still runs, not at n0's
+    next pair; once the process is gone, that pair (with n3) is measured by a fresh worker."""
+    launches, listings = _two_rounds(tmp_path, {"n3": "1:1.5"})
+    with launch.foreign_process() as job:
+        procs = launch.start(launches, launcher="srun", master="127.0.0.1", port=free_port())
+        first = tmp_path / "n0" / "fleet" / "n1"
+        wait_for(lambda: "pair end took" in _read(first / "probe.log"), "n0's first pair",
+                 timeout=60)
+        [(pid, _)] = _workers_of(first)
+        assert _alive(pid)  # kept, idle, between pairs
+        listings["n0"].write_text(f"0 {job.pid}\n")
+        wait_for(lambda: not _alive(pid), "n0's idle worker killed", timeout=5)
+        assert "pair end took" not in _read(tmp_path / "n2" / "fleet" / "n3" / "probe.log")
+        listings["n0"].write_text("")
+        done = launch.finish(procs, timeout=120)
+    assert [rc for rc, _ in done] == [0] * 4, "\n".join(out[-3000:] for _, out in done)
+    assert ("gpunet-probe fleet: pair workers killed between pairs: the GPUs are busy: "
+            f"{job.pid} (sleep) is not the probe's") in done[0][1]
+    views = {n: pairs.read(pairs.pairs_path(str(tmp_path / n))).pairs for n in ("n0", "n1")}
+    assert all(p.ok for v in views.values() for p in v), views
+    [(new, started)] = _workers_of(tmp_path / "n0" / "fleet" / "n3")
+    assert started and new != pid
+
+
+def test_a_kept_workers_group_reads_only_its_own_lines_of_nccls_log(tmp_path: Path) -> None:
+    """NCCL opens its debug file once per process: a worker's one file holds every pair's
+    lines. A pair's transports come from the lines after the marks taken before its group was
+    made: the second group (sockets) does not inherit the first one's P2P."""
+    fixtures = Path(__file__).parent / "fixtures" / "nccl"
+    log = tmp_path / f"nccl.inter.vm.{os.getpid()}.log"
+    log.write_bytes((fixtures / "nccl-2.28.9-h200x2-p2p-rank0.log").read_bytes())
+    (tmp_path / "nccl.inter.vm.1.log").write_text("another process's\n")
+    marks = runner.log_marks(str(tmp_path))
+    assert marks == {log.name: log.stat().st_size}
+    with log.open("ab") as fh:
+        fh.write((fixtures / "nccl-2.28.9-h200x2-socket-rank0.log").read_bytes())
+    from gpunet_exporter.nccl import log as ncclog
+
+    second = ncclog.summarize(runner._parse_log_from(str(log), marks[log.name]))
+    both = ncclog.summarize(runner._parse_log_from(str(log), 0))
+    assert (second["transports"], second["net_transports"]) == (["NET"], ["Socket"])
+    assert sorted(both["transports"]) == ["NET", "P2P"]
+
+
+_SLOW_TO_EXIT = """
+import os, sys, time
+job, reply = (int(x) for x in os.environ[sys.argv[1]].split(","))
+os.read(job, 4096)
+os.write(reply, b"done 4\\n")
+time.sleep(30)  # on its way out, slowly (a torch process's exit takes its time)
+"""
+
+
+def test_a_worker_whose_pair_failed_is_not_given_the_next_one(tmp_path: Path) -> None:
+    """A worker exits after a pair that did not end in 0; until it is gone it must not be
+    taken for a live one (its next job would be lost and the pair fail): a fresh worker."""
+    workers = pairworker.Workers([sys.executable, "-c", _SLOW_TO_EXIT, pairworker.CONTROL_ENV],
+                                 str(tmp_path))
+    job = pairworker.Job(0, 2, 0, "127.0.0.1", 29600, str(tmp_path), str(tmp_path / "log"))
+    try:
+        with open(tmp_path / "log", "wb") as log:
+            first, new = workers.get(0, dict(os.environ), log)
+            assert new
+            first.send(job)
+            assert first.wait(20) == 4
+            assert first.alive  # still there, leaving
+            second, new = workers.get(0, dict(os.environ), log)
+            assert new and second.pid != first.pid
+            assert not first.alive and not _alive(first.pid)  # killed and reaped
+            assert workers.started == 2
+    finally:
+        workers.close()

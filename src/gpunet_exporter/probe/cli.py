@@ -37,6 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gpunet_exporter.probe import fleet
 
         return fleet.main(args_list[1:])
+    if args_list[:1] == ["pair-worker"]:  # a fleet pair end's, kept for a pass: not for people
+        from gpunet_exporter.probe import pairworker
+
+        return pairworker.main(args_list[1:])
     if args_list[:1] == ["worker"]:  # one rank, started by `run`: not a command for people
         work = Parser(prog=f"{PROG} worker")
         run_options.add_arguments(work)

@@ -27,9 +27,17 @@ import yaml
 from gpunet_exporter.errors import ConfigError, short
 from gpunet_exporter.files import read_regular
 from gpunet_exporter.flags import Parser
-from gpunet_exporter.probe import adaptive, idle, pairs, plan, results, run_options, runner
+from gpunet_exporter.probe import (
+    adaptive,
+    idle,
+    pairs,
+    pairworker,
+    plan,
+    results,
+    run_options,
+    runner,
+)
 from gpunet_exporter.sources import nvml
-from gpunet_exporter.sources.commands import Child
 from gpunet_exporter.sources.sysfs import Root, parse_uint
 
 PROG = "gpunet-probe fleet"
@@ -310,10 +318,21 @@ def verdict(foreign: Collection[int] | None, backend: str) -> str | None:
     return pairs.BUSY if foreign else None
 
 
+class End(Protocol):
+    """A running rank of a pair end: a pair worker (pairworker.Worker) or any process with
+    the same calls (commands.Child)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float) -> int | None: ...
+    def kill(self) -> int | None: ...
+
+
 class Gpus:
     """This node's GPUs as its pair ends see them: the processes on them that are not the
     fleet's (probe/idle.py). The fleet's own are those of this process's session and
-    of the sessions of the running end's ranks, each a session of its own (commands.Child)."""
+    of the sessions of its pair workers, each a session of its own (commands.Child)."""
 
     def __init__(self, module: str, procfs: str, backend: str) -> None:
         self.session = nvml.session(module)
@@ -321,7 +340,7 @@ class Gpus:
         self.backend = backend
         self.known_own: set[int] = set()
 
-    def look(self, ranks: Sequence[Child] = ()) -> tuple[str, str] | None:
+    def look(self, ranks: Sequence[End] = ()) -> tuple[str, str] | None:
         """(reason, what was seen) when the end must not run now; None when it may."""
         # The node's own probe (the exporter's runner) is no job to wait for: it yields to
         # the pair's ranks, as to any process that is not its own.
@@ -342,41 +361,75 @@ def _no_word() -> str | None:
     return None
 
 
-def run_pair(args: argparse.Namespace, turn: Turn, env: Mapping[str, str], gpus: Gpus,
-             peer_yielded: Callable[[], str | None] = _no_word) -> pairs.Pair:
-    """This node's end of one pair: its ranks started, watched and waited for up to the pair
-    timeout, and what its local rank 0 wrote, as this node's view of the pair.
+def pair_workers(args: argparse.Namespace, gpus: Gpus) -> pairworker.Workers:
+    """The node's pair workers for a pass: each runs ``gpunet-probe run``'s round with the
+    fleet's options and those after --, one pair after another; killed between pairs too when
+    ``gpus`` stop being free."""
+    run = run_options.RunOptions(
+        state_dir=args.state_dir, scope="inter", rounds=1, timeout_seconds=args.pair_timeout,
+        backend=args.backend, sizes=tuple(args.sizes), warmup=args.warmup,
+        iterations=args.iterations)
+    argv = [sys.executable, "-m", "gpunet_exporter.probe.cli", "pair-worker",
+            *run_options.argv(run), *args.run_args]
+    return pairworker.Workers(argv, args.state_dir, gpus.look)
 
-    No rank starts when ``gpus`` are not free; the ranks are killed the moment they stop being
-    free, or when ``peer_yielded`` returns the reason the peer's end did not run (it is asked
-    every WATCH_SECONDS): in all three cases the pair is not measured (``skipped``)."""
+
+def run_pair(args: argparse.Namespace, turn: Turn, env: Mapping[str, str], gpus: Gpus,
+             peer_yielded: Callable[[], str | None] = _no_word,
+             workers: pairworker.Workers | None = None) -> pairs.Pair:
+    """This node's end of one pair: its ranks run by the node's pair workers (``workers``, kept
+    from pair to pair; without them, workers of this pair's own), watched and waited for up to
+    the pair timeout, and what its local rank 0 wrote, as this node's view of the pair.
+
+    No rank starts when ``gpus`` are not free, and the idle workers are killed; the ranks are
+    killed the moment they stop being free, or when ``peer_yielded`` returns the reason the
+    peer's end did not run (it is asked every WATCH_SECONDS): in all three cases the pair is not
+    measured (``skipped``). A killed worker is started afresh for the node's next pair."""
+    own = workers is None
+    workers = workers or pair_workers(args, gpus)
+    try:
+        with workers.pair():
+            return _run_pair(args, turn, env, gpus, peer_yielded, workers)
+    finally:
+        if own:
+            workers.close()
+
+
+def _run_pair(args: argparse.Namespace, turn: Turn, env: Mapping[str, str], gpus: Gpus,
+              peer_yielded: Callable[[], str | None], workers: pairworker.Workers
+              ) -> pairs.Pair:
     where = pair_dir(args.state_dir, turn.peer)
     os.makedirs(where, exist_ok=True)
     path = results.result_path(where, "inter")
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # an earlier run's result must not pass for this one's
-    with open(os.path.join(where, "probe.log"), "wb") as log:
-        stop = gpus.look()
+    log_path = os.path.join(where, "probe.log")
+    # Appended to, unbuffered: the workers write their lines into it too.
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    with open(fd, "wb", buffering=0) as log:
+        stop = gpus.look(workers.running())
         if stop is not None:  # before any rank: nothing of the probe's touches a GPU
+            workers.kill()  # and the idle workers leave it too, with their CUDA contexts
             log.write(f"{PROG}: no rank started: {stop[1]}\n".encode())
             return _skipped(turn, *stop)
-        run = run_options.RunOptions(
-            state_dir=where, scope="inter", rounds=1, timeout_seconds=args.pair_timeout,
-            backend=args.backend, sizes=tuple(args.sizes), warmup=args.warmup,
-            iterations=args.iterations)
-        argv = [sys.executable, "-m", "gpunet_exporter.probe.cli", "run",
-                *run_options.argv(run), *args.run_args]
-        started = time.monotonic()
-        children: list[Child] = []
+        started, began = time.monotonic(), time.time()
+        ends: list[pairworker.Worker] = []
         try:
             for local in range(args.gpus_per_node):
-                children.append(Child(argv, stdout=log, stderr=log,
-                                      env=child_env(env, turn, local, args.gpus_per_node)))
+                rank_env = child_env(env, turn, local, args.gpus_per_node)
+                w, new = workers.get(local, rank_env, log)
+                log.write(f"{PROG}: local rank {local}: pair worker {w.pid} "
+                          f"({'started for this pair' if new else 'kept from an earlier pair'}"
+                          f")\n".encode())
+                w.send(pairworker.job_for(rank_env, where, log_path))
+                ends.append(w)
         except OSError as exc:
-            for c in children:
-                c.kill()
-            return _failed(turn, f"cannot start gpunet-probe run: {exc}")
-        codes, stop = _watch(children, started + args.pair_timeout + 15, gpus, peer_yielded)
+            for w in ends:
+                w.kill()
+            return _failed(turn, f"cannot start gpunet-probe's pair worker: {exc}")
+        codes, stop = _watch(ends, started + args.pair_timeout + 15, gpus, peer_yielded)
+        log.write(f"{PROG}: pair end took {time.monotonic() - started:.3f} s (wall clock "
+                  f"{began:.3f} to {time.time():.3f})\n".encode())
         if stop is not None:
             log.write(f"{PROG}: ranks killed: {stop[1]}\n".encode())
             return _skipped(turn, *stop)
@@ -389,7 +442,7 @@ def run_pair(args: argparse.Namespace, turn: Turn, env: Mapping[str, str], gpus:
     return judge(turn, res, args.sizes, args.gpus_per_node, args.backend)
 
 
-def _watch(children: Sequence[Child], deadline: float, gpus: Gpus,
+def _watch(children: Sequence[End], deadline: float, gpus: Gpus,
            peer_yielded: Callable[[], str | None]
            ) -> tuple[list[int | None], tuple[str, str] | None]:
     """Wait for the ranks until ``deadline`` (time.monotonic()), looking every WATCH_SECONDS at
@@ -539,11 +592,12 @@ def run(args: argparse.Namespace, store: Store, rank: int, world: int, me: Membe
     barriers = Barriers(store, world)
     broken = False
     gpus = Gpus(args.nvml_module, args.procfs, args.backend)
+    workers = pair_workers(args, gpus)  # kept from pair to pair for the pass (issue 35)
     for r in range(int(head["rounds"])):
         t = by_round.get(r)
         if t is not None:
             heard.append(_no_word if broken else _yielded(store, t))
-            p = run_pair(args, t, env, gpus, heard[-1])
+            p = run_pair(args, t, env, gpus, heard[-1], workers)
             mine.append(p)
             if p.skipped is not None:
                 print(f"{PROG}: {me.node}: round {r}: the pair with {t.peer} is not measured "
@@ -561,6 +615,7 @@ def run(args: argparse.Namespace, store: Store, rank: int, world: int, me: Membe
         except StoreBroken as exc:
             print(f"{PROG}: {me.node}: {exc}; running this node's pairs alone", file=sys.stderr)
             broken = True
+    workers.close()  # the pass's pairs are done: no CUDA context stays on the node
     if broken:
         write(args, me, mine)  # this node's own view: no peer to agree with
         return EXIT_RENDEZVOUS
@@ -720,6 +775,7 @@ def run_adaptive(args: argparse.Namespace, store: Store, rank: int, world: int, 
     heard: list[Callable[[], str | None]] = []
     barriers = Barriers(store, world)
     gpus = Gpus(args.nvml_module, args.procfs, args.backend)
+    workers = pair_workers(args, gpus)  # kept from pair to pair for the pass, as in run()
     r = 0
     try:
         while True:
@@ -731,7 +787,7 @@ def run_adaptive(args: argparse.Namespace, store: Store, rank: int, world: int, 
             if store.check([key]):
                 t = _turn(json.loads(store.get(key)))
                 heard.append(_yielded(store, t))
-                p = run_pair(args, t, env, gpus, heard[-1])
+                p = run_pair(args, t, env, gpus, heard[-1], workers)
                 mine.append(p)
                 if p.skipped is not None:
                     print(f"{PROG}: {me.node}: round {r}: the pair with {t.peer} is not "
@@ -751,6 +807,8 @@ def run_adaptive(args: argparse.Namespace, store: Store, rank: int, world: int, 
               file=sys.stderr)
         write(args, me, _last_per_peer(mine))
         return EXIT_RENDEZVOUS
+    finally:
+        workers.close()  # the pass's pairs are done: no CUDA context stays on the node
     mine = [_peer_did_not_run(p, ask()) if p.failed else p for p, ask in zip(mine, heard,
                                                                              strict=True)]
     _put(store, f"view/{me.node}", [pairs.pair_json(p) for p in _last_per_peer(mine)])

@@ -35,8 +35,10 @@ transports and HCAs carried the round.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -460,9 +462,21 @@ def host_key() -> str:
     return socket.gethostname() + boot
 
 
-def worker(args: RunOptions, cluster: Cluster | None = None) -> int:
+def pair_round(args: RunOptions, cluster: Cluster, master: str, port: int) -> int:
+    """One round of ``gpunet-probe run --rounds 1`` in cluster mode, in this process: a process
+    group of its own made through a TCPStore at ``master``:``port`` (served by rank 0), the
+    round, its result written by local rank 0, the group destroyed and PyTorch's cache given
+    back; the exit status ``gpunet-probe run`` would have. What the fleet's persistent pair
+    worker (probe/pairworker.py) runs for each pair, one process for many pairs."""
+    return worker(dataclasses.replace(args, rounds=1), cluster, (master, port))
+
+
+def worker(args: RunOptions, cluster: Cluster | None = None,
+           rendezvous: tuple[str, int] | None = None) -> int:
     """One rank: init the process group once, then rounds: on the launcher's command when it
-    has one, else every --interval until --rounds (cluster mode), or until a failure."""
+    has one, else every --interval until --rounds (cluster mode), or until a failure. The
+    group meets through MASTER_ADDR and MASTER_PORT, or through a TCPStore at ``rendezvous``
+    (host, port) when given (pair_round)."""
     cluster = cluster or cluster_from_env(os.environ)
     if cluster is None:
         print("gpunet-probe worker: RANK and WORLD_SIZE are not set", file=sys.stderr)
@@ -481,8 +495,10 @@ def worker(args: RunOptions, cluster: Cluster | None = None) -> int:
         # after _Probe's first device query has initialised the driver.
         os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
     warnings.filterwarnings("ignore", message=".*NumPy.*")
+    marks = log_marks(logdir)  # NCCL's log of this process so far: not this group's
+    began = time.monotonic()
     try:
-        probe = _Probe(args, cluster, scope, control is not None)
+        probe = _Probe(args, cluster, scope, control is not None, rendezvous)
     except Exception as exc:
         if writer:
             reason = "no_gpu" if isinstance(exc, _NoGpu) else "init_error"
@@ -491,6 +507,10 @@ def worker(args: RunOptions, cluster: Cluster | None = None) -> int:
         if control:
             control.reply("failed")
         return EXIT_NO_GPU if isinstance(exc, _NoGpu) else EXIT_ROUND_FAILED
+    probe.log_marks = marks
+    if rendezvous is not None:  # a pair worker's: its pair's probe.log tells the group's cost
+        print(f"gpunet-probe: {scope} rank {cluster.rank} of {cluster.world_size}: group up in "
+              f"{time.monotonic() - began:.3f} s", file=sys.stderr, flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     round_no = 0
@@ -534,6 +554,29 @@ class _NoGpu(RuntimeError):
     pass
 
 
+def log_marks(logdir: str) -> dict[str, int]:
+    """The sizes of this process's NCCL logs in ``logdir`` now. NCCL opens its debug file once
+    per process, at its first use: a process that makes one group after another (the fleet's
+    pair worker) has one file for all, and a group's lines are those after its marks."""
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(logdir):
+            if name.endswith(f".{os.getpid()}.log"):
+                with contextlib.suppress(OSError):
+                    out[name] = os.stat(os.path.join(logdir, name)).st_size
+    return out
+
+
+def _parse_log_from(path: str, offset: int) -> list[Any]:
+    """The NCCL reports of one log file from byte ``offset`` on; raises OSError."""
+    from gpunet_exporter.nccl import log as ncclog
+
+    with open(path, "rb") as raw:
+        raw.seek(offset)
+        with io.TextIOWrapper(raw, encoding="utf-8", errors="replace") as fh:
+            return ncclog.parse_lines(ncclog.read_lines(fh))
+
+
 def _delay(rank: int) -> float:
     """The test hook: seconds this rank sleeps before each all-reduce timed on its own (not
     in the tight loop) (DELAY_ENV)."""
@@ -549,7 +592,7 @@ class _Probe:
     """A rank's persistent state: process group, device, buffers, NVML for the busy check."""
 
     def __init__(self, args: RunOptions, cluster: Cluster, scope: str,
-                 launched: bool) -> None:
+                 launched: bool, rendezvous: tuple[str, int] | None = None) -> None:
         import torch
         import torch.distributed as dist
 
@@ -583,10 +626,17 @@ class _Probe:
         else:
             self.device = torch.device("cpu")
         from datetime import timedelta
+        self.log_marks: dict[str, int] = {}  # where this group's lines of NCCL's logs begin
+        timeout = timedelta(seconds=args.timeout_seconds)
+        # A store of the group's own (pair_round): dropped with the group at close(), so that
+        # the next group of this process can serve at the same port.
+        self.store: Any = None if rendezvous is None else self.dist.TCPStore(
+            rendezvous[0], rendezvous[1], cluster.world_size, cluster.rank == 0,
+            timeout=timeout)
         self.dist.init_process_group(
             args.backend, rank=cluster.rank, world_size=cluster.world_size,
-            timeout=timedelta(seconds=args.timeout_seconds),
-            device_id=self.device if self.cuda else None)
+            timeout=timeout, device_id=self.device if self.cuda else None,
+            **({} if self.store is None else {"store": self.store}))
         self.world = cluster.world_size
         self.host = host_key()
         self.peers = self._gather_json({"pid": os.getpid(), "host": self.host, "gpu": self.gpu})
@@ -817,7 +867,8 @@ class _Probe:
         for name in os.listdir(logdir):
             if name.endswith(f".{os.getpid()}.log"):
                 with contextlib.suppress(OSError):
-                    mine += ncclog.parse_file(os.path.join(logdir, name))
+                    mine += _parse_log_from(os.path.join(logdir, name),
+                                            self.log_marks.get(name, 0))
         ports: list[list[Any]] = []
         if self.pinned is not None:
             ports.append([self.pinned.device, self.pinned.port])
@@ -859,6 +910,8 @@ class _Probe:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.dist.destroy_process_group()
+        self.store = None
+        self._release()  # a process that goes on (pair_round) keeps only its CUDA context
         if self.nvml is not None:
             with contextlib.suppress(Exception):
                 self.nvml.nvmlShutdown()
