@@ -1042,6 +1042,7 @@ def fleet_rounds(tmp: Path, prefix: str, summary: list[dict[str, Any]]) -> dict[
     workers each node started (``started for this pair``) and with which PIDs."""
     spans: dict[int, list[tuple[float, float]]] = {}
     ups: dict[int, list[float]] = {}
+    measure: dict[int, list[float]] = {}  # the round's all-reduces: the result's time - started
     workers: dict[str, list[tuple[int, bool]]] = {}
     for line in summary:
         r = int(line["round"])
@@ -1050,6 +1051,12 @@ def fleet_rounds(tmp: Path, prefix: str, summary: list[dict[str, Any]]) -> dict[
                 text = (tmp / f"{prefix}-{node}" / "fleet" / peer / "probe.log").read_text()
             except OSError:
                 continue
+            try:
+                res = json.loads((tmp / f"{prefix}-{node}" / "fleet" / peer / "inter.json")
+                                 .read_text())
+                measure.setdefault(r, []).append(float(res["time"]) - float(res["started"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
             m = _PAIR_END.search(text)
             if m:
                 spans.setdefault(r, []).append((float(m[2]), float(m[3])))
@@ -1062,6 +1069,7 @@ def fleet_rounds(tmp: Path, prefix: str, summary: list[dict[str, Any]]) -> dict[
             "median_round_seconds": round(statistics.median(rounds), 3) if rounds else None,
             "group_up_seconds_by_round": {r: sorted(round(x, 3) for x in v)
                                           for r, v in sorted(ups.items())},
+            "measure_seconds_by_round": {r: round(max(v), 3) for r, v in sorted(measure.items())},
             "worker_starts": {n: sum(s for _, s in w) for n, w in sorted(workers.items())},
             "worker_pids": {n: sorted({p for p, _ in w}) for n, w in sorted(workers.items())}}
 
@@ -1126,7 +1134,8 @@ def fleet(args: argparse.Namespace) -> int:
         # ring --hops 2 over four simulated nodes: three rounds, the pair workers kept
         four = [f"sim{i}" for i in range(4)]
         rcs3, outs3, wall3 = _fleet_run(site, tmp, four, ["--kind", "ring", "--hops", "2", "--",
-                                                          "--no-skip-busy"], prefix="hops2")
+                                                          "--no-skip-busy", *args.pair_args],
+                                        prefix="hops2")
         summary3 = [json.loads(line) for line in outs3[0].splitlines() if line.startswith("{")]
         files3 = {}
         for n in four:
@@ -1153,6 +1162,9 @@ def fleet(args: argparse.Namespace) -> int:
         checks.eq("fleet ring --hops 2: one pair worker started per node for the pass",
                   timing["worker_starts"], dict.fromkeys(four, 1))
         median = timing["median_round_seconds"]
+        print(f"\n   pair round time (s) per round: {timing['round_seconds']}, median {median}; "
+              f"of which the all-reduces: {timing['measure_seconds_by_round']} "
+              f"(run options {' '.join(args.pair_args) or 'default'})", flush=True)
         print(f"\n   pair round time (s) per round: {timing['round_seconds']}, median {median} "
               f"(ring over {len(nodes)}: {out['ring']['round_seconds']})", flush=True)
         checks.eq("fleet: pair round under 3 s (median round of ring --hops 2, seconds)",
@@ -2620,6 +2632,9 @@ def main() -> int:
     pr.add_argument("--out", help="directory for probe_check.json")
     fl = sub.add_parser("fleet", help="gpunet-probe fleet with NCCL, simulated nodes on a GPU")
     fl.add_argument("--nodes", type=int, default=4)
+    fl.add_argument("--pair-args", type=str.split, default=[],
+                    help="more `gpunet-probe run` options for the ring --hops 2 pass, e.g. "
+                         "'--warmup 5 --iterations 10' (bench/pair_setup.py's 25 per size)")
     fl.add_argument("--out", help="directory for fleet_check.json")
     ra = sub.add_parser("ras", help="NCCL RAS captures and the nccl collector, live")
     ra.add_argument("--out", help="directory for ras_check.json and the NCCL logs")
