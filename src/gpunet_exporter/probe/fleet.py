@@ -41,6 +41,11 @@ from gpunet_exporter.sources import nvml
 from gpunet_exporter.sources.sysfs import Root, parse_uint
 
 PROG = "gpunet-probe fleet"
+# A pair's all-reduces per size: 5 warm-up, 10 timed, 10 in the tight loop. Half the node
+# probe's 20: a pair is measured once a plan (hourly), and judged against the fleet's median of
+# many pairs, not on its own; over sockets the round's all-reduces are most of a pair's time
+# (docs/benchmarks.md, "Time per plan": 2.0 of a 2.9 s round against 3.6 to 4.2 of 4.6 s).
+PAIR_ITERATIONS = 10
 KINDS = ("ring", "random", "leaf", "repair", adaptive.KIND)
 NODE_ENV = ("GPUNET_NODE", "SLURMD_NODENAME")
 LEAF_ENV = "GPUNET_LEAF"
@@ -138,8 +143,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"all-reduce message sizes (default {run_options.sizes_text(d('sizes'))})"
                         ": the latency is the smallest's, the bus bandwidth the largest's")
     p.add_argument("--warmup", type=int, default=d("warmup"), help="untimed all-reduces per size")
-    p.add_argument("--iterations", type=int, default=d("iterations"),
-                   help="timed all-reduces per size")
+    p.add_argument("--iterations", type=int, default=PAIR_ITERATIONS,
+                   help="timed all-reduces per size, then as many in the tight loop "
+                        f"({PAIR_ITERATIONS}: with the warm-up, 25 all-reduces per size)")
     p.add_argument("--nvml.module", dest="nvml_module", default="pynvml", metavar="MODULE",
                    help="Python module implementing the pynvml API through which a pair end "
                         "checks that no other process is on the node's GPUs (default pynvml, "
