@@ -81,6 +81,13 @@ def test_dump_fts_counts_host_lids_per_out_port() -> None:
     # L1 can reach L2's hosts only through S2 (port 4): its other uplink routes none.
     assert routes[L1].get(3, 0) == 0 and routes[L1][4] == 2
 
+    # The whole tables, for the paths (gpunet_exporter.localize): L2 sends L1H1 (LID 2) up port
+    # 4 and itself (LID 3) nowhere (port 0); a LID it has no entry for has no route.
+    fwd = ibdiag.parse_forwarding((FIXTURES / "dump_fts.txt").read_text())
+    assert (fwd.port(L2, 2), fwd.port(L2, 3), fwd.port(L2, 99), fwd.port("0x0", 2)) == (
+        4, 0, None, None)
+    assert fwd.lids[2] == ibdiag.Destination("Channel Adapter", guid(0x100001), "L1H1")
+
 
 # ---- the collector against the simulator ------------------------------------------------------
 

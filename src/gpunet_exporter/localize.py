@@ -57,15 +57,15 @@ class Routes:
     # (switch, port) -> (neighbour switch, its port), for every active switch-to-switch cable
     _next: dict[tuple[str, int], tuple[str, int]] = field(default_factory=dict)
     _canonical: dict[tuple[str, int], Cable] = field(default_factory=dict)
-    _tables: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
+    _forwarding: ibdiag.Forwarding = field(default_factory=ibdiag.Forwarding)
     _arrive: dict[tuple[str, int], int] = field(default_factory=dict)  # host port -> its LID
 
     def path(self, src: HostPort, dst: HostPort) -> list[Cable] | None:
         """The cables a packet from ``src`` to ``dst`` crosses, in order, as the forwarding
         tables send it; None when a table has no route or the walk loops."""
         here, out = src.switch, list[Cable]()
-        for _ in range(len(self._tables) + 1):
-            port = self._tables.get(here, {}).get(dst.lid)
+        for _ in range(len(self._forwarding.tables) + 1):
+            port = self._forwarding.port(here, dst.lid)
             if port is None or port == 0:
                 return None
             if self._arrive.get((here, port)) == dst.lid:
@@ -105,7 +105,7 @@ def routes(links: Sequence[ibdiag.Link], forwarding: ibdiag.Forwarding, spines: 
     rail ``mlx5_0``); a description it does not match is not a host of the fleet."""
     pattern = re.compile(host_pattern)
     spine = set(spines)
-    out = Routes(_tables=forwarding.tables)
+    out = Routes(_forwarding=forwarding)
     switches = {lk.switch for lk in links}
     host_at: dict[int, tuple[str, int]] = {}
     for lk in links:

@@ -160,22 +160,35 @@ class Destination:
     name: str
 
 
+MAX_UNICAST_LID = 0xBFFF  # IBA: unicast LIDs are 0x0001 to 0xBFFF
+NO_ROUTE = 0xFF  # a linear forwarding table's "drop" port; IBA switches have at most 254 ports
+
+
 @dataclass
 class Forwarding:
-    """Every switch's linear forwarding table, from ``dump_fts``: switch GUID -> {destination
-    LID: out port} (port 0: the switch itself), and what each LID is."""
+    """Every switch's linear forwarding table, from ``dump_fts``: switch GUID -> out port per
+    destination LID (a byte per LID, indexed by LID, NO_ROUTE where the table has none, port 0
+    the switch itself: 10,000 hosts and 500 switches fit in 5 MB), and what each LID is."""
 
-    tables: dict[str, dict[int, int]] = field(default_factory=dict)
+    tables: dict[str, bytearray] = field(default_factory=dict)
     lids: dict[int, Destination] = field(default_factory=dict)
+
+    def port(self, switch: str, lid: int) -> int | None:
+        """The port ``switch`` sends ``lid`` out of; None without a route."""
+        table = self.tables.get(switch)
+        if table is None or lid >= len(table) or table[lid] == NO_ROUTE:
+            return None
+        return table[lid]
 
     def host_lids_per_port(self) -> dict[str, dict[int, int]]:
         """Switch GUID -> {out port: number of host LIDs its table sends out of it}."""
+        hosts = [lid for lid, d in self.lids.items() if d.kind == "Channel Adapter"]
         out: dict[str, dict[int, int]] = {}
-        for sw, table in self.tables.items():
+        for sw in self.tables:
             counts = out.setdefault(sw, {})
-            for lid, port in table.items():
-                dest = self.lids.get(lid)
-                if dest is not None and dest.kind == "Channel Adapter":
+            for lid in hosts:
+                port = self.port(sw, lid)
+                if port is not None:
                     counts[port] = counts.get(port, 0) + 1
         return out
 
@@ -184,16 +197,20 @@ def parse_forwarding(text: str) -> Forwarding:
     """The forwarding tables ``dump_fts`` (or ``dump_lfts.sh``) prints; lines it cannot read
     are skipped."""
     out = Forwarding()
-    current: dict[int, int] | None = None
+    current: bytearray | None = None
     for line in text.splitlines():
         head = _FT_HEAD.match(line)
         if head:
-            current = out.tables.setdefault(_guid(head.group(1)), {})
+            current = out.tables.setdefault(_guid(head.group(1)), bytearray())
             continue
         entry = _FT_ENTRY.match(line)
         if entry and current is not None:
-            lid = int(entry.group(1), 16)
-            current[lid] = int(entry.group(2))
+            lid, port = int(entry.group(1), 16), int(entry.group(2))
+            if lid > MAX_UNICAST_LID or port >= NO_ROUTE:
+                continue
+            if lid >= len(current):
+                current.extend(b"\xff" * (lid + 1 - len(current)))
+            current[lid] = port
             out.lids.setdefault(lid, Destination(entry.group(3), _guid(entry.group(4)),
                                                  entry.group(5).strip()))
     return out
