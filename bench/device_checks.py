@@ -4,6 +4,7 @@
     python3 bench/device_checks.py probe [--rounds 3] [--sizes 1MiB,64MiB,256MiB] [--out DIR]
                                                                       (any number of GPUs)
     python3 bench/device_checks.py fleet [--nodes 4] [--out DIR]      (one GPU is enough)
+    python3 bench/device_checks.py fleet-yield [--job-seconds 20] [--out DIR]
     python3 bench/device_checks.py job [--job-seconds 60] [--beside-seconds 60] [--out DIR]
                                                      (every GPU of the machine, 1 or more)
     python3 bench/device_checks.py renew [--rounds 3] [--out DIR]      (one GPU is enough)
@@ -1170,6 +1171,121 @@ def fleet(args: argparse.Namespace) -> int:
         checks.eq("fleet: pair round under 3 s (median round of ring --hops 2, seconds)",
                   median, "< 3", ok=median is not None and median < 3)
     return finish(out, checks, args.out, "fleet_check.json")
+
+
+# -- fleet-yield: the fleet's kept pair workers beside a training job that starts mid-pass ---
+
+def _worker_pids() -> set[int]:
+    """The pair workers running on this machine (their command line names pair-worker)."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if b"pair-worker" in (d / "cmdline").read_bytes():
+                    out.add(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+def _run_job(tmp: Path, name: str, seconds: float, env: dict[str, str]
+             ) -> tuple[subprocess.Popen[bytes], Path]:
+    out = tmp / f"job-{name}.json"
+    log = (tmp / f"job-{name}.log").open("wb")
+    # A session of its own, as a job started by a scheduler has: the fleet counts every
+    # process of its own session as its own (docs/fleet.md), and this script's session would
+    # otherwise hold both.
+    return subprocess.Popen([sys.executable, str(JOB_SCRIPT), "--seconds", f"{seconds:g}",
+                             "--out", str(out)], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True), out
+
+
+def fleet_yield(args: argparse.Namespace) -> int:
+    """`gpunet-probe fleet` (ring --hops 2 over four simulated nodes on GPU 0, pairs long
+    enough to be caught: 256 MiB the largest size) with the stand-in training job started on
+    every GPU once the first pairs run: the kept workers must leave the GPUs within a poll of
+    the job's first GPU process (0.5 s, the watch's period, plus nvidia-smi's own delay), no
+    pair may fail (each is measured or not measured, busy), and the job's step time beside the
+    fleet must match the job alone."""
+    checks = Checks(("fleet", "expected"))
+    out: dict[str, Any] = {"nvidia_smi": sh("nvidia-smi", "-L")}
+    env = {**os.environ, **NCCL_SAFE}
+    with tempfile.TemporaryDirectory() as tmp_:
+        tmp = Path(tmp_)
+        site = install(tmp)
+        job, job_out = _run_job(tmp, "alone", args.job_seconds, env)
+        job.wait(timeout=args.job_seconds + JOB_START_SECONDS)
+        alone = json.loads(job_out.read_text())
+        four = [f"sim{i}" for i in range(4)]
+        port, pair_port = free_port(), free_port()
+        procs = []
+        for rank, node in enumerate(four):
+            penv = {**env, "PYTHONPATH": str(site), "NCCL_HOSTID": f"sim-{node}",
+                    "SLURM_PROCID": str(rank), "SLURM_NTASKS": "4", "SLURM_LOCALID": "0",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "gpunet_exporter.probe.cli", "fleet", "--state-dir",
+                 str(tmp / f"yield-{node}"), "--node-name", node, "--port", str(pair_port),
+                 "--kind", "ring", "--hops", "2", "--pair-timeout", "120", "--",
+                 "--no-skip-busy", "--sizes", "8KiB,1MiB,256MiB", "--iterations", "20"],
+                env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                start_new_session=True))  # as srun starts each task
+
+        def pairs_running() -> bool:
+            return any("group up in" in p.read_text(errors="replace")
+                       for p in tmp.glob("yield-*/fleet/*/probe.log"))
+
+        deadline = time.monotonic() + 120
+        while not pairs_running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        started = time.time()
+        job, job_out = _run_job(tmp, "beside", args.job_seconds, env)
+        first_job_gpu = gone = None
+        seen_workers: set[int] = set()
+        while time.monotonic() < deadline + 60:
+            apps = set(smi_app_memory())
+            workers = _worker_pids()
+            seen_workers |= workers & apps
+            foreign = apps - workers
+            now = time.time()
+            if first_job_gpu is None and foreign:
+                first_job_gpu = now
+            if first_job_gpu is not None and not (workers & apps):
+                gone = now
+                break
+            time.sleep(0.05)
+        fleet_outs = [p.communicate(timeout=600)[0] for p in procs]
+        job.wait(timeout=args.job_seconds + JOB_START_SECONDS)
+        beside = json.loads(job_out.read_text())
+        files = {n: json.loads((tmp / f"yield-{n}" / "pairs.json").read_text()) for n in four}
+        got = [p for f in files.values() for p in f["pairs"]]
+        skipped = sorted({str(p.get("skipped")) for p in got if p.get("skipped")})
+        failed = [p for p in got if not p["ok"] and not p.get("skipped")]
+        skip = 5
+        a, b = summary(alone["step_ms"], skip), summary(beside["step_ms"], skip)
+        out["yield"] = {
+            "job_started_unix": round(started, 3),
+            "job_first_gpu_process_to_workers_off_gpu_s":
+                None if first_job_gpu is None or gone is None else round(gone - first_job_gpu, 3),
+            "workers_seen_on_gpu": sorted(seen_workers), "skipped": skipped,
+            "pairs": len(got), "failed": len(failed), "returncodes": [p.returncode for p in procs],
+            "job_alone": a, "job_beside": b,
+            "fleet_tail": [o[-1500:] for o in fleet_outs] if any(p.returncode for p in procs)
+            else []}
+        print(json.dumps(out["yield"], indent=1))
+        y = out["yield"]["job_first_gpu_process_to_workers_off_gpu_s"]
+        checks.eq("fleet-yield: a kept worker was on the GPU when the job came", bool(
+            seen_workers), True)
+        checks.eq("fleet-yield: workers off the GPU within 1.5 s of the job's first GPU process",
+                  y, "<= 1.5", ok=y is not None and y <= 1.5)
+        checks.eq("fleet-yield: every node exited 0", out["yield"]["returncodes"], [0] * 4)
+        checks.eq("fleet-yield: no pair failed (measured, or not measured: busy)", len(failed), 0)
+        checks.eq("fleet-yield: pairs not measured because of the job", bool(
+            {"busy", "peer_busy"} & set(skipped)), True)
+        ratio = (b["median_ms"] or 0) / (a["median_ms"] or 1)
+        checks.eq("fleet-yield: the job's median step beside the fleet within 10% of alone",
+                  round(ratio, 3), "0.9 to 1.1", ok=0.9 <= ratio <= 1.1)
+    return finish(out, checks, args.out, "fleet_yield_check.json")
 
 
 # -- ras: NCCL's RAS service, captured and read live ---------------------------------------------
@@ -2636,6 +2752,10 @@ def main() -> int:
                     help="more `gpunet-probe run` options for the ring --hops 2 pass, e.g. "
                          "'--warmup 5 --iterations 10' (bench/pair_setup.py's 25 per size)")
     fl.add_argument("--out", help="directory for fleet_check.json")
+    fy = sub.add_parser("fleet-yield", help="the fleet's kept pair workers beside a job that "
+                        "starts mid-pass (one GPU is enough; the job takes every GPU)")
+    fy.add_argument("--job-seconds", type=float, default=20)
+    fy.add_argument("--out", help="directory for fleet_yield_check.json")
     ra = sub.add_parser("ras", help="NCCL RAS captures and the nccl collector, live")
     ra.add_argument("--out", help="directory for ras_check.json and the NCCL logs")
     jb = sub.add_parser("job", help="the probe beside a stand-in training job on every GPU")
@@ -2681,7 +2801,8 @@ def main() -> int:
     rn.add_argument("--out", help="directory for renew_check.json")
     args = p.parse_args()
     os.environ.update(NO_MULTICAST)  # every child inherits it: NVLink multicast stays off
-    return {"gpu": gpu, "probe": probe, "fleet": fleet, "ras": ras, "job": job,
+    return {"gpu": gpu, "probe": probe, "fleet": fleet, "fleet-yield": fleet_yield, "ras": ras,
+            "job": job,
             "renew": renew, "fabric": fabric}[args.cmd](args)
 
 
