@@ -2,23 +2,25 @@
 for a fabric of 10,000 hosts, beside the sweep it follows.
 
     python bench/localize_scale.py [--leaves 250] [--spines 16] [--hosts-per-leaf 40]
-                                   [--plans 2] [--repeats 3] [--out FILE.json]
+                                   [--plans 2] [--repeats 3] [--trace-memory] [--out FILE.json]
 
 No simulator and no tool: ibsim's fabrics stop well short of 10,000 hosts on these cores
-(bench/fabric_refresh.py measures real sweeps up to 2,048). The fabric is built in memory as
-the sweep's parsers return it, a two-level fat tree: leaves with hosts on ports 1..H and one
-cable to each spine after them, spine port i to leaf i, and destination routing as opensm's
-fat-tree engine lays it out (a host's LID goes down through spine (host index mod spines),
-every leaf sending it up to that spine). The pairs are ``--plans`` random perfect matchings of
-every host (gpunet_exporter.probe.plan, as `gpunet-probe fleet --kind random` pairs them),
-each pair's health planted: every pair whose path crosses one spine's cable to one leaf is
-slow, and so is every pair of 5 slow nodes. Measured, median of --repeats: the dump_fts text
-parsed into the tables (parse_forwarding, on text printed as dump_fts prints it), the paths
-(routes), the verdict (localize), this process's peak RSS; checked: the verdict names that one
+(bench/fabric_refresh.py measures real sweeps up to 2,048). The fabric is built in memory as the
+sweep's parsers return it, a two-level fat tree: leaves with hosts on ports 1..H and one cable
+to each spine after them, spine port i to leaf i, and destination routing as opensm's fat-tree
+engine lays it out (a host's LID goes down through spine (host index mod spines), every leaf
+sending it up to that spine). The pairs are ``--plans`` random perfect matchings of every host
+(gpunet_exporter.probe.plan, as `gpunet-probe fleet --kind random` pairs them), each pair's
+health planted: every pair whose path crosses one spine's cable to one leaf is slow, and so is
+every pair of 5 slow nodes. Measured, median of --repeats: the dump_fts text parsed into the
+tables (parse_forwarding, on text printed as dump_fts prints it), the paths (routes), the
+verdict (localize), this process's peak RSS (the fabric's own generation sets it), and with
+--trace-memory the memory parse_forwarding allocates beyond the text while it parses and what it
+keeps (tracemalloc: one more parse, about 7 times slower); checked: the verdict names that one
 cable alone and blames the 5 nodes, not a spine. No open tool localizes from forwarding tables
-(docs/fabric.md), so there is no peer to run beside it; the alternative design, each pair's
-hops as series for PromQL to join, is counted instead. Wall-clock numbers are for
-docs/benchmarks.md, never for test assertions.
+(docs/fabric.md), so there is no peer to run beside it; the alternative design, each pair's hops
+as series for PromQL to join, is counted instead. Wall-clock numbers are for docs/benchmarks.md,
+never for test assertions.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts-per-leaf", type=int, default=40)
     ap.add_argument("--plans", type=int, default=2, help="random matchings (pairs per node)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--trace-memory", action="store_true",
+                    help="one more parse under tracemalloc: its peak and kept memory")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     links, text, spines = fabric(args.leaves, args.spines, args.hosts_per_leaf)
@@ -137,6 +141,15 @@ def main(argv: list[str] | None = None) -> int:
         "nodes_blamed": found.nodes_blamed, "correct": ok,
         "hop_series_instead": 2 * hops,  # each pair seen from both ends, one series per cable
     }
+    if args.trace_memory:
+        import tracemalloc
+        tracemalloc.start()
+        held = ibdiag.parse_forwarding(text)
+        kept, peak = tracemalloc.get_traced_memory()
+        del held
+        tracemalloc.stop()
+        out["parse_peak_mib"] = round(peak / 2**20, 1)
+        out["parse_kept_mib"] = round(kept / 2**20, 1)
     print(json.dumps(out, indent=1))
     if args.out:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
