@@ -923,8 +923,8 @@ def test_a_kept_workers_group_reads_only_its_own_lines_of_nccls_log(tmp_path: Pa
         fh.write((fixtures / "nccl-2.28.9-h200x2-socket-rank0.log").read_bytes())
     from gpunet_exporter.nccl import log as ncclog
 
-    second = ncclog.summarize(runner._parse_log_from(str(log), marks[log.name]))
-    both = ncclog.summarize(runner._parse_log_from(str(log), 0))
+    second = ncclog.summarize(ncclog.parse_file(str(log), marks[log.name]))
+    both = ncclog.summarize(ncclog.parse_file(str(log)))
     assert (second["transports"], second["net_transports"]) == (["NET"], ["Socket"])
     assert sorted(both["transports"]) == ["NET", "P2P"]
 

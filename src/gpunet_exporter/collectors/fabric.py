@@ -292,9 +292,10 @@ class FabricCollector(Collector):
             raise
         for step, why in fabric.failed.items():
             self.ctx.log_once(logging.WARNING, "fabric sweep: %s failed: %s", step, why)
-        families = self._build(fabric)
+        roles = self._roles(fabric)
+        families = self._build(fabric, roles)
         if self.settings.prometheus_url:
-            families += self._localize(fabric)
+            families += self._localize(fabric, roles)
         with self._lock:
             self._families = families
             self._steps = {s: (s not in fabric.failed, fabric.step_seconds.get(s, 0.0))
@@ -305,7 +306,7 @@ class FabricCollector(Collector):
         """Whether a tool of the sweep is not found (installed, or in ``tools_dir``)."""
         return any(shutil.which(getattr(self.tools, t)) is None for t in TOOL_NAMES)
 
-    def _build(self, fabric: ibdiag.Fabric) -> list[Metric]:
+    def _build(self, fabric: ibdiag.Fabric, roles: Mapping[str, str]) -> list[Metric]:
         """The families of one sweep, built once in the background (each port's samples share
         one label dict) so that a scrape only copies them."""
         last = self._last
@@ -323,7 +324,6 @@ class FabricCollector(Collector):
         for link in fabric.links:
             names.setdefault(link.switch, link.switch_name)
             by_switch.setdefault(link.switch, []).append(link)
-        roles = self._roles(fabric)
         fams.add(SWITCHES, [], float(len(switches)))
         for sw in sorted(by_switch):
             fams.add(SWITCH_INFO, [sw, names[sw], roles[sw]], 1.0)
@@ -390,7 +390,7 @@ class FabricCollector(Collector):
         return roles
 
     def _balance(self, fams: Families, fabric: ibdiag.Fabric,
-                 by_switch: dict[str, list[ibdiag.Link]], roles: dict[str, str],
+                 by_switch: dict[str, list[ibdiag.Link]], roles: Mapping[str, str],
                  switches: set[str]) -> None:
         floor = float(self.settings.balance_min_bytes_per_second)
         counters_ok = "counters" not in fabric.failed
@@ -435,7 +435,7 @@ class FabricCollector(Collector):
                     if mean > 0 and mean >= floor:
                         fams.add(IMBALANCE, [sw, direction], max(rates) / mean - 1)
 
-    def _localize(self, fabric: ibdiag.Fabric) -> list[Metric]:
+    def _localize(self, fabric: ibdiag.Fabric, roles: Mapping[str, str]) -> list[Metric]:
         """The pairs step: the fleet's pair verdicts from Prometheus, joined with this sweep's
         paths (gpunet_exporter.localize). A failed query costs only these families."""
         t0 = time.monotonic()
@@ -456,7 +456,6 @@ class FabricCollector(Collector):
                 health[key] = health.get(key, True) and value >= 1
         if fabric.forwarding is None:  # no routes step has succeeded yet
             return []
-        roles = self._roles(fabric)
         r = localize.routes(fabric.links, fabric.forwarding,
                             (sw for sw, role in roles.items() if role == "spine"),
                             self.settings.host_pattern)

@@ -8,6 +8,7 @@ docs/nccl-log.md. No torch here: the exporter imports this module.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from collections import Counter
@@ -428,10 +429,14 @@ def read_lines(fh: TextIO) -> Iterator[str]:
         rest_of_long_line = not piece.endswith("\n")
 
 
-def parse_file(path: str | os.PathLike[str]) -> list[RankReport]:
-    """Parse one log file (UTF-8, undecodable bytes replaced); raises OSError."""
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        return parse_lines(read_lines(fh))
+def parse_file(path: str | os.PathLike[str], offset: int = 0) -> list[RankReport]:
+    """Parse one log file from byte ``offset`` on (UTF-8, undecodable bytes replaced); raises
+    OSError. A process that makes one NCCL group after another writes one file for all: a
+    group's lines are those after the file's size when it began (the fleet's pair worker)."""
+    with open(path, "rb") as raw:
+        raw.seek(offset)
+        with io.TextIOWrapper(raw, encoding="utf-8", errors="replace") as fh:
+            return parse_lines(read_lines(fh))
 
 
 def looks_like_nccl_log(lines: Iterable[str]) -> bool:

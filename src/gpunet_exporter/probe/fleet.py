@@ -571,26 +571,42 @@ class StoreBroken(Exception):
     """The rendezvous store stopped answering (its host is gone)."""
 
 
+def _meet(store: Store, rank: int, world: int, me: Member, wait: float,
+          plan_it: Callable[[list[Member]], int]) -> dict[str, Any] | None:
+    """Every node's entry in the store; rank 0 reads them all and makes the plan with
+    ``plan_it`` (the plan's rounds, or FleetError), and every node reads the plan's head. None
+    after printing why the plan cannot be made (every node prints the same line)."""
+    _put(store, f"member/{rank}", {"node": me.node, "address": me.address, "leaf": me.leaf})
+    if rank == 0:
+        members = [Member(**_take(store, f"member/{r}", wait)) for r in range(world)]
+        try:
+            _put(store, "plan", {"rounds": plan_it(members), "error": None})
+        except FleetError as exc:
+            _put(store, "plan", {"rounds": 0, "error": str(exc)})
+    head: dict[str, Any] = _take(store, "plan", wait)
+    if head["error"]:
+        print(f"{PROG}: {head['error']}", file=sys.stderr)
+        return None
+    return head
+
+
 def run(args: argparse.Namespace, store: Store, rank: int, world: int, me: Member,
         env: Mapping[str, str], seed: int, out: Any = sys.stdout) -> int:
     """The whole fleet run of one node, through ``store``. Returns the exit status."""
     if args.kind == adaptive.KIND:
         return run_adaptive(args, store, rank, world, me, env, seed, out)
     wait = args.pair_timeout + 60
-    _put(store, f"member/{rank}", {"node": me.node, "address": me.address, "leaf": me.leaf})
     members: list[Member] = []
-    if rank == 0:
-        members = [Member(**_take(store, f"member/{r}", wait)) for r in range(world)]
-        try:
-            made, turns = schedules(members, args, seed)
-            for node, ts in turns.items():
-                _put(store, f"turns/{node}", [_turn_json(t) for t in ts])
-            _put(store, "plan", {"rounds": len(made), "error": None})
-        except FleetError as exc:
-            _put(store, "plan", {"rounds": 0, "error": str(exc)})
-    head = _take(store, "plan", wait)
-    if head["error"]:
-        print(f"{PROG}: {head['error']}", file=sys.stderr)
+
+    def plan_all(got: list[Member]) -> int:
+        members[:] = got
+        made, turns = schedules(got, args, seed)
+        for node, ts in turns.items():
+            _put(store, f"turns/{node}", [_turn_json(t) for t in ts])
+        return len(made)
+
+    head = _meet(store, rank, world, me, wait, plan_all)
+    if head is None:
         return EXIT_BAD_ARGS
     by_round = {t.round: t for t in (_turn(x) for x in _take(store, f"turns/{me.node}", wait))}
     mine: list[pairs.Pair] = []
@@ -764,18 +780,14 @@ def run_adaptive(args: argparse.Namespace, store: Store, rank: int, world: int, 
     each round, as agreed when it planned the next, then the verdict. docs/fleet.md,
     "Adaptive plans"."""
     wait = args.pair_timeout + 60
-    _put(store, f"member/{rank}", {"node": me.node, "address": me.address, "leaf": me.leaf})
     pass_: _Pass | None = None
-    if rank == 0:
-        members = [Member(**_take(store, f"member/{r}", wait)) for r in range(world)]
-        try:
-            pass_ = _Pass(members, args, seed)
-            _put(store, "plan", {"rounds": 0, "error": None})
-        except FleetError as exc:
-            _put(store, "plan", {"rounds": 0, "error": str(exc)})
-    head = _take(store, "plan", wait)
-    if head["error"]:
-        print(f"{PROG}: {head['error']}", file=sys.stderr)
+
+    def plan_first(got: list[Member]) -> int:
+        nonlocal pass_
+        pass_ = _Pass(got, args, seed)
+        return 0  # the rounds are planned one at a time
+
+    if _meet(store, rank, world, me, wait, plan_first) is None:
         return EXIT_BAD_ARGS
     mine: list[pairs.Pair] = []
     heard: list[Callable[[], str | None]] = []

@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
-import io
 import json
 import math
 import os
@@ -554,27 +553,22 @@ class _NoGpu(RuntimeError):
     pass
 
 
+def own_logs(logdir: str) -> list[str]:
+    """The names of this process's NCCL logs in ``logdir`` (NCCL_DEBUG_FILE's ``%p``);
+    raises OSError when the folder cannot be listed."""
+    return [n for n in os.listdir(logdir) if n.endswith(f".{os.getpid()}.log")]
+
+
 def log_marks(logdir: str) -> dict[str, int]:
     """The sizes of this process's NCCL logs in ``logdir`` now. NCCL opens its debug file once
     per process, at its first use: a process that makes one group after another (the fleet's
     pair worker) has one file for all, and a group's lines are those after its marks."""
     out: dict[str, int] = {}
     with contextlib.suppress(OSError):
-        for name in os.listdir(logdir):
-            if name.endswith(f".{os.getpid()}.log"):
-                with contextlib.suppress(OSError):
-                    out[name] = os.stat(os.path.join(logdir, name)).st_size
+        for name in own_logs(logdir):
+            with contextlib.suppress(OSError):
+                out[name] = os.stat(os.path.join(logdir, name)).st_size
     return out
-
-
-def _parse_log_from(path: str, offset: int) -> list[Any]:
-    """The NCCL reports of one log file from byte ``offset`` on; raises OSError."""
-    from gpunet_exporter.nccl import log as ncclog
-
-    with open(path, "rb") as raw:
-        raw.seek(offset)
-        with io.TextIOWrapper(raw, encoding="utf-8", errors="replace") as fh:
-            return ncclog.parse_lines(ncclog.read_lines(fh))
 
 
 def _delay(rank: int) -> float:
@@ -864,11 +858,9 @@ class _Probe:
         from gpunet_exporter.probe import placement
 
         mine: list[Any] = []
-        for name in os.listdir(logdir):
-            if name.endswith(f".{os.getpid()}.log"):
-                with contextlib.suppress(OSError):
-                    mine += _parse_log_from(os.path.join(logdir, name),
-                                            self.log_marks.get(name, 0))
+        for name in own_logs(logdir):
+            with contextlib.suppress(OSError):
+                mine += ncclog.parse_file(os.path.join(logdir, name), self.log_marks.get(name, 0))
         ports: list[list[Any]] = []
         if self.pinned is not None:
             ports.append([self.pinned.device, self.pinned.port])
