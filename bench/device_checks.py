@@ -1561,7 +1561,8 @@ NCCL_SAFE = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 # gpunet_probe_failures_total reasons that must not rise because the probe yields to a job.
 # skipped_busy too: the node's own ranks judge busy GPUs by processes alone, and the exporter
 # runs them on idle GPUs only (4 H100s, before that: one round per scope skipped its large sizes
-# on the probe's other scope's utilization).
+# on the probe's other scope's utilization). A round a job's arrival cut short is the yield's
+# and counts nothing (probe/supervisor.py, SKIP_GRACE).
 YIELD_BAD_REASONS = ("crash", "init_error", "timeout", "nccl_error", "skipped_busy")
 JOB_START_SECONDS = 180  # a job's start (spawn, CUDA, NCCL, warm-up) and end, at most
 HOLDOFF_SLACK = 2.0  # the exporter sees the GPUs' processes a poll later or earlier than we do

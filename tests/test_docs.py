@@ -438,3 +438,15 @@ def test_the_project_home_is_claimed_once() -> None:
     default = Thresholds().runbook_url
     assert urls["Runbooks"] == default == f"{HOME}/blob/main/docs/runbooks.md"
     assert f"the default is `{default}`" in (REPO / "README.md").read_text()
+
+
+def test_the_docs_state_the_supervisors_skip_grace_as_the_code_has_it() -> None:
+    """``SKIP_GRACE`` is written once, in probe/supervisor.py; where a page names its value it
+    says the same."""
+    from gpunet_exporter.probe.supervisor import SKIP_GRACE
+
+    pages = {**_markdown_pages(), "CHANGELOG.md": (REPO / "CHANGELOG.md").read_text()}
+    stated = [(page, float(n)) for page, text in pages.items()
+              for n in re.findall(r"`SKIP_GRACE` \((\d+(?:\.\d+)?) s\)", text)]
+    assert len(stated) >= 2, stated
+    assert [(page, n) for page, n in stated if n != SKIP_GRACE] == []

@@ -7,8 +7,10 @@ GPU (tests/support/fake_nvml.py, GPUNET_FAKE_NVML_PROCESSES), as NVML lists a tr
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -292,6 +294,66 @@ def test_a_job_mid_round_stops_the_round_without_a_failure(
     assert not any(failures(s).values()), failures(s)
     for scope in ("intra", "net"):  # no failure written for the round that was cut short
         assert value(s, "gpunet_probe_success", scope=scope) == 1
+
+
+# A runner whose ranks saw a foreign process at the round's start: it writes the round they
+# leave, large sizes skipped, and waits (the real runner's check needs CUDA and NVML).
+ROUND_SKIPPED = r"""
+import json, os, sys, time
+state, scope = sys.argv[1], sys.argv[2]
+now = time.time()
+size = {"bytes": 8192, "median_seconds": 2e-5, "p99_seconds": 3e-5, "max_seconds": 4e-5,
+        "algbw_bytes_per_second": 4e8, "busbw_bytes_per_second": 4e8}
+res = {"version": 2, "scope": scope, "started": now, "time": now + 0.01, "success": True,
+       "backend": "nccl", "world_size": 2, "skipped_busy": True,
+       "sizes": [size, {"bytes": 1 << 20, "skipped": True}]}
+with open(os.path.join(state, "tmp"), "w") as fh:
+    json.dump(res, fh)
+os.replace(os.path.join(state, "tmp"), os.path.join(state, scope + ".json"))
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("job", ["after the round was read", "before it was read", "never"])
+def test_a_round_cut_short_by_a_job_is_the_yields_not_skipped_busy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, job: str) -> None:
+    """Seen on 4 H100s (docs/probe.md): a job came between the ranks' look at their GPUs, at a
+    round's start, and the supervisor's next look; that round skipped its large sizes, and
+    counted skipped_busy beside the yield. It is the yield's now, whichever the supervisor saw
+    first; a process it never sees (gone within a tick) still counts as skipped_busy."""
+    monkeypatch.setattr(supervisor, "SKIP_GRACE", 1.0)
+    state = tmp_path / "state"
+    state.mkdir()
+    foreign: set[int] = set()
+    sup = supervisor.Supervisor(
+        str(state), [sys.executable, "-c", ROUND_SKIPPED, str(state), "intra"], interval=60,
+        timeout=60, default_scope="intra", log=lambda *a: None,
+        logger=logging.getLogger("test"), look=lambda: set(foreign), holdoff=0)
+    try:
+        sup.refresh()
+        assert sup.pid is not None  # idle: the runner started
+        wait_for(lambda: (state / "intra.json").exists(), "the round's result", timeout=30)
+        if job == "before it was read":
+            foreign.add(os.getpid())
+        sup.refresh()
+        snap = sup.snapshot()
+        assert snap.scopes["intra"].good is not None and snap.scopes["intra"].good.skipped_busy
+        assert snap.scopes["intra"].failures["skipped_busy"] == 0
+        if job == "after the round was read":
+            foreign.add(os.getpid())
+            sup.refresh()
+        hold(supervisor.SKIP_GRACE + 0.5, "the round held past the grace")
+        sup.refresh()
+        snap = sup.snapshot()
+        if job == "never":
+            assert (snap.state, snap.yields, sup.pid is not None) == (idle.MEASURING, 0, True)
+            assert snap.scopes["intra"].failures == {**dict.fromkeys(supervisor.REASONS, 0),
+                                                     "skipped_busy": 1}
+        else:
+            assert (snap.state, snap.yields, sup.pid) == (idle.YIELDED, 1, None)
+            assert not any(snap.scopes["intra"].failures.values())
+    finally:
+        sup.close()
 
 
 def test_no_nvml_with_nccl_is_unknown_and_runs_nothing(tmp_path: Path) -> None:

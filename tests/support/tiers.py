@@ -197,6 +197,7 @@ SYSTEM_TESTS: dict[str, frozenset[str]] = {
     }),
     "test_probe_idle": frozenset({
         "test_a_job_mid_round_stops_the_round_without_a_failure",
+        "test_a_round_cut_short_by_a_job_is_the_yields_not_skipped_busy",
         "test_foreign_are_the_processes_outside_the_probe_sessions",
         "test_job_first_the_probe_never_starts",
         "test_probe_waits_measures_yields_to_a_job_and_comes_back",

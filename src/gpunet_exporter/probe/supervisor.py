@@ -15,7 +15,8 @@ watches it:
   RESTART_BACKOFF_MAX seconds that starts over after a successful round; an exit that no
   result file explains counts as a ``crash``, so do a runner that cannot be started at all;
 - failures that result files name count under their reason (``nccl_error``, ``init_error`` ...),
-  unreadable result files as ``bad_result``, rounds that skipped sizes as ``skipped_busy``;
+  unreadable result files as ``bad_result``, rounds that skipped sizes as ``skipped_busy``,
+  except the round a job's arrival cut short (below);
 - ``pairs.json`` (probe/pairs.py), the fleet probes' pair results, is read when its
   mtime, inode or size changes; a bad one leaves no pairs (its old peers are not this node's
   view any more) and counts one ``bad_result`` under ``pair_failures``.
@@ -26,6 +27,12 @@ been seen for the hold-off, and the moment one appears its whole process group i
 yield, not a failure: nothing is counted but ``yields``), whatever it was doing, so that its
 workers' CUDA contexts and memory are gone within a tick and the driver's clean-up. Where the
 processes cannot be read (no NVML) the runner does not run: the state is ``unknown``.
+The runner's ranks look at their GPU's processes too, at each round's start, and skip the large
+sizes when one is foreign: a job that comes in the second between such a look and the
+supervisor's next one leaves a round with skipped sizes behind as well as a yield. Such a round
+is held for SKIP_GRACE seconds: when the gate has seen a foreign process since the round began
+it is part of the yield and counts nothing; otherwise (a process too brief for the supervisor
+to see) it counts as ``skipped_busy``.
 
 Every tick ends in a Snapshot, the Refresher's value: the scrape reads that and nothing else.
 ``close`` stops the ticks and kills the runner's process group.
@@ -55,6 +62,9 @@ POLL_SECONDS = 0.5
 RESTART_BACKOFF_MAX = 60.0
 GRACE_MAX = 10.0  # seconds past a phase's own limit before the supervisor kills the launcher
 CLOSE_WAIT = 5.0  # seconds close() (or another tick) waits for a tick under way
+# Seconds a round that skipped sizes waits for the gate to see the foreign process behind it
+# (ticks are POLL_SECONDS apart) before it counts as skipped_busy rather than as the yield's.
+SKIP_GRACE = 5.0
 LOG_FILE = "runner.log"
 
 Log = Callable[..., None]  # (level, msg, *args), as CollectorContext.log_once
@@ -91,6 +101,8 @@ class _Scope:
     good: Result | None = None
     mtime_ns: int = 0
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+    skipped: Result | None = None  # a round that skipped sizes, until the gate tells why
+    skipped_until: float = 0.0  # the gate's clock, when it counts as skipped_busy regardless
 
 
 def read_status(state_dir: str, started_wall: float) -> tuple[str, str, float]:
@@ -199,6 +211,7 @@ class Supervisor:
                     self._watch_runner()
                     state = self._run_state()
                 self._set_state(state)
+            self._settle_skipped()
             return self._snapshot()
         finally:
             self._tick_lock.release()
@@ -290,9 +303,37 @@ class Supervisor:
                 st.good = res
                 self.restarts = 0  # the backoff starts over after a good round
                 if res.skipped_busy:
-                    st.failures["skipped_busy"] += 1
+                    self._hold_skipped(st, res)
             else:
                 st.failures[res.failure] += 1
+
+    def _hold_skipped(self, st: _Scope, res: Result) -> None:
+        """A round that skipped sizes: counted at once where there is no gate (cluster mode's
+        ranks, a runner run regardless), else held until the gate tells a job's arrival (the
+        yield's) from a process too brief to see (skipped_busy)."""
+        if self.command is None or self._look is None:
+            st.failures["skipped_busy"] += 1
+            return
+        self._settle(st, force=True)  # a round before it still held: settled first
+        st.skipped, st.skipped_until = res, self.gate.clock() + SKIP_GRACE
+
+    def _settle_skipped(self) -> None:
+        for st in self._scopes.values():
+            self._settle(st, force=False)
+
+    def _settle(self, st: _Scope, *, force: bool) -> None:
+        """A held round the gate has seen a foreign process since the start of is the yield's
+        (nothing counted); otherwise it counts as skipped_busy once SKIP_GRACE has passed (or
+        now, with ``force``)."""
+        res = st.skipped
+        if res is None:
+            return
+        last = self.gate.last_foreign
+        if last is not None and last >= res.started:
+            st.skipped = None
+        elif force or self.gate.clock() >= st.skipped_until:
+            st.failures["skipped_busy"] += 1
+            st.skipped = None
 
     # -- the runner ------------------------------------------------------------------------
 
