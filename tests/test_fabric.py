@@ -403,6 +403,43 @@ def test_bad_localization_setting_is_one_clear_error(setting: str, value: str,
         make_collector(FabricCollector, "/", {setting: value})
 
 
+HTTPS = "https://127.0.0.1:9090"
+
+
+@pytest.mark.parametrize(("settings", "names", "says"), [
+    ({"ca_file": "ca.pem"}, "ca_file", "set, but the URL 'http://127.0.0.1:9090' is not https"),
+    ({"url": HTTPS, "ca_file": "missing.pem"}, "ca_file", "'.*missing.pem': No such file"),
+    ({"url": HTTPS, "ca_file": "junk.pem"}, "ca_file", "'.*junk.pem': .*"),
+    ({"url": HTTPS, "cert_file": "junk.pem"}, "cert_file",
+     "'.*junk.pem' \\(key in it\\): not a PEM certificate with its private key"),
+    ({"url": HTTPS, "cert_file": "missing.pem", "key_file": "junk.pem"}, "cert_file",
+     "'.*missing.pem' \\(key .*junk.pem\\): No such file"),
+    ({"url": HTTPS, "key_file": "junk.pem"}, "key_file", "set without cert_file"),
+    ({"username": "u"}, "username", "set without password_file"),
+    ({"password_file": "secret"}, "password_file", "set without username"),
+    ({"username": "u", "password_file": "missing"}, "password_file", "'.*missing': No such file"),
+    ({"username": "u", "password_file": "empty"}, "password_file", "'.*empty': empty"),
+    ({"username": "u", "password_file": "secret", "bearer_token_file": "secret"},
+     "bearer_token_file", "set with username"),
+    ({"bearer_token_file": "two-lines"}, "bearer_token_file", "'.*two-lines': more than one line"),
+])
+def test_bad_prometheus_access_is_one_clear_error(tmp_path: Path, settings: dict[str, str],
+                                                  names: str, says: str) -> None:
+    """How the pairs step reaches Prometheus (TLS, client certificate, basic auth or a bearer
+    token) is checked at start: a setting that cannot serve names itself in one line."""
+    from gpunet_exporter.errors import ConfigError
+    (tmp_path / "junk.pem").write_text("not a certificate\n")
+    (tmp_path / "secret").write_text("s3cret\n")
+    (tmp_path / "empty").write_text("\n")
+    (tmp_path / "two-lines").write_text("a\nb\n")
+    cfg = {f"prometheus_{k}": v if k in ("url", "username") else str(tmp_path / v)
+           for k, v in {"url": "http://127.0.0.1:9090", **settings}.items()}
+    with pytest.raises((ValueError, ConfigError), match=f"^fabric.prometheus_{names}: {says}") \
+            as err:
+        make_collector(FabricCollector, "/", cfg)
+    assert "\n" not in str(err.value)
+
+
 def test_off_by_default() -> None:
     assert FabricCollector.default_enabled is False
     assert os.environ.get("IBSIM_SOCKNAME") is None  # the tests never leak a simulator

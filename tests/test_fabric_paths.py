@@ -4,16 +4,21 @@ forwarding tables are the ones ``ibtracert`` (infiniband-diags, asking every swi
 traces; a spine port whose paths carry the slow pairs is named, a healthy fabric names nothing,
 a slow node is blamed on itself, not on a spine; and end to end, pair results planted in each
 node's ``pairs.json`` reach the fabric collector through a real Prometheus evaluating the
-shipped rules, and GpunetFabricPathSuspect names the spine port."""
+shipped rules, and GpunetFabricPathSuspect names the spine port. The pairs step also reaches a
+real Prometheus behind TLS, client certificates and basic authentication (its own
+--web.config.file), and says in one line what that Prometheus refused."""
 
 from __future__ import annotations
 
+import http.server
 import itertools
 import re
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import requests
@@ -24,12 +29,12 @@ from gpunet_exporter.collector import Scrape
 from gpunet_exporter.collectors.fabric import FabricCollector
 from gpunet_exporter.mixin import dashboards
 from gpunet_exporter.probe import pairs
-from gpunet_exporter.sources import ibdiag
+from gpunet_exporter.sources import ibdiag, promapi
 
-from support import ibsim
+from support import ibsim, pki
 from support.exporter import Exporter, free_port
-from support.metrics import make_collector, samples_of, series, value
-from support.prometheus import api, query, start_prometheus, stop
+from support.metrics import Samples, make_collector, samples_of, series, value
+from support.prometheus import api, query, start, start_prometheus, stop
 from support.wait import wait_for
 
 # fat_tree(3, 2, 2): leaves L1..L3 with hosts L<i>H1, L<i>H2; spines S1, S2; spine port i faces
@@ -152,15 +157,25 @@ def test_localize_says_ambiguous_when_the_evidence_cannot_tell(sim: ibsim.Sim) -
     assert other.pairs["unrouted"] == 1 and other.nodes_blamed == ["elsewhere"]
 
 
-def test_an_unreachable_prometheus_fails_only_the_pairs_step(sim: ibsim.Sim) -> None:
+def collector(sim: ibsim.Sim, settings: dict[str, str]) -> FabricCollector:
+    """The fabric collector on the simulated fabric, swept only when the test says."""
     c = make_collector(FabricCollector, "/", {
-        "prometheus_url": f"http://127.0.0.1:{free_port()}", "timeout_seconds": 5,
+        "timeout_seconds": 5, **settings,
         "environment": [f"LD_PRELOAD={ibsim.UMAD2SIM}", f"IBSIM_SOCKNAME={sim.sockname}"]})
     assert isinstance(c, FabricCollector)
     c._refresher.stop()
+    return c
+
+
+def swept(c: FabricCollector) -> Samples:
+    c.refresh()
+    return samples_of(list(c.collect(Scrape())))
+
+
+def test_an_unreachable_prometheus_fails_only_the_pairs_step(sim: ibsim.Sim) -> None:
+    c = collector(sim, {"prometheus_url": f"http://127.0.0.1:{free_port()}"})
     try:
-        c.refresh()
-        s = samples_of(list(c.collect(Scrape())))
+        s = swept(c)
     finally:
         c.close()
     assert value(s, "gpunet_fabric_step_success", step="pairs") == 0
@@ -169,6 +184,138 @@ def test_an_unreachable_prometheus_fails_only_the_pairs_step(sim: ibsim.Sim) -> 
     assert series(s, "gpunet_fabric_port_state_id")
     assert not series(s, "gpunet_fabric_link_verdict")
     assert c.unknown() == {}
+
+
+# ---- a Prometheus behind TLS, client certificates and basic authentication -------------------
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A real Prometheus whose web.config.yml asks for TLS, a client certificate of the test CA
+    and user ``fabric``'s password; its URL and the folder of the PKI (tests/support/pki.py)."""
+    d = pki.make(tmp_path_factory.mktemp("secured"))
+    (d / "web.yml").write_text(pki.tls_section(
+        d, f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {d / 'ca.crt'}\n")
+        + f"basic_auth_users:\n  fabric: '{pki.HASH}'\n")
+    (d / "prometheus.yml").write_text(yaml.safe_dump({"global": {"scrape_interval": "1s"}}))
+    (d / "password").write_text(pki.PASSWORD + "\n")
+    port = free_port()
+    proc = start(["prometheus", f"--config.file={d / 'prometheus.yml'}",
+                  f"--storage.tsdb.path={d / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+                  f"--web.config.file={d / 'web.yml'}"], d / "prometheus.log")
+    url = f"https://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: requests.get(
+            f"{url}/-/ready", verify=str(d / "ca.crt"), auth=("fabric", pki.PASSWORD),
+            cert=(str(d / "client.crt"), str(d / "client.key")), timeout=5).status_code == 200,
+            "the secured Prometheus ready", timeout=60, interval=0.2,
+            ignore=(requests.ConnectionError,))
+        yield url, d
+    finally:
+        stop(proc)
+
+
+def access(d: Path, **kw: str) -> dict[str, str]:
+    """Every setting the secured Prometheus asks for, but those ``kw`` change."""
+    return {"ca_file": str(d / "ca.crt"), "cert_file": str(d / "client.crt"),
+            "key_file": str(d / "client.key"), "username": "fabric",
+            "password_file": str(d / "password"), **kw}
+
+
+def test_the_pairs_step_reaches_a_prometheus_behind_tls_and_basic_auth(
+        sim: ibsim.Sim, secured: tuple[str, Path], tmp_path: Path) -> None:
+    url, d = secured
+    password = tmp_path / "password"
+    password.write_text(pki.PASSWORD + "\n")
+    c = collector(sim, {"prometheus_url": url, **{
+        f"prometheus_{k}": v for k, v in access(d, password_file=str(password)).items()}})
+    try:
+        s = swept(c)
+        assert value(s, "gpunet_fabric_step_success", step="pairs") == 1
+        assert value(s, "gpunet_fabric_localization_pairs", result="healthy") == 0
+        # The password file is read at every query: a changed password counts at the next.
+        password.write_text("not it\n")
+        s = swept(c)
+        assert value(s, "gpunet_fabric_step_success", step="pairs") == 0
+        assert value(s, "gpunet_fabric_step_success", step="routes") == 1
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("change, said", [
+    ({}, None),
+    ({"password_file": "wrong"}, "HTTP 401 Unauthorized"),
+    ({"username": "other"}, "HTTP 401 Unauthorized"),
+    ({"cert_file": "", "key_file": ""}, "Prometheus refused our client certificate, or its "
+                                        "absence (SSLV3_ALERT_BAD_CERTIFICATE)"),
+    ({"cert_file": "rogue.crt", "key_file": "rogue.key"}, "refused our client certificate"),
+    ({"ca_file": "rogue-ca.crt"}, "Prometheus's certificate did not verify (unable to get "
+                                  "local issuer certificate): see prometheus_ca_file"),
+])
+def test_a_refused_query_says_what_was_refused_in_one_line(
+        secured: tuple[str, Path], change: dict[str, str], said: str | None) -> None:
+    url, d = secured
+    (d / "wrong").write_text("not the password\n")
+    kw = access(d, **{k: v and str(d / v) if k.endswith("_file") else v
+                      for k, v in change.items()})
+    client = promapi.Client(url, **kw)
+    if said is None:
+        assert client.query("vector(1)", 5) == [({}, 1.0)]
+        return
+    with pytest.raises(promapi.QueryError) as err:
+        client.query("vector(1)", 5)
+    assert said in str(err.value) and "\n" not in str(err.value), err.value
+    assert str(err.value).startswith(f"querying {url}: ")
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """Answers /api/v1/query as Prometheus does, or a redirect for /moved/, and keeps each
+    request's Authorization header (no Debian package here checks bearer tokens: Prometheus's
+    web.config.yml has basic authentication only)."""
+
+    seen: ClassVar[list[str | None]] = []
+
+    def do_GET(self) -> None:
+        self.seen.append(self.headers.get("Authorization"))
+        if self.path.startswith("/moved/"):
+            self.send_response(302)
+            self.send_header("Location", "http://127.0.0.1:1/api/v1/query")
+            body = b""
+        else:
+            self.send_response(200)
+            body = b'{"status":"success","data":{"resultType":"vector","result":[]}}'
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_bearer_token_is_read_at_every_query_and_no_redirect_carries_it(
+        tmp_path: Path) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Recorder.seen = []
+    try:
+        token = tmp_path / "token"
+        token.write_text("first-token\n")
+        url = f"http://127.0.0.1:{server.server_port}"
+        client = promapi.Client(url, bearer_token_file=str(token))
+        assert client.query("up", 5) == []
+        token.write_text("rotated-token")  # a service account token renewed by the kubelet
+        assert client.query("up", 5) == []
+        assert _Recorder.seen == ["Bearer first-token", "Bearer rotated-token"]
+        with pytest.raises(promapi.QueryError, match=r"HTTP 302 Found$"):
+            promapi.Client(url + "/moved/", bearer_token_file=str(token)).query("up", 5)
+        assert len(_Recorder.seen) == 3  # the redirect was not followed
+        token.unlink()
+        with pytest.raises(promapi.QueryError, match=r"reading .*token: No such file"):
+            client.query("up", 5)
+        assert len(_Recorder.seen) == 3  # nothing sent without the token
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # ---- end to end: pairs.json -> node exporters -> Prometheus -> fabric collector -> alert ------

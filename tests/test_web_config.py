@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import bcrypt
 import pytest
 import requests
 
@@ -21,61 +20,22 @@ from gpunet_exporter.web.webconfig import BasicAuth, WebConfig, wrap
 
 from support.exporter import exporter_binary, free_port
 from support.paths import UPSTREAM
+from support.pki import HASH, PASSWORD, client_context, tls_section
+from support.pki import make as make_pki
 
 SYSFS = f"--path.sysfs={UPSTREAM / 'node_exporter-sysfs-infiniband' / 'tree' / 'sys'}"
-PASSWORD = "s3cret pass"
-HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()
-
-
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _ca(d: Path, name: str) -> None:
-    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-            "-nodes", "-days", "2", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
-            "-out", f"{name}.crt", "-addext", "basicConstraints=critical,CA:TRUE",
-            "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
-
-
-def _leaf(d: Path, name: str, ca: str, ext: str) -> None:
-    (d / f"{name}.ext").write_text(ext + "\n")
-    openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
-    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
-            "-CAcreateserial", "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.crt",
-            cwd=d)
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A CA with a server and a client certificate, and a rogue CA with its own client."""
-    d = tmp_path_factory.mktemp("pki")
-    _ca(d, "ca")
-    _ca(d, "rogue-ca")
-    _leaf(d, "server", "ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
-                             "extendedKeyUsage=serverAuth")
-    _leaf(d, "client", "ca", "extendedKeyUsage=clientAuth")
-    _leaf(d, "rogue", "rogue-ca", "extendedKeyUsage=clientAuth")
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def web_config(tmp_path: Path, text: str) -> str:
     p = tmp_path / "web.yml"
     p.write_text(text)
     return str(p)
-
-
-def tls_section(pki: Path, extra: str = "") -> str:
-    return (f"tls_server_config:\n  cert_file: {pki / 'server.crt'}\n"
-            f"  key_file: {pki / 'server.key'}\n{extra}")
-
-
-def client_context(pki: Path, cert: str | None = None) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
-    if cert:
-        ctx.load_cert_chain(str(pki / f"{cert}.crt"), str(pki / f"{cert}.key"))
-    return ctx
 
 
 def test_tls_and_basic_auth(tmp_path: Path, pki: Path, run_exporter: Any) -> None:

@@ -199,6 +199,22 @@ class FabricSettings(Settings):
     prometheus_url: str = setting(
         "Prometheus whose fleet pair verdicts the sweep's paths are joined with, to name the "
         "cable slow pairs share (http://host:9090); empty: no path localization", default="")
+    prometheus_ca_file: str = setting(
+        "PEM file of the CAs that sign Prometheus's certificate (https://); empty: the system's",
+        default="")
+    prometheus_cert_file: str = setting(
+        "PEM client certificate presented to Prometheus (https://, with prometheus_key_file "
+        "unless the key is in it); empty: none", default="")
+    prometheus_key_file: str = setting(
+        "PEM private key of prometheus_cert_file; empty: in the certificate's file", default="")
+    prometheus_username: str = setting(
+        "user of HTTP basic authentication to Prometheus, with prometheus_password_file; "
+        "empty: none", default="")
+    prometheus_password_file: str = setting(
+        "file holding that user's password, read at every query", default="")
+    prometheus_bearer_token_file: str = setting(
+        "file holding a bearer token sent to Prometheus, read at every query (a rotated "
+        "service account token is picked up); empty: none", default="")
     host_pattern: str = setting(
         "regular expression whose first group is a host's node name in its HCA's node "
         "description (the rest names the rail)", default=r"^(\S+)")
@@ -245,9 +261,17 @@ class FabricCollector(Collector):
             if not sep or not key:
                 raise ValueError(f"fabric.environment: {item!r} is not NAME=value")
             env[key] = value
-        url = cfg.prometheus_url
-        if url and not url.startswith(("http://", "https://")):
-            raise ValueError(f"fabric.prometheus_url: {url!r} is not an http:// or https:// URL")
+        self._prometheus: promapi.Client | None = None
+        if cfg.prometheus_url:
+            try:
+                self._prometheus = promapi.Client(
+                    cfg.prometheus_url, ca_file=cfg.prometheus_ca_file,
+                    cert_file=cfg.prometheus_cert_file, key_file=cfg.prometheus_key_file,
+                    username=cfg.prometheus_username,
+                    password_file=cfg.prometheus_password_file,
+                    bearer_token_file=cfg.prometheus_bearer_token_file)
+            except promapi.BadAccess as exc:
+                raise ValueError(f"fabric.prometheus_{exc.field}: {exc}") from None
         try:
             pattern = re.compile(cfg.host_pattern)
         except re.error as exc:
@@ -294,8 +318,8 @@ class FabricCollector(Collector):
             self.ctx.log_once(logging.WARNING, "fabric sweep: %s failed: %s", step, why)
         roles = self._roles(fabric)
         families = self._build(fabric, roles)
-        if self.settings.prometheus_url:
-            families += self._localize(fabric, roles)
+        if self._prometheus is not None:
+            families += self._localize(fabric, roles, self._prometheus)
         with self._lock:
             self._families = families
             self._steps = {s: (s not in fabric.failed, fabric.step_seconds.get(s, 0.0))
@@ -435,13 +459,13 @@ class FabricCollector(Collector):
                     if mean > 0 and mean >= floor:
                         fams.add(IMBALANCE, [sw, direction], max(rates) / mean - 1)
 
-    def _localize(self, fabric: ibdiag.Fabric, roles: Mapping[str, str]) -> list[Metric]:
+    def _localize(self, fabric: ibdiag.Fabric, roles: Mapping[str, str],
+                  prometheus: promapi.Client) -> list[Metric]:
         """The pairs step: the fleet's pair verdicts from Prometheus, joined with this sweep's
         paths (gpunet_exporter.localize). A failed query costs only these families."""
         t0 = time.monotonic()
         try:
-            rows = promapi.query(self.settings.prometheus_url, PAIRS_QUERY,
-                                 float(self.settings.timeout_seconds))
+            rows = prometheus.query(PAIRS_QUERY, float(self.settings.timeout_seconds))
         except promapi.QueryError as exc:
             fabric.failed[PAIRS_STEP] = str(exc)
             self.ctx.log_once(logging.WARNING, "fabric sweep: %s failed: %s", PAIRS_STEP, exc)
