@@ -203,6 +203,22 @@ def flushed(bundle: Bundle) -> None:
         a for _, a in bundle.webhook.alerts() if a["labels"].get("instance") == instance])
 
 
+def post_sources_first(bundle: Bundle, sources: list[dict[str, str]],
+                       targets: list[dict[str, str]], now: str) -> None:
+    """Post the inhibiting alerts, wait for a flush, then post the ones they inhibit.
+    Alertmanager's inhibitor learns of alerts through its own subscription to the alert store,
+    apart from the dispatcher's, so a target posted together with its source can be flushed
+    before the inhibitor knows the source (seen once in CI: a down port's PFC alert delivered).
+    On a node the cause is there first: a port is down before its symptoms' rules fire."""
+    for batch in (sources, targets):
+        r = requests.post(f"{bundle.alertmanager}/api/v2/alerts", timeout=10, json=[
+            {"labels": labels, "annotations": {"summary": "test"}, "startsAt": now}
+            for labels in batch])
+        assert r.status_code == 200, r.text
+        if batch is sources:
+            flushed(bundle)
+
+
 # What the faulty node must page or ticket for: alert -> (receiver, labels it must carry).
 EXPECTED = {
     "GpunetPortDown": ("/pager", {"device": DOWN_PORT, "port": "1"}),
@@ -361,10 +377,8 @@ def test_port_down_inhibits_its_symptoms(bundle: Bundle) -> None:
         {"alertname": "GpunetPortRateBelowExpected", "device": "mlx5_0", "port": "1",
          "class": "link"},
     ]
-    r = requests.post(f"{bundle.alertmanager}/api/v2/alerts", timeout=10, json=[
-        {"labels": {**base, **a}, "annotations": {"summary": "test"}, "startsAt": now}
-        for a in alerts])
-    assert r.status_code == 200, r.text
+    post_sources_first(bundle, [{**base, **a} for a in alerts[:1]],
+                       [{**base, **a} for a in alerts[1:]], now)
 
     def delivered() -> set[tuple[str, str]]:
         got = {(a["labels"]["alertname"], a["labels"].get("device", "")) for _, a in
@@ -405,10 +419,11 @@ def test_fleet_causes_inhibit_their_pair_alerts(bundle: Bundle) -> None:
         "outlier a2": {"alertname": "GpunetFleetBandwidthOutlier", "class": "collective",
                        "instance": "a2"},
     }
-    r = requests.post(f"{bundle.alertmanager}/api/v2/alerts", timeout=10, json=[
-        {"labels": {"job": job, "severity": "warning", **a}, "annotations": {"summary": "test"},
-         "startsAt": now} for a in alerts.values()])
-    assert r.status_code == 200, r.text
+    sources = ("leaf", "suspect a3")
+    post_sources_first(
+        bundle, [{"job": job, "severity": "warning", **alerts[k]} for k in sources],
+        [{"job": job, "severity": "warning", **a} for k, a in alerts.items() if k not in sources],
+        now)
     key = {tuple(sorted(a.items())): k for k, a in alerts.items()}
 
     def name(labels: dict[str, str]) -> str:

@@ -140,6 +140,9 @@ class Client:
             reason = exc if isinstance(exc, ssl.SSLError) else getattr(exc, "reason", exc)
             if isinstance(reason, ssl.SSLError):
                 reason = _tls_why(reason)
+            elif isinstance(reason, ConnectionResetError) and self._context is not None:
+                reason = (f"the connection was reset ({reason.strerror or reason}); if "
+                          "Prometheus asks for a client certificate, see prometheus_cert_file")
             raise QueryError(f"querying {self.url}: {reason}") from None
         if len(body) > limit:
             raise QueryError(f"querying {self.url}: the answer is over {limit >> 20} MiB")
@@ -172,6 +175,9 @@ def _tls_why(exc: ssl.SSLError) -> str:
     if "BAD_CERTIFICATE" in reason or "CERTIFICATE_REQUIRED" in reason:
         return (f"Prometheus refused our client certificate, or its absence ({reason}): see "
                 "prometheus_cert_file")
+    if isinstance(exc, ssl.SSLEOFError):  # its alert lost to the close that follows it
+        return (f"Prometheus closed the connection in TLS ({reason}); if it asks for a client "
+                "certificate, see prometheus_cert_file")
     return reason
 
 
