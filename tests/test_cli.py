@@ -8,6 +8,7 @@ import resource
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from gpunet_exporter import __version__
 
 from support.exporter import exporter_binary, free_port
 from support.paths import REPO, UPSTREAM
+from support.wait import wait_for
 from support.yaml_bombs import alias_bomb, merge_bomb
 
 SYSFS = str(UPSTREAM / "node_exporter-sysfs-infiniband" / "tree" / "sys")
@@ -271,6 +273,42 @@ def test_sigterm_exits_cleanly(run_exporter) -> None:  # type: ignore[no-untyped
     assert e.proc.returncode == 0
     assert '"msg": "received SIGTERM, shutting down"' in err
     assert free_port()  # nothing to assert about the port beyond a clean exit
+
+
+# The service with its collectors' start held for a second, after it has said so in a file:
+# what a slow start (a probe runner, a fabric tool looked up) gives a signal to land in.
+SLOW_START = """
+import sys, time
+from gpunet_exporter.daemon import serve
+started = serve.start_collectors
+def slow(*args, **kw):
+    open(sys.argv[1], "w").close()
+    time.sleep(1)
+    return started(*args, **kw)
+serve.start_collectors = slow
+serve.main(sys.argv[2:])
+"""
+
+
+def test_sigterm_while_starting_stops_cleanly(tmp_path: Path) -> None:
+    """A SIGTERM that lands while the collectors start ends the service as one once started
+    does: exit 0, the line saying so, nothing served. Seen in CI before the handlers moved
+    ahead of the start: a SIGTERM right after the "listening" line ended the process by the
+    signal, before its root warning."""
+    marker = tmp_path / "starting"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_START, str(marker), f"--path.sysfs={SYSFS}",
+         f"--web.listen-address=127.0.0.1:{free_port()}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(marker.exists, "the collectors starting", timeout=30, interval=0.02)
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "received SIGTERM, shutting down" in err
+    assert "listening" not in err
 
 
 def test_root_warning_once_started(run_exporter: Any) -> None:

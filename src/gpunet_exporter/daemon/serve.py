@@ -50,6 +50,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(str(exc))
     setup(args.log_level, args.log_format)
 
+    # From here on SIGTERM and SIGINT stop the service cleanly, even while it starts: the
+    # collectors may start background work (the probe's runner) that must not outlive it, and
+    # a signal right after the "listening" line must not end the process before its warning.
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
     web = WebConfig()
     if args.web_config_file:
         try:
@@ -67,6 +79,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         for own in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR, limit):
             registry.register(own)
     app = wrap(make_app(scraper, registry, args.telemetry_path, limit), web)
+    if stop.is_set():  # asked to stop while starting: nothing was served
+        scraper.close()
+        kill_running()
+        return
     try:
         httpd = serve(app, host, port, web.ssl_context, args.max_connections, args.max_requests)
     except OSError as exc:
@@ -82,14 +98,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         log.warning("%s", warning)
     if args.hotplug:
         hotplug.start()
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("received %s, shutting down", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     stop.wait()
     httpd.shutdown()
     hotplug.stop()
