@@ -23,13 +23,8 @@ import yaml
 from gpunet_exporter.errors import ConfigError
 from gpunet_exporter.files import read_regular
 from gpunet_exporter.flags import Parser
-from gpunet_exporter.mixin.alerts import (
-    ALERT_NAMES,
-    ALERTS,
-    fleet_recording,
-    leaf_recording,
-    recording,
-)
+from gpunet_exporter.mixin.alerts import ALERT_NAMES, ALERTS, recording
+from gpunet_exporter.mixin.alerts.collective import fleet_recording, leaf_recording
 from gpunet_exporter.mixin.alerts.common import ALERTS_FIRING, CLASSES
 from gpunet_exporter.mixin.promql import add_matchers, exporter_series
 from gpunet_exporter.mixin.thresholds import Thresholds, load

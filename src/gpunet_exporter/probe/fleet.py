@@ -853,8 +853,7 @@ def _last_per_peer(mine: Sequence[pairs.Pair]) -> list[pairs.Pair]:
 
 
 class _Pass:
-    """Rank 0's side of an adaptive pass: the planner's state, the measurements so far, and
-    every node's turns."""
+    """Rank 0's side of an adaptive pass: the planner's state and the measurements so far."""
 
     def __init__(self, members: Sequence[Member], args: argparse.Namespace, seed: int) -> None:
         self.seen = by_name(members)
@@ -866,7 +865,6 @@ class _Pass:
         except plan.PlanError as exc:
             raise FleetError(str(exc)) from exc
         self.measured: list[dict[plan.Pair, tuple[str, float | None]]] = []
-        self.turns: dict[str, list[Turn]] = {n: [] for n in nodes}
         self.round: plan.Round = []
         self.lines: list[dict[str, Any]] = []  # one per pair and round, as _summary's
 
@@ -875,7 +873,6 @@ class _Pass:
         rnd = adaptive.next_round(self.state)
         self.round = rnd or []
         for node, t in round_turns(r, self.round, self.seen, self.args.port).items():
-            self.turns[node].append(t)
             _put(store, f"adaptive/{r}/turn/{node}", _turn_json(t))
         _put(store, f"adaptive/{r}", {"done": rnd is None, "pairs": len(self.round)})
 

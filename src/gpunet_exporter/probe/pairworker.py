@@ -117,7 +117,6 @@ class Worker:
         self._replies: int | None = rep_r
         self._buffer = b""
         self._code: int | None = None
-        self.pairs = 0  # pairs given to it
 
     @property
     def alive(self) -> bool:
@@ -135,7 +134,6 @@ class Worker:
             raise OSError("the pair worker was stopped")
         self._code = None
         os.write(self._jobs, job.line())
-        self.pairs += 1
 
     def _read(self, timeout: float) -> bool:
         """Read what it replied within ``timeout``; False at the end of its pipe."""
@@ -234,7 +232,6 @@ class Workers:
         self.look = look
         self.by_local: dict[int, Worker] = {}
         self.started = 0  # workers started in this pass
-        self.killed_idle: tuple[str, str] | None = None  # why the idle watch last killed them
         self._lock = threading.Lock()  # held while a pair runs, and while the watch looks
         self._closed = threading.Event()
         self._watch: threading.Thread | None = None
@@ -274,7 +271,6 @@ class Workers:
                 running = self.running()
                 stop = self.look(running) if running else None
                 if stop is not None and not self._closed.is_set():
-                    self.killed_idle = stop
                     self.kill()
                     print(f"gpunet-probe fleet: pair workers killed between pairs: {stop[1]}",
                           file=sys.stderr, flush=True)

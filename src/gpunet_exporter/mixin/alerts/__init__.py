@@ -74,12 +74,3 @@ def recording(t: Thresholds) -> list[Rule]:
     """Every class's recording rules of the node rules' group, class by class."""
     return [r for m in MODULES if hasattr(m, "recording") for r in m.recording(t)]
 
-
-def fleet_recording(t: Thresholds) -> list[Rule]:
-    """The pair plan's per-node and fleet statistics (collective.fleet_recording)."""
-    return collective.fleet_recording(t)
-
-
-def leaf_recording(t: Thresholds) -> list[Rule]:
-    """The pair plan's per-leaf medians (collective.leaf_recording)."""
-    return collective.leaf_recording(t)
